@@ -1,0 +1,121 @@
+"""The public op: validation, impl choice and dispatch into the custom_vjp (csa_jax/vjp.py)."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from csa_jax.common import IMPLS, sanitize_indices
+from csa_jax.vjp import attention, impl_module
+
+_FLOAT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+
+# "auto": the first impl that exists and accepts the problem, per platform. Explicitly requested
+# impls never fall back.
+AUTO_ORDER = {
+    "tpu": ("pallas_tpu", "xla"),
+    "gpu": ("xla",),
+    "cpu": ("xla",),
+}
+
+
+def _shape(x, name):
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise TypeError(f"{name} must be an array, got {type(x).__name__}")
+    return tuple(x.shape)
+
+
+def _check_inputs(q, kv, idx, sink):
+    qs, kvs, ids = _shape(q, "q"), _shape(kv, "kv"), _shape(idx, "idx")
+    if len(qs) != 4:
+        raise ValueError(f"q must be [B, T, H, D], got shape {qs} (rank {len(qs)})")
+    if len(kvs) != 3:
+        raise ValueError(f"kv must be [B, N, D], got shape {kvs} (rank {len(kvs)})")
+    if len(ids) != 3:
+        raise ValueError(f"idx must be [B, T, K], got shape {ids} (rank {len(ids)})")
+    B, T, H, D = qs
+    if kvs[0] != B or ids[0] != B:
+        raise ValueError(f"batch sizes differ: q has B={B}, kv has B={kvs[0]}, idx has B={ids[0]}")
+    if ids[1] != T:
+        raise ValueError(f"idx has T={ids[1]} tokens but q has T={T}")
+    if kvs[2] != D:
+        raise ValueError(f"head dims differ: q has D={D}, kv has D={kvs[2]}")
+    if min(B, T, H, D) == 0 or kvs[1] == 0 or ids[2] == 0:
+        raise ValueError(f"empty dimension: q {qs}, kv {kvs}, idx {ids}")
+    if q.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"q.dtype={q.dtype} must be one of bfloat16, float16, float32")
+    if kv.dtype != q.dtype:
+        raise TypeError(f"kv.dtype={kv.dtype} must equal q.dtype={q.dtype}")
+    if not jnp.issubdtype(idx.dtype, jnp.integer):
+        raise TypeError(f"idx must be an integer array, got idx.dtype={idx.dtype}")
+    if sink is not None:
+        ss = _shape(sink, "sink")
+        if ss != (H,):
+            raise ValueError(f"sink must be [H] = [{H}], got shape {ss}")
+        if not jnp.issubdtype(sink.dtype, jnp.floating):
+            raise TypeError(f"sink must be floating point, got sink.dtype={sink.dtype}")
+
+
+def _platform():
+    return jax.default_backend()
+
+
+def resolve_impl(impl, q_shape, kv_shape, idx_shape, dtype):
+    """The impl name to run: `impl` itself, or for "auto" the platform's best available impl."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl={impl!r} is unknown; choose one of {IMPLS}")
+    if impl != "auto":
+        impl_module(impl)               # NotImplementedError if it has not landed
+        return impl
+    for name in AUTO_ORDER.get(_platform(), ("xla",)):
+        try:
+            mod = impl_module(name)
+        except NotImplementedError:
+            continue
+        check = getattr(mod, "unsupported", None)
+        if check is None or check(q_shape, kv_shape, idx_shape, dtype) is None:
+            return name
+    return "xla"
+
+
+def sparse_attention(q, kv, idx, sink=None, *, scale=None, impl="auto", interpret=None,
+                     config=None):
+    """Compressed sparse attention (csa_spec.md section 3): returns (o, lse).
+
+    q    [B, T, H, D] bf16/f16/f32, already normed and rotated.
+    kv   [B, N, D], same dtype: one row serves as key and value (K == V).
+    idx  [B, T, K] integer: the kv rows each query uses, in any order. -1 marks an empty slot and
+         so does every value outside [0, N) (never an out-of-bounds read). A row listed twice
+         counts twice.
+    sink [H] float or None: a per-head logit that joins the softmax denominator, no value.
+    scale: softmax scale, default D ** -0.5.
+    impl: "auto" | "xla" | "pallas_tpu" | "pallas_mosaic_gpu" | "pallas_triton".
+    interpret: None (interpret a Pallas impl when its hardware is absent), True/False, or the
+         dialect's InterpretParams, passed through (e.g. race detection).
+    config: the impl's own Config (e.g. csa_jax.reference.Config(dkv="scatter")); None = default.
+
+    o [B, T, H, D] in q.dtype; lse [B, T, H] f32, natural log, sink included. A row with no valid
+    slot gives o = 0 and lse = sink[h] (or EMPTY_LSE = -1e30 without a sink). Differentiable
+    w.r.t. q, kv and sink through both outputs.
+    """
+    _check_inputs(q, kv, idx, sink)
+    B, T, H, D = q.shape
+    if scale is None:
+        scale = float(D) ** -0.5
+    elif isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.floating)):
+        raise TypeError(f"scale must be a Python float (static), got {type(scale).__name__}")
+    scale = float(scale)
+    if not np.isfinite(scale) or scale == 0:
+        raise ValueError(f"scale={scale} must be finite and non-zero")
+    impl = resolve_impl(impl, q.shape, kv.shape, idx.shape, q.dtype)
+    mod = impl_module(impl)
+    if config is None:
+        config = mod.default_config(q.shape, kv.shape, idx.shape, q.dtype)
+    elif not isinstance(config, mod.Config):
+        raise TypeError(f"config for impl={impl!r} must be {mod.__name__}.Config, "
+                        f"got {type(config).__name__}")
+    idx = sanitize_indices(idx, kv.shape[1])
+    sink_arr = (jnp.full((H,), -jnp.inf, jnp.float32) if sink is None
+                else sink.astype(jnp.float32))
+    o, lse = attention(q, kv, idx, sink_arr, impl, scale, interpret, config)
+    return o, lse
