@@ -8,6 +8,9 @@ import numpy as np
 from csa_jax.common import IMPLS, sanitize_indices
 from csa_jax.vjp import attention, impl_module
 
+# Compiled once per shape and static option, also for eager callers.
+_attention = jax.jit(attention, static_argnums=(4, 5, 6, 7))
+
 _FLOAT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 
 # "auto": the first impl that exists and accepts the problem, per platform. Explicitly requested
@@ -117,5 +120,5 @@ def sparse_attention(q, kv, idx, sink=None, *, scale=None, impl="auto", interpre
     idx = sanitize_indices(idx, kv.shape[1])
     sink_arr = (jnp.full((H,), -jnp.inf, jnp.float32) if sink is None
                 else sink.astype(jnp.float32))
-    o, lse = attention(q, kv, idx, sink_arr, impl, scale, interpret, config)
+    o, lse = _attention(q, kv, idx, sink_arr, impl, scale, interpret, config)
     return o, lse

@@ -263,3 +263,24 @@ def backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, interpret=None, confi
         B, T, H, K, config, body, init,
         [(q, 0), (idx, -1), (o, 0), (do, 0), (lse, 1e30), (dlse, 0)])
     return dq[:, :T], dkv.astype(kv.dtype), dsink
+
+
+def naive(q, kv, idx, sink, *, scale):
+    """Unchunked, f32, autodiff-only CSA: an independent check of the hand-written backward.
+
+    Materialises [B, T, K, D]: only for small problems (tests, the CLI's correctness check).
+    sink: f32 [H], -inf for none. idx: any ints (out-of-range = empty).
+    """
+    N = kv.shape[1]
+    valid = (idx >= 0) & (idx < N)
+    rows, _ = _gather_rows(kv.astype(jnp.float32), jnp.where(valid, idx, -1))
+    hi = jax.lax.Precision.HIGHEST
+    s = jnp.einsum("bthd,btkd->bthk", q.astype(jnp.float32), rows, precision=hi) * scale
+    s = jnp.where(valid[:, :, None, :], s, -jnp.inf)
+    m = jnp.maximum(jnp.max(s, axis=-1), sink)
+    m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
+    tot = jnp.sum(jnp.exp(s - m[..., None]), axis=-1) + jnp.exp(sink - m)
+    lse = jnp.where(tot > 0, m + jnp.log(jnp.where(tot > 0, tot, 1.0)), -1e30)
+    p = jnp.exp(s - lse[..., None])
+    o = jnp.einsum("bthk,btkd->bthd", p, rows, precision=hi)
+    return o, lse

@@ -29,31 +29,32 @@ IMPL_MODULES = {
 }
 
 
-def impl_module(impl: str):
-    """The module of an impl name; NotImplementedError if that impl has not landed."""
+def _load(impl: str):
+    """The impl's module, or None if it has not landed."""
     name = IMPL_MODULES[impl]
     try:
         mod = importlib.import_module(name)
     except ModuleNotFoundError as e:
         if e.name != name:
             raise
-        raise NotImplementedError(
-            f"impl={impl!r} is not implemented yet (module {name} does not exist); "
-            f"available: {available_impls()}") from None
+        return None
     if not all(hasattr(mod, f) for f in ("Config", "default_config", "forward", "backward")):
-        raise NotImplementedError(f"impl={impl!r}: module {name} does not implement the impl interface")
+        return None
+    return mod
+
+
+def impl_module(impl: str):
+    """The module of an impl name; NotImplementedError if that impl has not landed."""
+    mod = _load(impl)
+    if mod is None:
+        raise NotImplementedError(
+            f"impl={impl!r} is not implemented yet (no module {IMPL_MODULES[impl]} with the impl "
+            f"interface); available: {available_impls()}")
     return mod
 
 
 def available_impls() -> list[str]:
-    out = []
-    for impl in IMPL_MODULES:
-        try:
-            impl_module(impl)
-        except NotImplementedError:
-            continue
-        out.append(impl)
-    return out
+    return [impl for impl in IMPL_MODULES if _load(impl) is not None]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))

@@ -1,0 +1,119 @@
+"""Shared test set-up: simulated devices, golden cases, tolerances, random problems, a dense oracle.
+
+XLA_FLAGS must be set before anything imports jax: conftest is imported first by pytest.
+"""
+from __future__ import annotations
+
+import os
+import pathlib
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                           + " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+GOLDEN_DIR = REPO.parent / "shared" / "golden"
+GOLDEN_FILES = {
+    "cr0": "v4_sliding_attention_s0.npz",
+    "cr4": "v4_compressed_sparse_attention_s0.npz",
+    "cr8": "v4_heavily_compressed_attention_s0.npz",
+}
+
+# Relative tolerances (max-abs error / max-abs reference) by input dtype, in one place.
+TOL = {jnp.dtype(jnp.float32): 1e-5, jnp.dtype(jnp.bfloat16): 2e-2, jnp.dtype(jnp.float16): 5e-3}
+
+
+def golden(name):
+    path = GOLDEN_DIR / GOLDEN_FILES[name]
+    if not path.exists():
+        pytest.fail(f"golden case missing: {path} (shared/ must sit beside the repo)")
+    return dict(np.load(path))
+
+
+def rel_err(actual, expected):
+    """max|a - e| / max|e|, after checking that inf/NaN sit at the same places."""
+    a = np.asarray(jnp.asarray(actual, jnp.float32), np.float64)
+    e = np.asarray(jnp.asarray(expected, jnp.float32), np.float64)
+    assert a.shape == e.shape, (a.shape, e.shape)
+    assert not np.isnan(a).any(), "NaN in result"
+    np.testing.assert_array_equal(np.isinf(a), np.isinf(e))
+    fin = np.isfinite(e)
+    denom = max(np.abs(e[fin]).max(initial=0.0), 1e-30)
+    return float(np.abs(a[fin] - e[fin]).max(initial=0.0) / denom)
+
+
+def assert_close(actual, expected, dtype, *, factor=1.0, what=""):
+    tol = TOL[jnp.dtype(dtype)] * factor
+    err = rel_err(actual, expected)
+    assert err <= tol, f"{what}: relative error {err:.3e} > {tol:.1e} ({jnp.dtype(dtype).name})"
+
+
+@pytest.fixture
+def rng():
+    """A fresh seed every run, printed so a failure can be replayed."""
+    seed = int(np.random.SeedSequence().entropy % (2 ** 31))
+    print(f"random seed: {seed}")
+    return np.random.default_rng(seed)
+
+
+def random_problem(rng, *, B=2, T=24, H=4, D=32, N=None, K=12, dtype=jnp.float32,
+                   empty_frac=0.25, dup_frac=0.1, oob_frac=0.05, empty_rows=1, sink=True):
+    """Random q/kv/idx/sink with -1 anywhere, duplicate rows, out-of-range ids, all-empty rows."""
+    N = N or T + T // 4
+    q = rng.standard_normal((B, T, H, D)).astype(np.float32)
+    kv = rng.standard_normal((B, N, D)).astype(np.float32)
+    idx = rng.integers(0, N, size=(B, T, K)).astype(np.int32)
+    dup = rng.random((B, T, K)) < dup_frac                     # copy slot 0's row into some slots
+    idx = np.where(dup, idx[..., :1], idx)
+    idx = np.where(rng.random((B, T, K)) < empty_frac, -1, idx)
+    oob = rng.random((B, T, K)) < oob_frac
+    idx = np.where(oob, rng.choice([N, N + 7, -2, -100], size=(B, T, K)), idx).astype(np.int32)
+    for _ in range(empty_rows):
+        idx[rng.integers(B), rng.integers(T)] = -1
+    s = (rng.standard_normal(H) * 1.5).astype(np.float32) if sink else None
+    cast = lambda x: jnp.asarray(x, dtype)
+    return cast(q), cast(kv), jnp.asarray(idx), (None if s is None else jnp.asarray(s))
+
+
+def dense_oracle(q, kv, idx, sink, scale, do=None, dlse=None):
+    """csa_spec.md section 3 in float64 numpy, straight from the formulas (no chunking, no tricks).
+
+    Returns o, lse and, when do is given, dq, dkv, dsink of sum(o*do) + sum(lse*dlse).
+    """
+    q, kv = (np.asarray(jnp.asarray(x, jnp.float32), np.float64) for x in (q, kv))
+    idx = np.asarray(idx)
+    B, T, H, D = q.shape
+    N = kv.shape[1]
+    valid = (idx >= 0) & (idx < N)
+    safe = np.where(valid, idx, 0)
+    rows = np.take_along_axis(kv[:, None, :, :], safe[..., None], axis=2)       # [B,T,K,D]
+    s = scale * np.einsum("bthd,btkd->bthk", q, rows)
+    s = np.where(valid[:, :, None, :], s, -np.inf)
+    sk = np.full(H, -np.inf) if sink is None else np.asarray(sink, np.float64)
+    m = np.maximum(s.max(-1, initial=-np.inf), sk[None, None])
+    m_safe = np.where(np.isfinite(m), m, 0.0)
+    tot = np.exp(s - m_safe[..., None]).sum(-1) + np.exp(sk[None, None] - m_safe)
+    with np.errstate(divide="ignore"):
+        lse = np.where(tot > 0, m_safe + np.log(tot), -1e30)
+    p = np.where(valid[:, :, None, :], np.exp(s - lse[..., None]), 0.0)
+    o = np.einsum("bthk,btkd->bthd", p, rows)
+    if do is None:
+        return o, lse
+    do = np.asarray(jnp.asarray(do, jnp.float32), np.float64)
+    dlse = np.zeros_like(lse) if dlse is None else np.asarray(dlse, np.float64)
+    delta = (o * do).sum(-1)
+    dp = np.einsum("bthd,btkd->bthk", do, rows)
+    ds = p * (dp - delta[..., None] + dlse[..., None])
+    dq = scale * np.einsum("bthk,btkd->bthd", ds, rows)
+    interm = np.einsum("bthk,bthd->btkd", scale * ds, q) + np.einsum("bthk,bthd->btkd", p, do)
+    dkv = np.zeros_like(kv)
+    for b in range(B):
+        np.add.at(dkv[b], safe[b][valid[b]], interm[b][valid[b]])
+    w = np.where(np.isfinite(sk)[None, None], np.exp(sk[None, None] - lse), 0.0)
+    dsink = (w * (dlse - delta)).sum((0, 1))
+    return o, lse, dq, dkv, dsink
