@@ -73,8 +73,9 @@ def parse_args(argv=None):
     return args
 
 
-def _attn(impl, args, scale):
-    config = reference.Config(dkv=args.dkv) if (impl == "xla" and args.dkv) else None
+def _attn(impl, args, scale, config=None):
+    if config is None and impl == "xla" and args.dkv:
+        config = reference.Config(dkv=args.dkv)
     return lambda q, kv, idx, sink: csa_jax.sparse_attention(
         q, kv, idx, sink, scale=scale, impl=impl, config=config)
 
@@ -113,24 +114,29 @@ def check(cfg, impl, args, mode):
     return ok, errs
 
 
-def run_one(cfg, T, impl, args, mode):
+def run_one(cfg, T, impl, args, mode, *, config=None, problem=None, backward=True):
+    """Time forward and (optionally) the step of one shape; a row dict, with "error" on failure."""
     row = {"shape": f"{cfg.name}-T{T}", "family": cfg.family, "ratio": cfg.ratio, "T": T,
            "B": args.batch, "impl": impl, "indices": mode if cfg.ratio == 4 else "-",
            "dtype": args.dtype, "device": jax.devices()[0].device_kind}
     try:
-        pr = make_problem(cfg, T, B=args.batch, dtype=DTYPES[args.dtype], index_mode=mode)
+        pr = problem or make_problem(cfg, T, B=args.batch, dtype=DTYPES[args.dtype],
+                                     index_mode=mode)
         row["K"] = pr.K
         nominal, valid = pr.flops()
-        attn = _attn(impl, args, cfg.scale)
+        attn = _attn(impl, args, cfg.scale, config)
         fwd = jax.jit(lambda q, kv, sink, idx: attn(q, kv, idx, sink))
-        step = jax.jit(jax.value_and_grad(loss_fn(attn), argnums=(0, 1, 2)))
         fwd_ms, fwd_c = _time(fwd, (pr.q, pr.kv, pr.sink, pr.idx), args.reps)
+        row.update(fwd_ms=fwd_ms, compile_s=fwd_c, fwd_tflops_nominal=nominal / fwd_ms / 1e9,
+                   fwd_tflops_valid=valid / fwd_ms / 1e9, valid_frac=valid / nominal)
+        if not backward:
+            return row
+        step = jax.jit(jax.value_and_grad(loss_fn(attn), argnums=(0, 1, 2)))
         step_ms, step_c = _time(step, (pr.q, pr.kv, pr.sink, pr.idx, pr.do, pr.dlse), args.reps)
         bwd_ms = max(step_ms - fwd_ms, 1e-9)
-        row.update(fwd_ms=fwd_ms, bwd_ms=bwd_ms, step_ms=step_ms, compile_s=fwd_c + step_c,
-                   fwd_tflops_nominal=nominal / fwd_ms / 1e9, fwd_tflops_valid=valid / fwd_ms / 1e9,
+        row.update(bwd_ms=bwd_ms, step_ms=step_ms, compile_s=fwd_c + step_c,
                    bwd_tflops_nominal=2.5 * nominal / bwd_ms / 1e9,
-                   bwd_tflops_valid=2.5 * valid / bwd_ms / 1e9, valid_frac=valid / nominal)
+                   bwd_tflops_valid=2.5 * valid / bwd_ms / 1e9)
     except Exception as e:  # one failing shape (e.g. out of memory) must not end the table
         row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
     return row

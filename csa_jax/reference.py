@@ -43,7 +43,7 @@ class Config:
     """
 
     chunk_tokens: int | None = None
-    chunk_elems: int = 2 ** 27
+    chunk_elems: int = 2 ** 28
     dkv: str = "inverse_map"
     reduce_width: int = 8
     low_precision_probs: bool = True
@@ -83,7 +83,8 @@ def _gather_rows(kv, idx_c):
     """kv [B, N, D], idx_c [B, C, K] (-1 = empty) -> rows [B, C, K, D] (row 0 for empty), valid."""
     valid = idx_c >= 0
     safe = jnp.where(valid, idx_c, 0)
-    rows = jax.vmap(lambda kv_b, i_b: jnp.take(kv_b, i_b, axis=0))(kv, safe)
+    # safe ids are in [0, N): promise it, so the gather carries no bounds mask over [C, K, D]
+    rows = jax.vmap(lambda kv_b, i_b: kv_b.at[i_b].get(mode="promise_in_bounds"))(kv, safe)
     return rows, valid
 
 
