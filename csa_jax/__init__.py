@@ -4,6 +4,7 @@ Public API (fixed contract, see README):
     sparse_attention, validate_indices, window_indices, pool_indices, build_indices,
     compress, indexer_scores, indexer_topk, preset, CSAConfig, BENCHMARK_GRID.
 """
+from csa_jax import reference
 from csa_jax.api import sparse_attention
 from csa_jax.common import EMPTY_LSE
 from csa_jax.compressor import compress, indexer_scores, indexer_topk
@@ -14,6 +15,6 @@ from csa_jax.vjp import available_impls
 __all__ = [
     "sparse_attention", "validate_indices", "window_indices", "pool_indices", "build_indices",
     "compress", "indexer_scores", "indexer_topk", "preset", "CSAConfig", "BENCHMARK_GRID",
-    "BenchShape", "forward_flops", "available_impls", "EMPTY_LSE",
+    "BenchShape", "forward_flops", "available_impls", "EMPTY_LSE", "reference",
 ]
 __version__ = "0.1.0"
