@@ -1,0 +1,342 @@
+"""Paper-style CSA benchmark: forward, backward and step (fwd + bwd) times of each impl.
+
+    PYTHONPATH=. python3 benchmarks/bench_csa.py --impls xla,pallas_triton \
+        [--families flash,pro] [--ratios 0,4,128] [--seqs 4096,8192,16384] \
+        [--cr4-indices causal,random] [--out bench.json] [--variants 'name:key=v,key=v;...']
+
+Inputs are random bf16 at the V4 shapes (H = 64 Flash / 128 Pro, D = 512, window 128, top-k
+512 / 1024, B = 1); kv = [T token rows ; P pool rows]. Index lists:
+  cr0    window_indices(T)                       (-1 for t < 127)
+  cr128  build_indices(T, 128): window + every visible pool row (-1 for invisible ones)
+  cr4    causal: window + top-k of random scores over the causally visible pool rows (the
+                 indexer's output structure, -1 at the tail for early tokens);
+         random: window + k uniform random ids in [0, N) for every pool slot, all valid
+                 (the convention of the published AMD numbers).
+FLOPs follow csa_spec.md: forward = 4*T*H*K*D with K nominal (128 / 128+k / 128+T/128);
+"valid" counts only the non-empty slots; backward = 2.5x forward, step = 3.5x forward.
+Every impl is checked against impl="xla" on the same inputs when xla runs in the same call
+(max-abs error / max-abs of the reference, per output), else at a reduced size (T=1024).
+Each (config, impl) is guarded: an OOM or compile failure prints a row with the error.
+The table is printed last; --out writes every number as JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import functools
+import json
+import statistics
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from csa_jax.config import preset
+from csa_jax.indices import build_indices, window_indices
+from csa_jax.vjp import impl_module
+
+D = 512
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    csv = lambda f: (lambda s: [f(x) for x in s.split(",") if x])
+    ap.add_argument("--impls", type=csv(str), default=["xla", "pallas_triton"])
+    ap.add_argument("--families", type=csv(str), default=["flash", "pro"])
+    ap.add_argument("--ratios", type=csv(int), default=[0, 4, 128])
+    ap.add_argument("--seqs", type=csv(int), default=[4096, 8192, 16384])
+    ap.add_argument("--cr4-indices", type=csv(str), default=["causal", "random"])
+    ap.add_argument("--modes", type=csv(str), default=["fwd", "bwd", "step"])
+    ap.add_argument("--reps", type=int, default=10, help="timed repetitions (median)")
+    ap.add_argument("--time-cap", type=float, default=10.0,
+                    help="seconds of timed runs per (config, impl, mode); fewer reps past it")
+    ap.add_argument("--check", choices=["auto", "reduced", "none"], default="auto",
+                    help="auto: vs xla on the same inputs if xla runs, else at T=1024")
+    ap.add_argument("--variants", default="",
+                    help="extra configs of non-xla impls: 'name:key=val,key=val;name2:...'")
+    ap.add_argument("--impl-config", default="",
+                    help="'key=val,...' overrides of every non-xla impl's default config")
+    ap.add_argument("--out", default=None, help="write JSON here")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--interpret", action="store_true", help="CPU smoke test of the script")
+    ap.add_argument("--diag", action="store_true",
+                    help="also time pallas_triton's backward kernels and inverse map alone")
+    return ap.parse_args(argv)
+
+
+# ----------------------------------------------------------------------------- inputs
+
+
+def make_problem(family, ratio, T, idx_kind, seed):
+    cfg = preset(family, ratio)
+    H, P = cfg.num_heads, cfg.pool_rows(T)
+    N = T + P
+    kq, kk, ks, ki = jax.random.split(jax.random.PRNGKey(seed), 4)
+    q = jax.random.normal(kq, (1, T, H, D), jnp.bfloat16)
+    kv = jax.random.normal(kk, (1, N, D), jnp.bfloat16)
+    sink = jax.random.normal(ks, (H,), jnp.float32)
+    if ratio == 0:
+        idx = window_indices(T, cfg.window)[None]
+    elif ratio == 4:
+        k = min(cfg.topk, P)
+        if idx_kind == "random":
+            pool = jax.random.randint(ki, (1, T, k), 0, N, jnp.int32)
+            idx = jnp.concatenate([window_indices(T, cfg.window)[None], pool], axis=-1)
+        else:
+            t = jnp.arange(T)[:, None]
+            score = jax.random.uniform(ki, (T, P))
+            score = jnp.where(jnp.arange(P)[None, :] < (t + 1) // ratio, score, -jnp.inf)
+            vals, ids = jax.lax.top_k(score, k)
+            topk = jnp.where(vals > -jnp.inf, ids, -1).astype(jnp.int32)
+            idx = build_indices(T, 4, window=cfg.window, pool_topk=topk[None])
+    else:
+        idx = build_indices(T, ratio, window=cfg.window)[None]
+    idx = jnp.asarray(idx, jnp.int32)
+    do = jax.random.normal(jax.random.fold_in(kq, 1), q.shape, jnp.bfloat16)
+    return cfg, q, kv, idx, sink, do
+
+
+# ----------------------------------------------------------------------------- timing
+
+
+def _sync(x):
+    jax.block_until_ready(x)
+    return x
+
+
+def time_fn(fn, args, reps, cap):
+    """Compile + one warm run, then up to `reps` timed runs (stopping after `cap` seconds)."""
+    t0 = time.perf_counter()
+    out = _sync(fn(*args))
+    first = time.perf_counter() - t0
+    _sync(fn(*args))                                  # warm: autotuning / caches settled
+    times = []
+    start = time.perf_counter()
+    for _ in range(reps):
+        t = time.perf_counter()
+        _sync(fn(*args))
+        times.append(time.perf_counter() - t)
+        if time.perf_counter() - start > cap:
+            break
+    return statistics.median(times) * 1e3, len(times), first, out
+
+
+def build_fns(mod, cfg_obj, scale, interpret):
+    kw = dict(scale=scale, interpret=interpret, config=cfg_obj)
+    fwd = jax.jit(functools.partial(mod.forward, **kw))
+    bwd = jax.jit(functools.partial(mod.backward, **kw))
+
+    @jax.jit
+    def step(q, kv, idx, sink, do):
+        o, lse = fwd(q, kv, idx, sink)
+        return bwd(q, kv, idx, sink, o, lse, do, jnp.zeros_like(lse))
+
+    return fwd, bwd, step
+
+
+def rel_err(a, e):
+    a = jnp.asarray(a, jnp.float32)
+    e = jnp.asarray(e, jnp.float32)
+    if bool(jnp.any(jnp.isnan(a))):
+        return float("nan")
+    fin = jnp.isfinite(e)
+    den = jnp.maximum(jnp.max(jnp.where(fin, jnp.abs(e), 0.0)), 1e-30)
+    return float(jnp.max(jnp.where(fin, jnp.abs(a - e), 0.0)) / den)
+
+
+OUT_NAMES = ("o", "lse", "dq", "dkv", "dsink")
+
+
+def run_impl(impl, variant, cfg_overrides, problem, args, row):
+    cfg, q, kv, idx, sink, do = problem
+    mod = impl_module(impl)
+    cfg_obj = mod.default_config(q.shape, kv.shape, idx.shape, q.dtype)
+    if cfg_overrides:
+        cfg_obj = dataclasses.replace(cfg_obj, **cfg_overrides)
+    row["config"] = repr(cfg_obj)
+    fwd, bwd, step = build_fns(mod, cfg_obj, cfg.scale, args.interpret)
+    outs = {}
+    o, lse = None, None
+    if "fwd" in args.modes or "bwd" in args.modes:
+        ms, n, first, (o, lse) = time_fn(fwd, (q, kv, idx, sink), args.reps, args.time_cap)
+        row.update(fwd_ms=ms, fwd_reps=n, fwd_first_s=first)
+        outs.update(o=o, lse=lse)
+    if "bwd" in args.modes:
+        zeros = jnp.zeros_like(lse)
+        ms, n, first, g = time_fn(bwd, (q, kv, idx, sink, o, lse, do, zeros), args.reps,
+                                  args.time_cap)
+        row.update(bwd_ms=ms, bwd_reps=n, bwd_first_s=first)
+        outs.update(dq=g[0], dkv=g[1], dsink=g[2])
+    if args.diag and impl == "pallas_triton" and "bwd" in args.modes:
+        # Backward kernels one at a time (private hooks of the module; benchmark only).
+        from csa_jax import pallas_triton as pt
+        d = pt._dims(q, kv, idx, cfg_obj)
+        inv = jax.jit(lambda i: pt._inverse_map(pt._prep_idx(i, d)[0], d.N))
+        row["inverse_map_ms"] = time_fn(inv, (idx,), 3, 1.0)[0]
+        bargs = (q, kv, idx, sink, o, lse, do, jnp.zeros_like(lse))
+        for parts in (("dq",), ("interm",), ("interm", "reduce")):
+            part_fn = jax.jit(functools.partial(pt._backward, scale=cfg.scale,
+                                                interpret=args.interpret,
+                                                config=cfg_obj, parts=parts))
+            row["bwd_" + "+".join(parts) + "_ms"] = time_fn(part_fn, bargs, 3, 1.0)[0]
+    if "step" in args.modes:
+        ms, n, first, _ = time_fn(step, (q, kv, idx, sink, do), args.reps, args.time_cap)
+        row.update(step_ms=ms, step_reps=n, step_first_s=first)
+    return outs
+
+
+_CHECKED = {}
+
+
+def reduced_check(impl, cfg_overrides, family, ratio, idx_kind, args):
+    """rel errors of impl vs xla at T=1024 (same generator); once per layer type and config."""
+    key = (impl, repr(sorted(cfg_overrides.items())), family, ratio, idx_kind)
+    if key not in _CHECKED:
+        _CHECKED[key] = _reduced_check(impl, cfg_overrides, family, ratio, idx_kind, args)
+    return _CHECKED[key]
+
+
+def _reduced_check(impl, cfg_overrides, family, ratio, idx_kind, args):
+    problem = make_problem(family, ratio, 1024, idx_kind, args.seed + 1)
+    sub = argparse.Namespace(**{**vars(args), "modes": ["fwd", "bwd"], "reps": 1, "time_cap": 0})
+    got = run_impl(impl, None, cfg_overrides, problem, sub, {})
+    ref = run_impl("xla", None, {}, problem, sub, {})
+    return {k: rel_err(got[k], ref[k]) for k in OUT_NAMES}
+
+
+def parse_overrides(kvs):
+    over = {}
+    for kv in filter(None, kvs.split(",")):
+        k, _, v = kv.partition("=")
+        over[k.strip()] = (v.lower() == "true") if v.lower() in ("true", "false") else int(v)
+    return over
+
+
+def parse_variants(spec, base=None):
+    out = [("default", dict(base or {}))]
+    for part in filter(None, (p.strip() for p in spec.split(";"))):
+        name, _, kvs = part.partition(":")
+        out.append((name.strip(), {**(base or {}), **parse_overrides(kvs)}))
+    return out
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def flops(cfg, T, idx):
+    H = cfg.num_heads
+    nominal = 4.0 * T * H * cfg.nominal_slots(T) * D
+    valid = 4.0 * H * D * float(jnp.sum(idx >= 0))
+    return nominal, valid
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    variants = parse_variants(args.variants, parse_overrides(args.impl_config))
+    dev = jax.devices()[0]
+    meta = dict(device=dev.device_kind, platform=dev.platform, jax=jax.__version__,
+                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                command="python3 " + " ".join(sys.argv))
+    print(f"# {meta}", flush=True)
+    rows = []
+    for family in args.families:
+        for ratio in args.ratios:
+            for T in args.seqs:
+                for idx_kind in (args.cr4_indices if ratio == 4 else ["-"]):
+                    try:
+                        problem = make_problem(family, ratio, T, idx_kind, args.seed)
+                    except Exception as e:  # noqa: BLE001
+                        rows.append(dict(family=family, ratio=ratio, T=T, idx=idx_kind,
+                                         impl="-", error=f"inputs: {e!r}"[:300]))
+                        continue
+                    cfg, idx = problem[0], problem[3]
+                    f_nom, f_val = flops(cfg, T, idx)
+                    ref_outs = None
+                    for impl in args.impls:
+                        for vname, over in (variants if impl != "xla" else [("default", {})]):
+                            row = dict(family=family, ratio=ratio, T=T, idx=idx_kind, impl=impl,
+                                       variant=vname, fwd_flops_nominal=f_nom,
+                                       fwd_flops_valid=f_val)
+                            outs = None
+                            try:
+                                outs = run_impl(impl, vname, over, problem, args, row)
+                            except Exception as e:  # noqa: BLE001
+                                row["error"] = f"{type(e).__name__}: {e}"[:400]
+                                traceback.print_exc(limit=3)
+                            if impl == "xla" and outs:
+                                ref_outs = outs
+                            elif outs and args.check != "none":
+                                try:
+                                    if ref_outs is not None and args.check == "auto":
+                                        errs = {k: rel_err(outs[k], ref_outs[k])
+                                                for k in OUT_NAMES if k in outs and k in ref_outs}
+                                    else:
+                                        errs = reduced_check(impl, over, family, ratio,
+                                                             idx_kind, args)
+                                        row["check_T"] = 1024
+                                    row["rel_err"] = errs
+                                except Exception as e:  # noqa: BLE001
+                                    row["check_error"] = f"{type(e).__name__}: {e}"[:300]
+                            del outs
+                            rows.append(row)
+                            print(json.dumps(row), flush=True)
+                            if args.out:         # after every row: a killed run keeps its rows
+                                with open(args.out, "w") as f:
+                                    json.dump(dict(meta=meta, rows=rows), f, indent=1)
+                    ref_outs = None
+                    del problem
+    add_derived(rows)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    print_table(rows, meta)
+    return rows
+
+
+def add_derived(rows):
+    base = {(r["family"], r["ratio"], r["T"], r["idx"]): r for r in rows
+            if r.get("impl") == "xla" and "error" not in r}
+    for r in rows:
+        for mode, mult in (("fwd", 1.0), ("bwd", 2.5), ("step", 3.5)):
+            ms = r.get(f"{mode}_ms")
+            if ms:
+                r[f"{mode}_tflops_nominal"] = mult * r["fwd_flops_nominal"] / ms / 1e9
+                r[f"{mode}_tflops_valid"] = mult * r["fwd_flops_valid"] / ms / 1e9
+            b = base.get((r["family"], r["ratio"], r["T"], r["idx"]))
+            if b and ms and b.get(f"{mode}_ms"):
+                r[f"{mode}_speedup"] = b[f"{mode}_ms"] / ms
+
+
+def print_table(rows, meta):
+    print(f"\n## CSA benchmark: {meta['device']}, jax {meta['jax']}, {meta['date']}, B=1, bf16")
+    print("TF/s nominal (valid); speedup = xla ms / impl ms; err = max rel err vs xla over "
+          "o, lse, dq, dkv, dsink")
+    hdr = ("| config | idx | impl | variant | fwd ms | bwd ms | step ms | fwd TF/s | bwd TF/s "
+           "| step TF/s | speedup f/b/s | err |")
+    print(hdr)
+    print("|" + "---|" * 12)
+    f = lambda v, fmt="{:.2f}": "-" if v is None else fmt.format(v)
+    for r in rows:
+        name = f"{r['family']}-cr{r['ratio']}-T{r['T']}"
+        if "error" in r:
+            print(f"| {name} | {r['idx']} | {r['impl']} | {r.get('variant', '-')} | ERROR: "
+                  f"{r['error'][:120]} |")
+            continue
+        tf = lambda m: (f"{f(r.get(f'{m}_tflops_nominal'), '{:.0f}')} "
+                        f"({f(r.get(f'{m}_tflops_valid'), '{:.0f}')})")
+        sp = "/".join(f(r.get(f"{m}_speedup"), "{:.1f}") for m in ("fwd", "bwd", "step"))
+        errs = r.get("rel_err")
+        err = "-" if not errs else f"{max(errs.values()):.1e}"
+        if "check_error" in r:
+            err = "check failed"
+        print(f"| {name} | {r['idx']} | {r['impl']} | {r.get('variant', '-')} | "
+              f"{f(r.get('fwd_ms'))} | {f(r.get('bwd_ms'))} | {f(r.get('step_ms'))} | "
+              f"{tf('fwd')} | {tf('bwd')} | {tf('step')} | {sp} | {err} |")
+
+
+if __name__ == "__main__":
+    main()
