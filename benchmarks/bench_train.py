@@ -1,0 +1,121 @@
+"""Training throughput of the train/ stack: tokens/s and model FLOP utilisation per impl.
+
+    python benchmarks/bench_train.py                       # small preset, T=8192, xla + best kernel
+    python benchmarks/bench_train.py --impls xla,pallas_triton --seq-len 8192 --batch-size 1
+
+Times full optimizer steps (forward, backward, AdamW; bf16 compute, f32 master weights) on
+random bytes, after a warm-up that includes compilation. MFU = model FLOPs per token
+(ModelConfig.flops_per_token: 6 x matmul params + attention at nominal slots, the csa_spec.md
+section 3 convention) x tokens/s / the device's peak bf16 dense FLOP/s (--peak-tflops; default
+989 for H100/H200 SXM). Prints a markdown table and writes JSON (--out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from train.config import get_preset  # noqa: E402
+from train.loop import init_state  # noqa: E402
+from train.model import count_params  # noqa: E402
+from train.parallel import make_runner  # noqa: E402
+
+
+def kernel_candidates() -> list[str]:
+    """This platform's kernel impls that have landed, best first ('best' tries them in order
+    and keeps the first that runs)."""
+    from csa_jax.vjp import available_impls
+
+    order = {"gpu": ("pallas_mosaic_gpu", "pallas_triton"), "tpu": ("pallas_tpu",)}
+    avail = set(available_impls())
+    return [name for name in order.get(jax.default_backend(), ()) if name in avail]
+
+
+def bench(preset, impl, seq_len, batch_size, steps, warmup, dtype):
+    cfg = get_preset(preset, model=dict(impl=impl, compute_dtype=dtype), seq_len=seq_len,
+                     batch_size=batch_size, steps=warmup + steps + 1, warmup_steps=1)
+    graphdef, state, tx, schedule = init_state(cfg)
+    n_params = count_params(state["params"])
+    runner = make_runner(cfg, graphdef, state["params"], tx, schedule)
+    state = runner.put(state)
+    rng = np.random.default_rng(0)
+    batches = [runner.batch((x, np.roll(x, -1, axis=1)))
+               for x in (rng.integers(0, 256, (batch_size, seq_len), dtype=np.int32) for _ in range(2))]
+    t0 = time.perf_counter()
+    for i in range(warmup):
+        state, m = runner.step(state, batches[i % 2])
+    jax.block_until_ready(m)
+    compile_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for i in range(steps):
+        state, m = runner.step(state, batches[i % 2])
+    loss = float(m["loss"])  # waits for the last step
+    dt = (time.perf_counter() - t0) / steps
+    tps = batch_size * seq_len / dt
+    return dict(preset=preset, impl=impl, seq_len=seq_len, batch_size=batch_size, dtype=dtype,
+                params_m=n_params / 1e6, step_ms=dt * 1e3, tokens_per_sec=tps,
+                model_tflops=tps * cfg.model.flops_per_token(seq_len) / 1e12,
+                warmup_s=compile_s, loss=loss, layers=list(cfg.model.layer_ratios))
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="small")
+    p.add_argument("--impls", default="xla,best", help="comma list; 'best' = the platform's kernel")
+    p.add_argument("--seq-len", type=int, default=8192)
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--peak-tflops", type=float, default=989.0,
+                   help="peak bf16 dense TFLOP/s of the device (H100/H200 SXM: 989)")
+    p.add_argument("--out", default="docs/perf/train_small.json")
+    args = p.parse_args()
+
+    rows = []
+    for group in args.impls.split(","):
+        for impl in (kernel_candidates() if group == "best" else [group]):
+            try:
+                r = bench(args.preset, impl, args.seq_len, args.batch_size, args.steps,
+                          args.warmup, args.dtype)
+            except Exception as e:  # report and go on with the next candidate
+                print(f"{impl}: failed: {type(e).__name__}: {str(e)[:300]}", file=sys.stderr)
+                continue
+            r["mfu"] = r["model_tflops"] / args.peak_tflops
+            rows.append(r)
+            print(f"{impl}: {r['tokens_per_sec']:.0f} tok/s, MFU {100 * r['mfu']:.1f}%",
+                  file=sys.stderr)
+            break
+
+    base = next((r for r in rows if r["impl"] == "xla"), None)
+    print("\n| preset | impl | T | B | step ms | tokens/s | model TFLOP/s | MFU | vs xla |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        speed = f"{r['tokens_per_sec'] / base['tokens_per_sec']:.2f}x" if base else "-"
+        print(f"| {r['preset']} | {r['impl']} | {r['seq_len']} | {r['batch_size']} | "
+              f"{r['step_ms']:.1f} | {r['tokens_per_sec']:.0f} | {r['model_tflops']:.1f} | "
+              f"{100 * r['mfu']:.1f}% | {speed} |")
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True).stdout.strip()
+    except OSError:
+        commit = ""
+    out = dict(device=str(jax.devices()[0].device_kind), date=datetime.date.today().isoformat(),
+               commit=commit, jax=jax.__version__, peak_tflops=args.peak_tflops, rows=rows)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=2))
+    print(f"\nwrote {args.out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,297 @@
+"""Flax NNX layers of a DeepSeek-V4 attention block (csa_spec.md sections 5 and 6).
+
+`CSAAttention` is the whole attention layer for the three layer types:
+
+- ratio 0  (cr0, SWA): causal sliding window only;
+- ratio 4  (cr4, CSA): window + the lightning indexer's top-k pool rows;
+- ratio m  (cr128 / HCA, any other m > 0): window + every visible pool row.
+
+Data flow (shapes with B batch, T tokens, C model width, H heads, D head dim, P pool rows,
+N = T + P kv rows, K slots per token):
+
+    q:   x [B,T,C] -> wq_a -> RMSNorm -> wq_b -> [B,T,H,D] -> per-head RMSNorm (no weight) -> RoPE
+    kv:  x -> wkv [B,T,D] -> RMSNorm -> RoPE                                  (token rows, K == V)
+    pool: Compressor(x) [B,P,D] (csa_jax.compress) -> RoPE at position i*m    (pool rows)
+    idx: csa_jax.build_indices(T, m, window=..., pool_topk=indexer top-k)    [B,T,K]
+    o, lse = csa_jax.sparse_attention(q, [kv ; pool], idx, sink)             [B,T,H,D]
+    o -> RoPE(-angle at the query position) -> grouped low-rank projection -> [B,T,C]
+
+RoPE is interleaved (channel pairs (2i, 2i+1)) on the last `rope_dim` channels. The compressor,
+the indexer's scoring and the attention core are the functional pieces of `csa_jax`; this module
+owns only parameters and wiring. Norms and the compressor run in float32; everything else runs
+in the dtype of the parameters and inputs it is given (the trainer casts its f32 master weights
+to the compute dtype before calling the model).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import csa_jax
+
+__all__ = [
+    "AttentionConfig",
+    "CSAAttention",
+    "Compressor",
+    "Indexer",
+    "RMSNorm",
+    "apply_rope",
+    "rms_norm",
+]
+
+_INDEXER_RATIO = 4  # the lightning indexer exists only on cr4 layers (csa_spec.md section 5)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+    """Static description of one attention layer.
+
+    ratio: 0 (sliding window only), 4 (CSA with the indexer's top-k) or any other m > 0 (HCA:
+      every visible pool row). rope_theta is this layer's RoPE base (V4: 10000 for cr0, the
+      "compress" base 160000 for cr4/cr128). indexer_loss_coef > 0 adds the auxiliary indexer
+      KL loss (cr4 only). out_init_scale multiplies the init std of the last projection.
+    """
+
+    d_model: int
+    n_heads: int
+    head_dim: int
+    ratio: int = 0
+    window: int = 128
+    rope_dim: int = 64
+    rope_theta: float = 10000.0
+    q_rank: int = 1024
+    o_groups: int = 8
+    o_rank: int = 1024
+    topk: int = 512
+    index_heads: int = 64
+    index_head_dim: int = 128
+    norm_eps: float = 1e-6
+    impl: str = "auto"
+    indexer_loss_coef: float = 0.0
+    out_init_scale: float = 1.0
+
+    def __post_init__(self):
+        positive = ("d_model", "n_heads", "head_dim", "window", "q_rank", "o_groups", "o_rank",
+                    "topk", "index_heads", "index_head_dim")
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name}={value!r} must be a positive int")
+        if not isinstance(self.ratio, int) or self.ratio < 0 or self.ratio == 1:
+            raise ValueError(f"ratio={self.ratio!r} must be 0 (window only) or an int >= 2")
+        if self.rope_dim <= 0 or self.rope_dim % 2:
+            raise ValueError(f"rope_dim={self.rope_dim} must be a positive even int")
+        if self.rope_dim > self.head_dim:
+            raise ValueError(f"rope_dim={self.rope_dim} must be <= head_dim={self.head_dim}")
+        if self.ratio == _INDEXER_RATIO and self.rope_dim > self.index_head_dim:
+            raise ValueError(f"rope_dim={self.rope_dim} must be <= index_head_dim={self.index_head_dim}")
+        if self.n_heads % self.o_groups:
+            raise ValueError(f"o_groups={self.o_groups} must divide n_heads={self.n_heads}")
+        if self.indexer_loss_coef < 0:
+            raise ValueError(f"indexer_loss_coef={self.indexer_loss_coef} must be >= 0")
+
+    @property
+    def layer_type(self) -> str:
+        return f"cr{self.ratio}"
+
+
+# ----------------------------------------------------------------------------- functional pieces
+
+
+def rms_norm(x, scale=None, *, eps=1e-6):
+    """RMSNorm over the last axis in float32; returns x.dtype. scale=None: unweighted."""
+    xf = x.astype(jnp.float32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    if scale is not None:
+        y = y * scale.astype(jnp.float32)
+    return y.astype(x.dtype)
+
+
+def apply_rope(x, positions, *, base, rope_dim, inverse=False):
+    """Interleaved RoPE on the last `rope_dim` channels of x.
+
+    x [..., D]; positions: integer array broadcastable to x.shape[:-1] (e.g. [T, 1] for
+    x [B, T, H, D]). Channel pair (2i, 2i+1) of the rotated part turns by
+    positions * base**(-2i/rope_dim); inverse=True turns by the negative angle (de-rotation).
+    The angle is computed in float32 and the result has x.dtype.
+    """
+    d = x.shape[-1]
+    if rope_dim > d or rope_dim % 2:
+        raise ValueError(f"rope_dim={rope_dim} must be even and <= the last dim {d}")
+    inv_freq = base ** (-jnp.arange(0, rope_dim, 2, dtype=jnp.float32) / rope_dim)  # [rope_dim/2]
+    angle = jnp.asarray(positions, jnp.float32)[..., None] * inv_freq
+    cos, sin = jnp.cos(angle), jnp.sin(angle)
+    if inverse:
+        sin = -sin
+    keep, rot = x[..., : d - rope_dim], x[..., d - rope_dim:].astype(jnp.float32)
+    pairs = rot.reshape(rot.shape[:-1] + (rope_dim // 2, 2))
+    x0, x1 = pairs[..., 0], pairs[..., 1]
+    out = jnp.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], axis=-1).reshape(rot.shape)
+    return jnp.concatenate([keep, out.astype(x.dtype)], axis=-1)
+
+
+def _param(rngs, shape, fan_in, scale=1.0):
+    """Truncated-normal weight with std scale / sqrt(fan_in)."""
+    init = jax.nn.initializers.truncated_normal(stddev=scale / math.sqrt(fan_in))
+    return nnx.Param(init(rngs.params(), shape, jnp.float32))
+
+
+# ----------------------------------------------------------------------------- modules
+
+
+class RMSNorm(nnx.Module):
+    """RMSNorm with a learned scale (initialised to 1), computed in float32."""
+
+    def __init__(self, dim: int, *, eps: float = 1e-6):
+        self.scale = nnx.Param(jnp.ones((dim,), jnp.float32))
+        self.eps = eps
+
+    def __call__(self, x):
+        return rms_norm(x, self.scale[...], eps=self.eps)
+
+
+class Compressor(nnx.Module):
+    """Builds pool rows from the layer input (csa_spec.md section 5), before RoPE.
+
+    Parameters in the layout of `csa_jax.compress`: w_kv, w_gate [C, coff*d] (coff = 2 for
+    ratio 4), ape [ratio, coff*d], norm_scale [d]. Returns [B, T//ratio, d] float32.
+    """
+
+    def __init__(self, in_dim: int, dim: int, ratio: int, *, eps: float = 1e-6, rngs: nnx.Rngs):
+        if ratio <= 0:
+            raise ValueError(f"Compressor needs ratio > 0, got {ratio=}")
+        coff = 2 if ratio == 4 else 1
+        self.ratio, self.eps = ratio, eps
+        self.w_kv = _param(rngs, (in_dim, coff * dim), in_dim)
+        self.w_gate = _param(rngs, (in_dim, coff * dim), in_dim)
+        self.ape = nnx.Param(jnp.zeros((ratio, coff * dim), jnp.float32))
+        self.norm_scale = nnx.Param(jnp.ones((dim,), jnp.float32))
+
+    def __call__(self, x):
+        f32 = lambda p: p[...].astype(jnp.float32)  # noqa: E731  (compressor math is f32)
+        return csa_jax.compress(x.astype(jnp.float32), f32(self.w_kv), f32(self.w_gate),
+                                f32(self.ape), f32(self.norm_scale), ratio=self.ratio, eps=self.eps)
+
+
+class Indexer(nnx.Module):
+    """The lightning indexer of a cr4 layer: per-head queries from the query latent, one key per
+    pool row from its own ratio-4 compressor, per-head weights from x (every scale folded in)."""
+
+    def __init__(self, cfg: AttentionConfig, *, rngs: nnx.Rngs):
+        hi, di = cfg.index_heads, cfg.index_head_dim
+        self.cfg = cfg
+        self.wq = _param(rngs, (cfg.q_rank, hi * di), cfg.q_rank)
+        self.ww = _param(rngs, (cfg.d_model, hi), cfg.d_model)
+        self.compressor = Compressor(cfg.d_model, di, _INDEXER_RATIO, eps=cfg.norm_eps, rngs=rngs)
+
+    def __call__(self, x, q_lat):
+        """x [B,T,C], q_lat [B,T,q_rank] -> q_idx [B,T,Hi,Di], k_idx [B,P,Di], weights [B,T,Hi]."""
+        cfg = self.cfg
+        B, T, _ = x.shape
+        hi, di = cfg.index_heads, cfg.index_head_dim
+        pos = jnp.arange(T)
+        q_idx = (q_lat @ self.wq[...].astype(q_lat.dtype)).reshape(B, T, hi, di)
+        q_idx = apply_rope(q_idx, pos[:, None], base=cfg.rope_theta, rope_dim=cfg.rope_dim)
+        k_idx = self.compressor(x)  # [B, P, Di] f32
+        k_idx = apply_rope(k_idx, jnp.arange(k_idx.shape[1]) * _INDEXER_RATIO,
+                           base=cfg.rope_theta, rope_dim=cfg.rope_dim)
+        weights = (x @ self.ww[...].astype(x.dtype)).astype(jnp.float32) * (di ** -0.5 * hi ** -0.5)
+        return q_idx.astype(jnp.float32), k_idx.astype(jnp.float32), weights
+
+
+class CSAAttention(nnx.Module):
+    """One DeepSeek-V4 attention layer (cr0 / cr4 / HCA), see the module docstring.
+
+    __call__(x [B,T,C]) -> (y [B,T,C], aux_loss scalar f32). aux_loss is the auxiliary indexer
+    loss already multiplied by cfg.indexer_loss_coef (0 when off or on non-cr4 layers).
+    """
+
+    def __init__(self, cfg: AttentionConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        C, H, D, G = cfg.d_model, cfg.n_heads, cfg.head_dim, cfg.o_groups
+        self.wq_a = _param(rngs, (C, cfg.q_rank), C)
+        self.q_norm = RMSNorm(cfg.q_rank, eps=cfg.norm_eps)
+        self.wq_b = _param(rngs, (cfg.q_rank, H * D), cfg.q_rank)
+        self.wkv = _param(rngs, (C, D), C)
+        self.kv_norm = RMSNorm(D, eps=cfg.norm_eps)
+        self.sink = nnx.Param(jnp.zeros((H,), jnp.float32))
+        self.wo_a = _param(rngs, (G, (H // G) * D, cfg.o_rank), (H // G) * D)
+        self.wo_b = _param(rngs, (G * cfg.o_rank, C), G * cfg.o_rank, cfg.out_init_scale)
+        self.compressor = (Compressor(C, D, cfg.ratio, eps=cfg.norm_eps, rngs=rngs)
+                           if cfg.ratio > 0 else None)
+        self.indexer = Indexer(cfg, rngs=rngs) if cfg.ratio == _INDEXER_RATIO else None
+
+    def __call__(self, x):
+        cfg = self.cfg
+        B, T, _ = x.shape
+        H, D, m = cfg.n_heads, cfg.head_dim, cfg.ratio
+        dt = x.dtype
+        pos = jnp.arange(T)
+        rope = dict(base=cfg.rope_theta, rope_dim=cfg.rope_dim)
+
+        q_lat = self.q_norm(x @ self.wq_a[...].astype(dt))  # [B, T, q_rank]
+        q = (q_lat @ self.wq_b[...].astype(dt)).reshape(B, T, H, D)
+        q = apply_rope(rms_norm(q, eps=cfg.norm_eps), pos[:, None], **rope)  # [B, T, H, D]
+        kv = apply_rope(self.kv_norm(x @ self.wkv[...].astype(dt)), pos, **rope)  # [B, T, D]
+
+        aux = jnp.zeros((), jnp.float32)
+        topk = None
+        if m > 0:
+            pool = self.compressor(x)  # [B, P, D] f32, before RoPE
+            pool = apply_rope(pool, jnp.arange(pool.shape[1]) * m, **rope).astype(dt)
+            kv = jnp.concatenate([kv, pool], axis=1)  # [B, N, D]
+        if m == _INDEXER_RATIO:
+            # The indexer learns only from its own auxiliary loss: its inputs are detached.
+            q_idx, k_idx, w = self.indexer(jax.lax.stop_gradient(x), jax.lax.stop_gradient(q_lat))
+            topk = csa_jax.indexer_topk(q_idx, k_idx, w, ratio=m, topk=cfg.topk)  # [B, T, k]
+        idx = self.index_lists(B, T, topk)  # [B, T, K]
+
+        sink = self.sink[...].astype(jnp.float32)
+        o, lse = csa_jax.sparse_attention(q, kv, idx, sink, impl=cfg.impl)
+        if m == _INDEXER_RATIO and cfg.indexer_loss_coef > 0:
+            aux = cfg.indexer_loss_coef * self._indexer_loss(q, kv, idx, lse, q_idx, k_idx, w, topk)
+
+        o = apply_rope(o, pos[:, None], inverse=True, **rope)  # de-rotate at the query position
+        G = cfg.o_groups
+        og = o.reshape(B, T, G, (H // G) * D)
+        y = jnp.einsum("btgk,gkr->btgr", og, self.wo_a[...].astype(dt))  # [B, T, G, o_rank]
+        y = y.reshape(B, T, G * cfg.o_rank) @ self.wo_b[...].astype(dt)  # [B, T, C]
+        return y, aux
+
+    def index_lists(self, B, T, topk=None):
+        """[B, T, K] int32 kv rows per token: [window | pool] (csa_spec.md section 4). topk: the
+        indexer's pool-local ids [B, T, k] (cr4 layers only)."""
+        cfg = self.cfg
+        if cfg.ratio == _INDEXER_RATIO:
+            idx = csa_jax.build_indices(T, cfg.ratio, window=cfg.window, pool_topk=topk)
+        else:
+            idx = csa_jax.build_indices(T, cfg.ratio, window=cfg.window)
+        return jnp.broadcast_to(idx, (B,) + idx.shape[-2:]).astype(jnp.int32)
+
+    def _indexer_loss(self, q, kv, idx, lse, q_idx, k_idx, w, topk):
+        """KL(attention's head-summed probabilities over the selected pool slots || softmax of the
+        indexer's scores over the same slots), averaged over tokens with at least one selected
+        row. The target is detached; gradients reach only the indexer (its inputs are detached)."""
+        cfg = self.cfg
+        T, k = q.shape[1], topk.shape[-1]
+        valid = topk >= 0  # [B, T, k]
+        # Target: p[t,h,j] = exp(scale * q.kv[idx] - lse), recomputed on the pool slots only.
+        sg = jax.lax.stop_gradient
+        pool_rows = idx[..., -k:]  # the pool part of the list; == topk + T where valid
+        rows = jax.vmap(lambda a, i: a[i])(sg(kv).astype(jnp.float32), jnp.maximum(pool_rows, 0))
+        s = jnp.einsum("bthd,btjd->bthj", sg(q).astype(jnp.float32), rows) * (cfg.head_dim ** -0.5)
+        p = jnp.exp(s - sg(lse)[..., None]).sum(axis=2)  # [B, T, k] summed over heads
+        p = jnp.where(valid, p, 0.0)
+        target = p / jnp.maximum(p.sum(-1, keepdims=True), 1e-30)
+        # Prediction: log-softmax of the indexer's scores over the selected slots.
+        scores = csa_jax.indexer_scores(q_idx, k_idx, w, ratio=cfg.ratio)  # [B, T, P]
+        sel = jnp.take_along_axis(scores, jnp.maximum(topk, 0), axis=-1)
+        logq = jax.nn.log_softmax(jnp.where(valid, sel, -1e30), axis=-1)  # finite: no inf - inf
+        kl = jnp.where(target > 0, target * (jnp.log(jnp.where(target > 0, target, 1.0)) - logq), 0.0)
+        has = valid.any(-1)
+        return kl.sum(-1).sum() / jnp.maximum(has.sum(), 1)

@@ -1,0 +1,140 @@
+"""`python -m train`: train a byte-level LM whose attention layers are CSA / HCA / SWA.
+
+Every user mistake (bad flag value, missing data, unusable sequence length, corrupt or
+mismatched checkpoint) ends with one `error:` line on stderr and exit code 2; a diverged loss
+with exit code 1; an interrupted run (SIGINT / SIGTERM) saves a checkpoint and exits with
+128 + the signal number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from train.config import PRESETS, ConfigError, get_preset, parse_schedule
+
+IMPLS = ("auto", "xla", "pallas_tpu", "pallas_mosaic_gpu", "pallas_triton")
+
+EPILOG = """\
+examples:
+  python -m train                                   # tiny preset on CPU, ./runs/tiny
+  python -m train --preset tiny --steps 50 --workdir /tmp/run1
+  python -m train --data 'notes/**/*.md' --seq-len 512
+  python -m train --preset small --impl pallas_triton --workdir runs/small   # one GPU
+
+Rerunning the same command with the same --workdir resumes from the latest checkpoint and
+reproduces the uninterrupted run exactly. Outputs in the workdir: checkpoints/, metrics.jsonl
+(one JSON line per logged step), tb/ (TensorBoard), loss.png.
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m train", description=__doc__.splitlines()[0].split(": ", 1)[1],
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = p.add_argument_group("run")
+    g.add_argument("--preset", default="tiny", choices=list(PRESETS),
+                   help="model size and defaults: tiny (CPU, minutes), small (~170M, one GPU), "
+                        "v4-flash-layer / v4-pro-layer (real V4 widths, 4 layers, benchmarking). "
+                        "Default: tiny")
+    g.add_argument("--steps", type=int, help="total optimizer steps of the run (also the length "
+                   "of the LR schedule); a resumed run continues up to this step")
+    g.add_argument("--workdir", help="where checkpoints, metrics and plots go; an existing "
+                   "workdir is resumed. Default: runs/<preset>")
+    g.add_argument("--seed", type=int, help="seed of the init, data order and RNG. Default: 0")
+    g = p.add_argument_group("data")
+    g.add_argument("--data", nargs="+", metavar="PATH",
+                   help="text files, directories or globs ('docs/**/*.md') to train on, as raw "
+                        "bytes. Default: this Python's standard library sources")
+    g.add_argument("--batch-size", type=int, help="sequences per step (preset default)")
+    g.add_argument("--seq-len", type=int, help="tokens (bytes) per sequence; must be a multiple "
+                   "of every compress ratio in the layer schedule (preset default)")
+    g.add_argument("--max-corpus-mb", type=float, help="read at most this many MB of text "
+                   "(default 16)")
+    g = p.add_argument_group("model")
+    g.add_argument("--layers", metavar="SCHEDULE",
+                   help="layer schedule: 'flash:N' / 'pro:N' (released pattern, N layers) or a "
+                        "comma list of compress ratios, e.g. '0,0,4,128' (0 = sliding window, "
+                        "4 = CSA, other m = HCA). Default: the preset's")
+    g.add_argument("--impl", choices=IMPLS, default="auto",
+                   help="sparse_attention implementation; auto = the best one for this platform")
+    g.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                   help="compute dtype (weights stay float32); auto = bfloat16 on GPU/TPU, "
+                        "float32 on CPU")
+    g.add_argument("--indexer-loss-coef", type=float,
+                   help="weight of the auxiliary indexer KL loss on CSA layers (default 0)")
+    g = p.add_argument_group("optimization")
+    g.add_argument("--lr", type=float, help="peak learning rate of the warmup + cosine schedule")
+    g.add_argument("--warmup-steps", type=int, help="linear warmup steps")
+    g.add_argument("--fsdp", choices=("off", "xla", "explicit"), default="off",
+                   help="shard params and optimizer state over all devices: xla (sharding "
+                        "annotations, XLA schedules the collectives) or explicit (comm's "
+                        "shard_map FSDP). Default: off")
+    g = p.add_argument_group("logging and checkpoints")
+    g.add_argument("--log-every", type=int, help="steps between metrics lines")
+    g.add_argument("--eval-every", type=int, help="steps between held-out eval losses")
+    g.add_argument("--eval-batches", type=int, help="batches per eval")
+    g.add_argument("--ckpt-every", type=int, help="steps between checkpoints")
+    g.add_argument("--keep", type=int, dest="keep_checkpoints",
+                   help="checkpoints to keep (default 3)")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def config_from_args(args):
+    """TrainConfig from parsed flags (preset defaults for flags not given)."""
+    import jax
+
+    import csa_jax
+
+    if args.impl != "auto" and args.impl not in csa_jax.available_impls():
+        raise ConfigError(f"--impl {args.impl} is not available in this install; available: "
+                          f"auto, {', '.join(csa_jax.available_impls())}")
+    model = {"impl": args.impl}
+    if args.layers:
+        model["layer_ratios"] = parse_schedule(args.layers)
+    if args.indexer_loss_coef is not None:
+        model["indexer_loss_coef"] = args.indexer_loss_coef
+    dtype = args.dtype
+    if dtype == "auto":
+        dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
+    model["compute_dtype"] = dtype
+    over = {k: getattr(args, k) for k in (
+        "steps", "batch_size", "seq_len", "seed", "lr", "warmup_steps", "log_every",
+        "eval_every", "eval_batches", "ckpt_every", "keep_checkpoints", "fsdp")}
+    if args.data:
+        over["data"] = tuple(args.data)
+    if args.max_corpus_mb is not None:
+        if not args.max_corpus_mb > 0:
+            raise ConfigError(f"--max-corpus-mb {args.max_corpus_mb} must be > 0")
+        over["max_corpus_bytes"] = int(args.max_corpus_mb * 2**20)
+    return get_preset(args.preset, model=model, **over)
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    # Imported after parsing so that --help and flag errors are instant.
+    from train.checkpoint import CheckpointError
+    from train.data import DataError
+
+    try:
+        cfg = config_from_args(args)
+        workdir = args.workdir or os.path.join("runs", args.preset)
+        from train.loop import DivergedError, train_and_evaluate
+
+        try:
+            result = train_and_evaluate(cfg, workdir, progress=not args.no_progress,
+                                        log=lambda s: print(s, file=sys.stderr, flush=True))
+        except DivergedError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+    except (ConfigError, DataError, CheckpointError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:  # a second Ctrl-C during a save or before the loop started
+        print("interrupted", file=sys.stderr)
+        return 130
+    if result.status == "interrupted":
+        return 128 + (result.signal or 2)
+    return 0

@@ -1,0 +1,256 @@
+"""Model and training configuration: frozen dataclasses, presets and the layer schedule.
+
+Per-layer fields are validated once, by csa_jax.layers.AttentionConfig; every other check lives
+in the __post_init__ of the dataclass that owns the field. Errors are ConfigError (a ValueError)
+naming the bad value, which the CLI prints without a traceback.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+__all__ = [
+    "ConfigError",
+    "ModelConfig",
+    "PRESETS",
+    "TrainConfig",
+    "get_preset",
+    "parse_schedule",
+    "release_schedule",
+]
+
+
+class ConfigError(ValueError):
+    """A user-facing configuration mistake (the CLI prints it without a traceback)."""
+
+
+def release_schedule(n_layers: int, family: str = "flash", hca_ratio: int = 128) -> tuple[int, ...]:
+    """Compress ratio per layer as in the released models (csa_spec.md section 1).
+
+    flash: two cr0 layers, then cr4 / cr-hca alternating starting with cr4.
+    pro:   two cr-hca layers, then cr4 / cr-hca alternating starting with cr4.
+    hca_ratio is the ratio of the "cr128" layers (128 in V4; smaller for short sequences).
+    """
+    if family not in ("flash", "pro"):
+        raise ConfigError(f"schedule family={family!r} must be 'flash' or 'pro'")
+    if n_layers < 1:
+        raise ConfigError(f"{n_layers=} must be >= 1")
+    lead = 0 if family == "flash" else hca_ratio
+    return tuple(lead if i < 2 else (4 if (i - 2) % 2 == 0 else hca_ratio) for i in range(n_layers))
+
+
+def parse_schedule(text: str, hca_ratio: int = 128) -> tuple[int, ...]:
+    """'flash:6' / 'pro:8' (released schedule with that many layers) or a comma list of ratios
+    ('0,0,4,128'); 'cr4' style names are accepted too."""
+    text = text.strip()
+    if ":" in text:
+        family, _, n = text.partition(":")
+        try:
+            n_layers = int(n)
+        except ValueError:
+            raise ConfigError(f"schedule {text!r}: layer count {n!r} is not an int") from None
+        return release_schedule(n_layers, family.strip().lower(), hca_ratio)
+    ratios = []
+    for part in text.split(","):
+        part = part.strip().lower().removeprefix("cr")
+        try:
+            ratios.append(int(part))
+        except ValueError:
+            raise ConfigError(f"schedule {text!r}: {part!r} is not a compress ratio") from None
+    return tuple(ratios)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Decoder LM over bytes whose attention layers are CSAAttention (csa_jax.layers).
+
+    layer_ratios: compress ratio per layer (0 = SWA, 4 = CSA, other m = HCA with ratio m).
+    cr0 layers use rope_theta, compressed layers compress_rope_theta (V4: 10000 / 160000).
+    """
+
+    d_model: int = 128
+    layer_ratios: tuple[int, ...] = (0, 0, 4, 16)
+    n_heads: int = 4
+    head_dim: int = 64
+    rope_dim: int = 32
+    q_rank: int = 128
+    o_groups: int = 2
+    o_rank: int = 128
+    window: int = 64
+    topk: int = 16
+    index_heads: int = 4
+    index_head_dim: int = 32
+    mlp_hidden: int = 384
+    vocab_size: int = 256
+    rope_theta: float = 10000.0
+    compress_rope_theta: float = 160000.0
+    norm_eps: float = 1e-6
+    indexer_loss_coef: float = 0.0
+    impl: str = "auto"
+    compute_dtype: str = "float32"
+
+    def __post_init__(self):
+        object.__setattr__(self, "layer_ratios", tuple(int(r) for r in self.layer_ratios))
+        if not self.layer_ratios:
+            raise ConfigError("layer_ratios must name at least one layer")
+        bad = [r for r in self.layer_ratios if r < 0]
+        if bad:
+            raise ConfigError(f"layer_ratios={self.layer_ratios} has negative ratios {bad}")
+        if self.compute_dtype not in ("float32", "bfloat16"):
+            raise ConfigError(f"compute_dtype={self.compute_dtype!r} must be 'float32' or 'bfloat16'")
+        if self.mlp_hidden <= 0 or self.vocab_size <= 0:
+            raise ConfigError(f"mlp_hidden={self.mlp_hidden} and vocab_size={self.vocab_size} must be > 0")
+        for ratio in sorted(set(self.layer_ratios)):
+            try:
+                self.attention(ratio)  # validates every per-layer field once
+            except ValueError as e:
+                raise ConfigError(f"layer type cr{ratio}: {e}") from None
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.layer_ratios)
+
+    def attention(self, ratio: int, *, out_init_scale: float = 1.0):
+        """The csa_jax.layers.AttentionConfig of a layer with this compress ratio."""
+        from csa_jax.layers import AttentionConfig
+
+        return AttentionConfig(
+            d_model=self.d_model, n_heads=self.n_heads, head_dim=self.head_dim, ratio=ratio,
+            window=self.window, rope_dim=self.rope_dim,
+            rope_theta=self.rope_theta if ratio == 0 else self.compress_rope_theta,
+            q_rank=self.q_rank, o_groups=self.o_groups, o_rank=self.o_rank, topk=self.topk,
+            index_heads=self.index_heads, index_head_dim=self.index_head_dim,
+            norm_eps=self.norm_eps, impl=self.impl, indexer_loss_coef=self.indexer_loss_coef,
+            out_init_scale=out_init_scale)
+
+    def check_seq_len(self, seq_len: int) -> None:
+        """A sequence length is usable when every compressed layer pools all of its tokens:
+        seq_len must be a positive multiple of every nonzero ratio in the schedule."""
+        ratios = sorted({r for r in self.layer_ratios if r > 0})
+        if not isinstance(seq_len, int) or seq_len <= 0:
+            raise ConfigError(f"seq_len={seq_len!r} must be a positive int")
+        if ratios:
+            lcm = math.lcm(*ratios)
+            if seq_len % lcm:
+                raise ConfigError(
+                    f"seq_len={seq_len} is not usable with the layer schedule {list(self.layer_ratios)}: "
+                    f"it must be a multiple of every compress ratio {ratios} (i.e. of {lcm}); "
+                    f"try --seq-len {max(lcm, seq_len // lcm * lcm)}")
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token (forward + backward = 3x forward) of the matmuls and the
+        attention core at nominal slots (csa_spec.md section 3 convention: attention backward =
+        2.5x forward). Used for model FLOP utilisation."""
+        C, H, D, G = self.d_model, self.n_heads, self.head_dim, self.o_groups
+        dense = 0.0
+        attn = 0.0
+        for r in self.layer_ratios:
+            dense += C * self.q_rank + self.q_rank * H * D + C * D  # wq_a, wq_b, wkv
+            dense += H * D * self.o_rank + G * self.o_rank * C  # wo_a (grouped), wo_b
+            dense += 3 * C * self.mlp_hidden
+            k = self.window
+            if r > 0:
+                coff = 2 if r == 4 else 1
+                dense += 2 * C * coff * D  # compressor projections
+                k += min(self.topk, seq_len // r) if r == 4 else seq_len // r
+            if r == 4:
+                dense += self.q_rank * self.index_heads * self.index_head_dim + C * self.index_heads
+                dense += 2 * C * 2 * self.index_head_dim
+                # indexer scores over all pool rows (no gradient): forward only
+                attn += 2 * self.index_heads * self.index_head_dim * (seq_len // r) / 3.0
+            attn += 2 * H * k * (2 * D) * (1 + 2.5) / 3.0
+        dense += C * self.vocab_size  # head
+        return 3.0 * (2.0 * dense + attn)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Everything a run needs besides its workdir. Saved with every checkpoint."""
+
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    preset: str = "tiny"
+    steps: int = 300
+    batch_size: int = 8
+    seq_len: int = 256
+    lr: float = 3e-3
+    warmup_steps: int = 30
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    b2: float = 0.95
+    grad_clip: float = 1.0
+    seed: int = 0
+    log_every: int = 10
+    eval_every: int = 100
+    eval_batches: int = 4
+    ckpt_every: int = 100
+    keep_checkpoints: int = 3
+    data: tuple[str, ...] = ()
+    max_corpus_bytes: int = 16 * 2**20
+    eval_fraction: float = 0.02
+    fsdp: str = "off"
+
+    def __post_init__(self):
+        object.__setattr__(self, "data", tuple(self.data))
+        for name in ("steps", "batch_size", "log_every", "eval_every", "eval_batches",
+                     "ckpt_every", "keep_checkpoints", "max_corpus_bytes"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v <= 0:
+                raise ConfigError(f"{name}={v!r} must be a positive int")
+        if self.warmup_steps < 0:
+            raise ConfigError(f"warmup_steps={self.warmup_steps} must be >= 0")
+        if not self.lr > 0:
+            raise ConfigError(f"lr={self.lr} must be > 0")
+        if not 0.0 < self.eval_fraction < 0.5:
+            raise ConfigError(f"eval_fraction={self.eval_fraction} must be in (0, 0.5)")
+        if self.fsdp not in ("off", "xla", "explicit"):
+            raise ConfigError(f"fsdp={self.fsdp!r} must be one of off | xla | explicit")
+        self.model.check_seq_len(self.seq_len)
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+_TINY = ModelConfig()
+
+PRESETS: dict[str, dict] = {
+    # CPU default: trains visibly in a few minutes on 2 cores.
+    "tiny": dict(model=_TINY, batch_size=8, seq_len=256, steps=200, lr=3e-3, warmup_steps=20,
+                 log_every=10, eval_every=50, ckpt_every=50),
+    # ~170M parameters for one GPU (bf16 compute, f32 master weights).
+    "small": dict(
+        model=ModelConfig(
+            d_model=1024, layer_ratios=release_schedule(12, "flash", 128), n_heads=16,
+            head_dim=128, rope_dim=64, q_rank=512, o_groups=4, o_rank=512, window=128, topk=512,
+            index_heads=16, index_head_dim=64, mlp_hidden=2816, compute_dtype="bfloat16"),
+        batch_size=8, seq_len=8192, steps=2000, lr=1e-3, warmup_steps=200, log_every=10,
+        eval_every=250, ckpt_every=500),
+    # Real V4-Flash attention widths (csa_spec.md section 6) with few layers, for benchmarking.
+    "v4-flash-layer": dict(
+        model=ModelConfig(
+            d_model=4096, layer_ratios=release_schedule(4, "flash", 128), n_heads=64,
+            head_dim=512, rope_dim=64, q_rank=1024, o_groups=8, o_rank=1024, window=128,
+            topk=512, index_heads=64, index_head_dim=128, mlp_hidden=4096,
+            compute_dtype="bfloat16"),
+        batch_size=1, seq_len=8192, steps=100, lr=3e-4, warmup_steps=10),
+    # Real V4-Pro attention widths with few layers.
+    "v4-pro-layer": dict(
+        model=ModelConfig(
+            d_model=7168, layer_ratios=release_schedule(4, "pro", 128), n_heads=128,
+            head_dim=512, rope_dim=64, q_rank=1536, o_groups=16, o_rank=1024, window=128,
+            topk=1024, index_heads=64, index_head_dim=128, mlp_hidden=4096,
+            compute_dtype="bfloat16"),
+        batch_size=1, seq_len=8192, steps=100, lr=3e-4, warmup_steps=10),
+}
+
+
+def get_preset(name: str, **overrides) -> TrainConfig:
+    """TrainConfig of a preset with field overrides (model fields go in overrides['model'] as a
+    dict of ModelConfig fields)."""
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
+    base = dict(PRESETS[name])
+    model_over = overrides.pop("model", None) or {}
+    model = dataclasses.replace(base.pop("model"), **model_over) if model_over else base.pop("model")
+    base.update({k: v for k, v in overrides.items() if v is not None})
+    return TrainConfig(model=model, preset=name, **base)

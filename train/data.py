@@ -1,0 +1,133 @@
+"""Byte-level data: no download, no tokenizer files.
+
+Tokens are the bytes of the text (vocab 256); byte 0 ends every document. The default corpus is
+the Python standard library's own source files, found at run time (every machine with Python has
+them); `--data` takes the user's files, directories or globs instead.
+
+Determinism: the file list is sorted, the document order is a permutation seeded by `seed`, the
+stream is packed into fixed windows of seq_len + 1 bytes, the last `eval_fraction` of the windows
+is held out for eval, and the training windows are visited in a fresh seeded permutation every
+epoch. Batch number s is a pure function of (corpus, seed, s), so the position in the data is
+just the number of batches consumed, which the checkpoint stores.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import os
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["ByteDataset", "DataError", "default_corpus_files", "resolve_files"]
+
+EOS = 0  # document separator byte
+
+
+class DataError(ValueError):
+    """A user-facing data problem (missing path, empty corpus, corpus too small)."""
+
+
+def default_corpus_files() -> list[Path]:
+    """Every .py file of this interpreter's standard library (not site-packages), sorted."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"site-packages", "dist-packages", "__pycache__"}
+    files = [p for p in root.rglob("*.py") if not skip.intersection(p.relative_to(root).parts)]
+    if not files:
+        raise DataError(f"no .py files found under the standard library at {root}; pass --data")
+    return sorted(files)
+
+
+def resolve_files(specs) -> list[Path]:
+    """Files named by `specs`: files, directories (every file below them) or glob patterns.
+    Raises DataError naming the first spec that matches nothing."""
+    out: set[Path] = set()
+    for spec in specs:
+        path = Path(os.path.expanduser(spec))
+        if path.is_file():
+            out.add(path)
+        elif path.is_dir():
+            found = [p for p in path.rglob("*") if p.is_file()]
+            if not found:
+                raise DataError(f"--data {spec!r}: directory has no files")
+            out.update(found)
+        else:
+            found = [Path(p) for p in glob.glob(os.path.expanduser(spec), recursive=True)]
+            found = [p for p in found if p.is_file()]
+            if not found:
+                raise DataError(f"--data {spec!r}: no such file, directory or matching glob")
+            out.update(found)
+    return sorted(out)
+
+
+class ByteDataset:
+    """Packed byte windows with a deterministic train order and a held-out eval split.
+
+    batch(s) -> (inputs, targets), each int32 [batch_size, seq_len]; eval_batches() -> a list of
+    such pairs. `fingerprint` identifies the packed corpus (checked when a run resumes).
+    """
+
+    def __init__(self, specs=(), *, seq_len: int, batch_size: int, seed: int = 0,
+                 max_bytes: int = 16 * 2**20, eval_fraction: float = 0.02):
+        files = resolve_files(specs) if specs else default_corpus_files()
+        self.seq_len, self.batch_size, self.seed = seq_len, batch_size, seed
+        order = np.random.default_rng([seed, 0x5EED]).permutation(len(files))
+        chunks, total, digest = [], 0, hashlib.sha256()
+        for i in order:
+            if total >= max_bytes:
+                break
+            try:
+                data = files[i].read_bytes()
+            except OSError as e:
+                if specs:
+                    raise DataError(f"--data file {str(files[i])!r} is unreadable: {e}") from None
+                continue  # the default corpus is best effort
+            data = data[: max_bytes - total] + bytes([EOS])
+            chunks.append(data)
+            total += len(data)
+            digest.update(len(data).to_bytes(8, "little") + data)
+        stream = np.frombuffer(b"".join(chunks), dtype=np.uint8)
+        window = seq_len + 1
+        n = (len(stream) - 1) // seq_len  # windows overlap by one byte (last target = next input)
+        n_eval = max(1, int(n * eval_fraction))
+        if n - n_eval < batch_size:
+            need = (batch_size + n_eval) * seq_len + 1
+            raise DataError(
+                f"the corpus has {len(stream)} bytes in {len(chunks)} files: too small for "
+                f"{batch_size=} x {seq_len=} plus a held-out split (needs about {need} bytes)")
+        starts = np.arange(n) * seq_len
+        self._windows = stream[starts[:, None] + np.arange(window)]  # [n, seq_len + 1] uint8
+        self.n_train, self.n_eval = n - n_eval, n_eval
+        self.n_files, self.n_bytes = len(chunks), len(stream)
+        digest.update(f"{seq_len}:{seed}:{n}".encode())
+        self.fingerprint = digest.hexdigest()[:16]
+        self._perm_epoch, self._perm = -1, None
+
+    def _order(self, epoch: int) -> np.ndarray:
+        if epoch != self._perm_epoch:
+            self._perm = np.random.default_rng([self.seed, epoch]).permutation(self.n_train)
+            self._perm_epoch = epoch
+        return self._perm
+
+    def batch(self, step: int):
+        """The batch of update number `step` (0-based)."""
+        rows = []
+        for p in range(step * self.batch_size, (step + 1) * self.batch_size):
+            epoch, within = divmod(p, self.n_train)
+            rows.append(self._order(epoch)[within])
+        return self._split(self._windows[np.asarray(rows)])
+
+    def eval_batches(self, count: int):
+        """`count` fixed held-out batches (the held-out windows, cycled if there are few)."""
+        out = []
+        for b in range(count):
+            rows = (np.arange(self.batch_size) + b * self.batch_size) % self.n_eval + self.n_train
+            out.append(self._split(self._windows[rows]))
+        return out
+
+    @staticmethod
+    def _split(w):
+        w = w.astype(np.int32)
+        return w[:, :-1], w[:, 1:]

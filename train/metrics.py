@@ -1,0 +1,99 @@
+"""Run metrics: one JSON line per logged step, TensorBoard events, a progress bar, a loss PNG."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+__all__ = ["MetricsWriter", "plot_losses", "read_metrics"]
+
+
+def read_metrics(path) -> list[dict]:
+    path = Path(path)
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a line cut short by a crash: drop it
+    return out
+
+
+class MetricsWriter:
+    """metrics.jsonl + TensorBoard (`{workdir}/tb`) + tqdm progress bar.
+
+    start_step: the step the run starts from; lines of a previous attempt past it (written
+    after its last checkpoint) are dropped so that a resumed run's file reads like an
+    uninterrupted one.
+    """
+
+    def __init__(self, workdir, *, start_step: int, total_steps: int, progress: bool = True):
+        from tensorboardX import SummaryWriter
+        from tqdm import tqdm
+
+        self.workdir = Path(workdir)
+        self.path = self.workdir / "metrics.jsonl"
+        kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= start_step]
+        tmp = self.path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        os.replace(tmp, self.path)  # atomic
+        self._file = open(self.path, "a")
+        self._tb = SummaryWriter(str(self.workdir / "tb"), purge_step=start_step + 1)
+        self._post: dict = {}
+        self._bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True,
+                         disable=not progress, file=sys.stderr)
+
+    def write(self, record: dict) -> None:
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        step = record["step"]
+        for k, v in record.items():
+            if k != "step" and isinstance(v, (int, float)):
+                self._tb.add_scalar(k, v, step)
+        self._post.update({k: f"{record[k]:.4g}" for k in ("loss", "eval_loss") if k in record})
+        if "tokens_per_sec" in record:
+            self._post["tok/s"] = f"{record['tokens_per_sec']:.0f}"
+        self._bar.set_postfix(self._post, refresh=False)
+
+    def advance(self, n: int = 1) -> None:
+        self._bar.update(n)
+
+    def message(self, text: str) -> None:
+        self._bar.write(text, file=sys.stderr)
+
+    def close(self) -> None:
+        self._bar.close()
+        self._tb.close()
+        self._file.close()
+
+
+def plot_losses(workdir) -> Path | None:
+    """Write {workdir}/loss.png from metrics.jsonl (train loss and eval loss vs step)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(Path(workdir) / "metrics.jsonl")
+    train = [(r["step"], r["loss"]) for r in rows if "loss" in r]
+    evals = [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r]
+    if not train and not evals:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if train:
+        ax.plot(*zip(*train), label="train loss", lw=1)
+    if evals:
+        ax.plot(*zip(*evals), "o-", label="eval loss (held out)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats / byte)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    out = Path(workdir) / "loss.png"
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
