@@ -15,9 +15,12 @@ _FLOAT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 
 # "auto": the first impl that exists and accepts the problem, per platform. Explicitly requested
 # impls never fall back.
+# On NVIDIA GPUs pallas_triton's forward is 1.5-3x the reference and a `small` training step
+# 1.85x (docs/perf/triton_h200.md, docs/perf/train_h200.md); its own unsupported() keeps auto
+# off it elsewhere (ROCm: never run; f32 inputs).
 AUTO_ORDER = {
     "tpu": ("pallas_tpu", "xla"),
-    "gpu": ("xla",),
+    "gpu": ("pallas_triton", "xla"),
     "cpu": ("xla",),
 }
 

@@ -142,6 +142,22 @@ def _is_amd(platform, kind):
     return platform == "rocm" or kind.startswith("gfx") or "amd" in kind or "instinct" in kind
 
 
+def unsupported(q_shape, kv_shape, idx_shape, dtype):
+    """Why impl="auto" should not pick this impl here (None = it may).
+
+    auto picks it only where it was verified and measured faster end to end: NVIDIA GPUs with
+    bf16/f16 inputs (docs/perf/triton_h200.md, docs/perf/train_h200.md). On ROCm it has never
+    run (request impl="pallas_triton" explicitly); f32 inputs stay on the exact XLA reference.
+    """
+    del q_shape, kv_shape, idx_shape
+    platform, kind = _device_kind()
+    if platform not in _GPU_PLATFORMS or _is_amd(platform, kind) or "nvidia" not in kind.lower():
+        return f"not an NVIDIA GPU (platform={platform!r}, device_kind={kind!r})"
+    if jnp.dtype(dtype) == jnp.float32:
+        return "f32 inputs: the XLA reference computes true f32 products"
+    return None
+
+
 def default_config(q_shape, kv_shape, idx_shape, dtype) -> Config:
     """Defaults by device kind, clipped to the problem.
 

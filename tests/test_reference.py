@@ -200,3 +200,17 @@ def test_bad_options(rng):
 
 def test_tolerances_are_by_dtype():
     assert TOL[jnp.dtype(jnp.float32)] < TOL[jnp.dtype(jnp.bfloat16)]
+
+
+@pytest.mark.parametrize("platform, kind, dtype, want", [
+    ("gpu", "NVIDIA H200", jnp.bfloat16, "pallas_triton"),
+    ("gpu", "NVIDIA H200", jnp.float32, "xla"),            # f32 stays on the exact reference
+    ("gpu", "AMD Instinct MI300X", jnp.bfloat16, "xla"),   # never run on ROCm: explicit only
+    ("cpu", "cpu", jnp.bfloat16, "xla"),
+])
+def test_auto_choice(monkeypatch, platform, kind, dtype, want):
+    from csa_jax import api, pallas_triton
+    monkeypatch.setattr(api, "_platform", lambda: platform)
+    monkeypatch.setattr(pallas_triton, "_device_kind", lambda: (platform, kind))
+    assert api.resolve_impl("auto", (1, 8, 4, 32), (1, 8, 32), (1, 8, 4), dtype) == want
+    assert api.resolve_impl("xla", (1, 8, 4, 32), (1, 8, 32), (1, 8, 4), dtype) == "xla"
