@@ -8,10 +8,12 @@ Inputs are random bf16 at the V4 shapes (H = 64 Flash / 128 Pro, D = 512, window
 512 / 1024, B = 1); kv = [T token rows ; P pool rows]. Index lists:
   cr0    window_indices(T)                       (-1 for t < 127)
   cr128  build_indices(T, 128): window + every visible pool row (-1 for invisible ones)
-  cr4    causal: window + top-k of random scores over the causally visible pool rows (the
-                 indexer's output structure, -1 at the tail for early tokens);
-         random: window + k uniform random ids in [0, N) for every pool slot, all valid
-                 (the convention of the published AMD numbers).
+  cr4    causal: window + the lightning indexer's top-k on random indexer inputs (-1 at
+                 the tail for early tokens); until commit 6317ea8 this script used top-k of
+                 uniform random scores over the visible pool rows instead;
+         random: window + k uniform random pool ids, every slot valid (the convention of
+                 the published AMD numbers).
+  (the generator is csa_jax.problems, shared with python -m csa_jax)
 FLOPs follow csa_spec.md: forward = 4*T*H*K*D with K nominal (128 / 128+k / 128+T/128);
 "valid" counts only the non-empty slots; backward = 2.5x forward, step = 3.5x forward.
 Every impl is checked against impl="xla" on the same inputs when xla runs in the same call
@@ -33,13 +35,11 @@ import traceback
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from csa_jax.config import preset
-from csa_jax.indices import build_indices, window_indices
+from csa_jax import problems
+from csa_jax.config import forward_flops, preset
 from csa_jax.vjp import impl_module
 
-D = 512
 
 
 def parse_args(argv=None):
@@ -72,32 +72,11 @@ def parse_args(argv=None):
 
 
 def make_problem(family, ratio, T, idx_kind, seed):
+    """The V4 problem of csa_jax.problems (the same inputs python -m csa_jax times)."""
     cfg = preset(family, ratio)
-    H, P = cfg.num_heads, cfg.pool_rows(T)
-    N = T + P
-    kq, kk, ks, ki = jax.random.split(jax.random.PRNGKey(seed), 4)
-    q = jax.random.normal(kq, (1, T, H, D), jnp.bfloat16)
-    kv = jax.random.normal(kk, (1, N, D), jnp.bfloat16)
-    sink = jax.random.normal(ks, (H,), jnp.float32)
-    if ratio == 0:
-        idx = window_indices(T, cfg.window)[None]
-    elif ratio == 4:
-        k = min(cfg.topk, P)
-        if idx_kind == "random":
-            pool = jax.random.randint(ki, (1, T, k), 0, N, jnp.int32)
-            idx = jnp.concatenate([window_indices(T, cfg.window)[None], pool], axis=-1)
-        else:
-            t = jnp.arange(T)[:, None]
-            score = jax.random.uniform(ki, (T, P))
-            score = jnp.where(jnp.arange(P)[None, :] < (t + 1) // ratio, score, -jnp.inf)
-            vals, ids = jax.lax.top_k(score, k)
-            topk = jnp.where(vals > -jnp.inf, ids, -1).astype(jnp.int32)
-            idx = build_indices(T, 4, window=cfg.window, pool_topk=topk[None])
-    else:
-        idx = build_indices(T, ratio, window=cfg.window)[None]
-    idx = jnp.asarray(idx, jnp.int32)
-    do = jax.random.normal(jax.random.fold_in(kq, 1), q.shape, jnp.bfloat16)
-    return cfg, q, kv, idx, sink, do
+    pr = problems.make_problem(cfg, T, B=1, dtype=jnp.bfloat16, seed=seed,
+                               index_mode=idx_kind if ratio == 4 else "causal")
+    return cfg, pr.q, pr.kv, pr.idx, pr.sink, pr.do
 
 
 # ----------------------------------------------------------------------------- timing
@@ -138,14 +117,7 @@ def build_fns(mod, cfg_obj, scale, interpret):
     return fwd, bwd, step
 
 
-def rel_err(a, e):
-    a = jnp.asarray(a, jnp.float32)
-    e = jnp.asarray(e, jnp.float32)
-    if bool(jnp.any(jnp.isnan(a))):
-        return float("nan")
-    fin = jnp.isfinite(e)
-    den = jnp.maximum(jnp.max(jnp.where(fin, jnp.abs(e), 0.0)), 1e-30)
-    return float(jnp.max(jnp.where(fin, jnp.abs(a - e), 0.0)) / den)
+rel_err = problems.rel_err
 
 
 OUT_NAMES = ("o", "lse", "dq", "dkv", "dsink")
@@ -228,9 +200,8 @@ def parse_variants(spec, base=None):
 
 
 def flops(cfg, T, idx):
-    H = cfg.num_heads
-    nominal = 4.0 * T * H * cfg.nominal_slots(T) * D
-    valid = 4.0 * H * D * float(jnp.sum(idx >= 0))
+    nominal = forward_flops(T, cfg.num_heads, cfg.nominal_slots(T), cfg.head_dim)
+    valid = problems.valid_flops(idx, cfg.num_heads, cfg.head_dim)
     return nominal, valid
 
 

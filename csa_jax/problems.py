@@ -35,9 +35,12 @@ class Problem:
         """(nominal, valid) forward FLOPs by the csa_spec.md convention (backward = 2.5x)."""
         c = self.cfg
         nominal = forward_flops(self.T, c.num_heads, c.nominal_slots(self.T), c.head_dim, self.B)
-        valid_slots = int(jnp.sum(self.idx >= 0))
-        valid = 2.0 * valid_slots * c.num_heads * (2 * c.head_dim)
-        return nominal, valid
+        return nominal, valid_flops(self.idx, c.num_heads, c.head_dim)
+
+
+def valid_flops(idx, H: int, D: int) -> float:
+    """Forward FLOPs counting only the non-empty slots of idx: 2 * slots * H * (D + D)."""
+    return 2.0 * int(jnp.sum(idx >= 0)) * H * (2 * D)
 
 
 def make_indices(cfg: CSAConfig, T: int, B: int, mode: str, key):
@@ -87,8 +90,11 @@ def loss_fn(attn):
 
 
 def rel_err(a, b) -> float:
+    """max |a - b| / max |b| over the finite entries of b; NaN if a has any NaN."""
     a = np.asarray(jnp.asarray(a, jnp.float32), np.float64)
     b = np.asarray(jnp.asarray(b, jnp.float32), np.float64)
     if np.isnan(a).any():
         return float("nan")
-    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
+    fin = np.isfinite(b)
+    den = max(np.abs(b[fin]).max(initial=0.0), 1e-30)
+    return float(np.abs(a[fin] - b[fin]).max(initial=0.0) / den)
