@@ -53,6 +53,14 @@ def assert_close(actual, expected, dtype, *, factor=1.0, what=""):
     assert err <= tol, f"{what}: relative error {err:.3e} > {tol:.1e} ({jnp.dtype(dtype).name})"
 
 
+@pytest.fixture(scope="session")
+def eight_devices():
+    """The simulated devices the multi-device tests need (XLA_FLAGS above)."""
+    if jax.device_count() < 8:
+        pytest.fail(f"this test needs 8 devices, got {jax.device_count()}: XLA_FLAGS must hold "
+                    "--xla_force_host_platform_device_count=8 before jax is imported")
+
+
 @pytest.fixture
 def rng():
     """A fresh seed every run, printed so a failure can be replayed."""

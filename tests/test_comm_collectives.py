@@ -1,13 +1,7 @@
 """comm.collectives against the unsharded computation on 8 simulated CPU devices.
 
-Relies on tests/conftest.py setting XLA_FLAGS=--xla_force_host_platform_device_count=8 before jax
-is imported; the line below does the same when this file is the first to import jax.
+Needs the 8 simulated CPU devices that tests/conftest.py asks for (fixture eight_devices).
 """
-
-import os
-
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 
 import functools
 import json
@@ -28,11 +22,7 @@ import comm
 TOL = {jnp.float32: (2e-5, 2e-6), jnp.bfloat16: (2e-2, 1e-2)}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _eight_devices():
-    if jax.device_count() < 8:
-        pytest.fail(f"comm tests need 8 devices, got {jax.device_count()}: set XLA_FLAGS="
-                    "--xla_force_host_platform_device_count=8 before jax is imported (tests/conftest.py)")
+pytestmark = pytest.mark.usefixtures("eight_devices")
 
 
 @pytest.fixture

@@ -1,14 +1,8 @@
 """comm.fsdp (both modes) against a single-device step, on 8 simulated CPU devices; comm.flags
 against the installed jaxlib.
 
-Relies on tests/conftest.py setting XLA_FLAGS=--xla_force_host_platform_device_count=8 before jax
-is imported; the line below does the same when this file is the first to import jax.
+Needs the 8 simulated CPU devices that tests/conftest.py asks for (fixture eight_devices).
 """
-
-import os
-
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 
 import jax
 import jax.numpy as jnp
@@ -25,11 +19,7 @@ from comm.models import MLPStack, mse_loss
 ATOL = 2e-5
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _eight_devices():
-    if jax.device_count() < 8:
-        pytest.fail(f"comm tests need 8 devices, got {jax.device_count()}: set XLA_FLAGS="
-                    "--xla_force_host_platform_device_count=8 before jax is imported (tests/conftest.py)")
+pytestmark = pytest.mark.usefixtures("eight_devices")
 
 
 @pytest.fixture

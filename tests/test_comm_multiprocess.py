@@ -1,15 +1,10 @@
 """Multi-host FSDP through JAX's own runtime: 2 local processes x 4 CPU devices, joined with
 jax.distributed.initialize on 127.0.0.1, give the same FSDP step as this process's 8 devices.
 
-Relies on tests/conftest.py setting XLA_FLAGS=--xla_force_host_platform_device_count=8 before jax
-is imported; the line below does the same when this file is the first to import jax.
+Needs the 8 simulated CPU devices that tests/conftest.py asks for (fixture eight_devices).
 """
 
 import os
-
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-
 import socket
 import subprocess
 import sys
@@ -35,9 +30,8 @@ def _free_port() -> int:
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("eight_devices")
 def test_two_processes_match_one_process(tmp_path):
-    if jax.device_count() < 8:
-        pytest.fail(f"needs 8 devices in this process, got {jax.device_count()} (tests/conftest.py XLA_FLAGS)")
     seed = int(np.random.SeedSequence().entropy % 2**31)
     print(f"seed={seed}")
     out = tmp_path / "fsdp_2proc.npz"
