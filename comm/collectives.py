@@ -394,6 +394,19 @@ def _norm_axis(axis: int, ndim: int, name: str) -> int:
     return axis % ndim
 
 
+def _two_stage_pipeline(spans, first, second, *, concat_axis):
+    """second(first(chunk)) for every chunk span, concatenated along concat_axis. Chunk c+1's
+    first stage is issued before chunk c's second stage, so the two can overlap."""
+    pieces = []
+    pending = first(*spans[0])
+    for c in range(len(spans)):
+        cur = pending
+        if c + 1 < len(spans):
+            pending = first(*spans[c + 1])
+        pieces.append(second(cur))
+    return pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces, axis=concat_axis)
+
+
 def hierarchical_all_gather(x, axis_names, *, axis: int = 0, num_chunks: int = 1):
     """lax.all_gather(x, axis_names, axis=axis, tiled=True), as two stages: across the outer
     axis (the rail: same local rank on every node) on the small shard first, then inside the
@@ -408,14 +421,10 @@ def hierarchical_all_gather(x, axis_names, *, axis: int = 0, num_chunks: int = 1
     def outer_stage(lo, hi):  # [..., No, c, ...]
         return lax.all_gather(lax.slice_in_dim(x, lo, hi, axis=d), outer, axis=d, tiled=False)
 
-    pieces = []
-    pending = outer_stage(*spans[0])
-    for c in range(len(spans)):
-        cur = pending
-        if c + 1 < len(spans):
-            pending = outer_stage(*spans[c + 1])
-        pieces.append(lax.all_gather(cur, inner, axis=d + 1, tiled=False))  # [..., No, Ni, c, ...]
-    g = pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces, axis=d + 2)
+    def inner_stage(part):  # [..., No, Ni, c, ...]
+        return lax.all_gather(part, inner, axis=d + 1, tiled=False)
+
+    g = _two_stage_pipeline(spans, outer_stage, inner_stage, concat_axis=d + 2)
     shape = x.shape[:d] + (-1,) + x.shape[d + 1:]
     return g.reshape(shape)
 
@@ -440,11 +449,7 @@ def hierarchical_psum_scatter(x, axis_names, *, scatter_dimension: int = 0, num_
         c = lax.slice_in_dim(xr, lo, hi, axis=d + 2)
         return lax.psum_scatter(c, inner, scatter_dimension=d + 1, tiled=False)
 
-    pieces = []
-    pending = inner_stage(*spans[0])
-    for c in range(len(spans)):
-        cur = pending
-        if c + 1 < len(spans):
-            pending = inner_stage(*spans[c + 1])
-        pieces.append(lax.psum_scatter(cur, outer, scatter_dimension=d, tiled=False))  # [..., c, ...]
-    return pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces, axis=d)
+    def outer_stage(part):  # [..., c, ...]
+        return lax.psum_scatter(part, outer, scatter_dimension=d, tiled=False)
+
+    return _two_stage_pipeline(spans, inner_stage, outer_stage, concat_axis=d)
