@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import csa_jax
+
 __all__ = [
     "ConfigError",
     "ModelConfig",
@@ -213,6 +215,18 @@ class TrainConfig:
 
 _TINY = ModelConfig()
 
+def _v4_layer_preset(family: str, d_model: int) -> dict:
+    """A 4-layer model with the attention widths of csa_jax.preset(family, 4)."""
+    c = csa_jax.preset(family, 4)
+    return dict(
+        model=ModelConfig(
+            d_model=d_model, layer_ratios=release_schedule(4, family, 128), n_heads=c.num_heads,
+            head_dim=c.head_dim, rope_dim=c.rope_dim, q_rank=c.q_rank, o_groups=c.o_groups,
+            o_rank=c.o_rank, window=c.window, topk=c.topk, index_heads=c.index_heads,
+            index_head_dim=c.index_dim, mlp_hidden=4096, compute_dtype="bfloat16"),
+        batch_size=1, seq_len=8192, steps=100, lr=3e-4, warmup_steps=10)
+
+
 PRESETS: dict[str, dict] = {
     # CPU default: trains visibly in a few minutes on 2 cores.
     "tiny": dict(model=_TINY, batch_size=8, seq_len=256, steps=200, lr=3e-3, warmup_steps=20,
@@ -225,22 +239,10 @@ PRESETS: dict[str, dict] = {
             index_heads=16, index_head_dim=64, mlp_hidden=2816, compute_dtype="bfloat16"),
         batch_size=8, seq_len=8192, steps=2000, lr=1e-3, warmup_steps=200, log_every=10,
         eval_every=250, ckpt_every=500),
-    # Real V4-Flash attention widths (csa_spec.md section 6) with few layers, for benchmarking.
-    "v4-flash-layer": dict(
-        model=ModelConfig(
-            d_model=4096, layer_ratios=release_schedule(4, "flash", 128), n_heads=64,
-            head_dim=512, rope_dim=64, q_rank=1024, o_groups=8, o_rank=1024, window=128,
-            topk=512, index_heads=64, index_head_dim=128, mlp_hidden=4096,
-            compute_dtype="bfloat16"),
-        batch_size=1, seq_len=8192, steps=100, lr=3e-4, warmup_steps=10),
-    # Real V4-Pro attention widths with few layers.
-    "v4-pro-layer": dict(
-        model=ModelConfig(
-            d_model=7168, layer_ratios=release_schedule(4, "pro", 128), n_heads=128,
-            head_dim=512, rope_dim=64, q_rank=1536, o_groups=16, o_rank=1024, window=128,
-            topk=1024, index_heads=64, index_head_dim=128, mlp_hidden=4096,
-            compute_dtype="bfloat16"),
-        batch_size=1, seq_len=8192, steps=100, lr=3e-4, warmup_steps=10),
+    # Real V4 attention widths (csa_spec.md section 6, via csa_jax.preset) with few layers, for
+    # benchmarking.
+    "v4-flash-layer": _v4_layer_preset("flash", d_model=4096),
+    "v4-pro-layer": _v4_layer_preset("pro", d_model=7168),
 }
 
 
