@@ -180,11 +180,21 @@ def _reduced_check(impl, cfg_overrides, family, ratio, idx_kind, args):
     return {k: rel_err(got[k], ref[k]) for k in OUT_NAMES}
 
 
+def _value(v):
+    v = v.strip()
+    if v.lower() in ("true", "false"):
+        return v.lower() == "true"
+    try:
+        return int(v)
+    except ValueError:
+        return v          # a string option, e.g. interm=kernel
+
+
 def parse_overrides(kvs):
     over = {}
     for kv in filter(None, kvs.split(",")):
         k, _, v = kv.partition("=")
-        over[k.strip()] = (v.lower() == "true") if v.lower() in ("true", "false") else int(v)
+        over[k.strip()] = _value(v)
     return over
 
 

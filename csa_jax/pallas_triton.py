@@ -84,6 +84,11 @@ class Config:
               accumulator (not timed on a GPU yet).
     reduce:   block_r inverse-map entries summed per step, num_warps_reduce (memory bound).
     interm_f32: keep the per-slot intermediate in f32 even for bf16 inputs (2x its bytes).
+    interm:   how the per-slot intermediate is formed. "gemm" (default): the dq kernel also
+              stores scale * dS and P [B, T, 2, H, K] (q's dtype, as the kernel path rounds them
+              before its dots) and one batched GEMM per token in XLA contracts them with
+              [q; dO] over the heads. "kernel": the interm kernel above recomputes the scores
+              slot-major (7 products instead of 5, no [B, T, 2, H, K] buffer).
 
     Row and head blocks are >= 16 (Triton's dot minimum). Shared memory per program is about
     (resident operands + num_stages * streamed tile) bytes: e.g. the dq kernel holds q and dO
@@ -106,6 +111,7 @@ class Config:
     block_r: int = 32
     num_warps_reduce: int = 4
     interm_f32: bool = False
+    interm: str = "gemm"
 
     def __post_init__(self):
         for name in ("block_k", "block_h", "block_k_dq", "block_h_dq", "block_k_dkv",
@@ -125,6 +131,8 @@ class Config:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name}={v!r} must be an int >= 1")
+        if self.interm not in ("gemm", "kernel"):
+            raise ValueError(f"interm={self.interm!r} must be 'gemm' or 'kernel'")
         if not isinstance(self.interm_f32, bool):
             raise ValueError(f"interm_f32={self.interm_f32!r} must be a bool")
 
@@ -362,14 +370,16 @@ def forward(q, kv, idx, sink, *, scale, interpret, config):
 
 
 def _dq_kernel(ntiles_ref, idx_ref, q_ref, do_ref, lse_ref, delta_ref, dlse_ref, kv_ref,  # in
-               dq_ref,                                                                    # out
-               *, scale, bk, precision):
-    # q_ref, do_ref [hb, D]; lse/delta/dlse [hb, 1]
+               dq_ref, *dsp_ref,                                                          # out
+               scale, bk, precision):
+    # q_ref, do_ref [hb, D]; lse/delta/dlse [hb, 1]; dsp_ref (interm="gemm" only) [2, hb, Kp]:
+    # this head block's scale * dS and P over all slots, in the dtype of the interm products.
     q = q_ref[...]
     do = do_ref[...]
     lse = lse_ref[...]
     delta = delta_ref[...]
     dlse = dlse_ref[...]
+    ntiles = ntiles_ref[...]
 
     def body(i, acc):
         rows, valid = _gather_tile(idx_ref, kv_ref, i * bk, bk)
@@ -377,10 +387,24 @@ def _dq_kernel(ntiles_ref, idx_ref, q_ref, do_ref, lse_ref, delta_ref, dlse_ref,
         p = blockmath.recompute_p(s, lse, valid[None, :])
         dp = pltriton.dot(do, rows, trans_b=True, precision=precision)
         ds = blockmath.softmax_grad(p, dp, delta, dlse)
+        if dsp_ref:
+            cols = pl.ds(i * bk, bk)
+            dsp_ref[0][0, :, cols] = (ds * scale).astype(dsp_ref[0].dtype)
+            dsp_ref[0][1, :, cols] = p.astype(dsp_ref[0].dtype)
         return acc + pltriton.dot(ds.astype(rows.dtype), rows, precision=precision)
 
-    acc = lax.fori_loop(0, ntiles_ref[...], body, jnp.zeros(q.shape, jnp.float32))
+    acc = lax.fori_loop(0, ntiles, body, jnp.zeros(q.shape, jnp.float32))
     dq_ref[...] = (acc * scale).astype(dq_ref.dtype)
+    if dsp_ref:   # tiles past the token's last non-empty slot: exact zeros, never garbage
+        out = dsp_ref[0]
+        zero = jnp.zeros((q.shape[0], bk), out.dtype)
+
+        def clear(i, c):
+            out[0, :, pl.ds(i * bk, bk)] = zero
+            out[1, :, pl.ds(i * bk, bk)] = zero
+            return c
+
+        lax.fori_loop(ntiles, out.shape[-1] // bk, clear, 0)
 
 
 def _interm_kernel(ntiles_ref, idx_ref, q_ref, do_ref, lse_ref, delta_ref, dlse_ref, kv_ref,
@@ -467,12 +491,17 @@ def _backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, interpret, config,
 
     dq = jnp.zeros_like(q_p)
     dkv = jnp.zeros_like(kv_p)
-    if "dq" in parts:
-        dq = _dq_call(d, config, scale, interpret, prec, used, idx_p, q_p, do_p, lse_p, delta_p,
-                      dlse_p, kv_p)
+    idt = f32 if (config.interm_f32 or q_p.dtype == f32) else q_p.dtype
+    gemm = config.interm == "gemm"
+    if "dq" in parts or (gemm and "interm" in parts):
+        dq, *dsp = _dq_call(d, config, scale, interpret, prec, used, idx_p, q_p, do_p, lse_p,
+                            delta_p, dlse_p, kv_p, dsp_dtype=q_p.dtype if gemm else None)
     if "interm" in parts:
-        interm = _interm_call(d, config, scale, interpret, prec, used, idx_p, q_p, do_p, lse_p,
-                              delta_p, dlse_p, kv_p)
+        if gemm:
+            interm = _interm_gemm(dsp[0], q_p, do_p, prec, idt)
+        else:
+            interm = _interm_call(d, config, scale, interpret, prec, used, idx_p, q_p, do_p,
+                                  lse_p, delta_p, dlse_p, kv_p, idt)
         if "reduce" in parts:
             dkv = _reduce_call(d, config, interpret, idx_p, interm, kv.dtype)
         else:   # keep the kernel alive for timing
@@ -485,8 +514,9 @@ def _backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, interpret, config,
 
 
 def _dq_call(d, config, scale, interpret, prec, used, idx_p, q_p, do_p, lse_p, delta_p, dlse_p,
-             kv_p):
-    """dq [B, T, Hp, Dp]: programs over (b, t, head block)."""
+             kv_p, dsp_dtype=None):
+    """dq [B, T, Hp, Dp]: programs over (b, t, head block). With dsp_dtype also returns
+    dsp [B, T, 2, Hp, Kp] = (scale * dS, P) of every slot (zeros past a token's last tile)."""
     bk = config.block_k_dq
     hb = _head_block(d, config.block_h_dq)
     n, coords = _token_head_grid(d, hb)
@@ -494,6 +524,12 @@ def _dq_call(d, config, scale, interpret, prec, used, idx_p, q_p, do_p, lse_p, d
     tok_head = lambda i: (*coords(i), 0)
     head_spec = pl.BlockSpec((None, None, hb, d.Dp), tok_head)
     col_spec = pl.BlockSpec((None, None, hb, 1), tok_head)
+    out_specs = [head_spec]
+    out_shape = [jax.ShapeDtypeStruct(q_p.shape, q_p.dtype)]
+    if dsp_dtype is not None:
+        out_specs.append(pl.BlockSpec((None, None, 2, hb, d.Kp),
+                                      lambda i: (*tok(i), 0, coords(i)[2], 0)))
+        out_shape.append(jax.ShapeDtypeStruct((d.B, d.T, 2, d.Hp, d.Kp), dsp_dtype))
     return pl.pallas_call(
         functools.partial(_dq_kernel, scale=scale, bk=bk, precision=prec),
         grid=(n,),
@@ -503,24 +539,31 @@ def _dq_call(d, config, scale, interpret, prec, used, idx_p, q_p, do_p, lse_p, d
             head_spec, head_spec, col_spec, col_spec, col_spec,
             pl.BlockSpec((None, d.N, d.Dp), lambda i: (coords(i)[0], 0, 0)),
         ],
-        out_specs=head_spec,
-        out_shape=jax.ShapeDtypeStruct(q_p.shape, q_p.dtype),
+        out_specs=out_specs,
+        out_shape=out_shape,
         compiler_params=_params(config.num_warps_dq, config.num_stages_dq),
         interpret=interpret,
         name="csa_triton_dq",
     )(_ntiles(used, bk), idx_p, q_p, do_p, lse_p, delta_p, dlse_p, kv_p)
 
 
+def _interm_gemm(dsp, q_p, do_p, prec, idt):
+    """interm[b, t, j] = sum_h scale * dS[h, j] q[h] + P[h, j] dO[h]: one batched GEMM per token
+    (M = slots, N = D, contraction over 2 * heads) in XLA (cuBLAS on GPU, which accumulates bf16
+    products in f32), written straight in the interm dtype: no f32 [B, T, K, D] temporary."""
+    qdo = jnp.stack([q_p, do_p], axis=2)                                       # [B, T, 2, Hp, Dp]
+    dims = (((2, 3), (2, 3)), ((0, 1), (0, 1)))
+    return lax.dot_general(dsp, qdo, dims, precision=prec, preferred_element_type=idt)
+
+
 def _interm_call(d, config, scale, interpret, prec, used, idx_p, q_p, do_p, lse_p, delta_p,
-                 dlse_p, kv_p):
+                 dlse_p, kv_p, idt):
     """Per-slot intermediate [B, T, Kp, Dp]: programs over (b, t, slot tile, column chunk)."""
     bk = config.block_k_dkv
     nkt = d.Kp // bk
     split = min(config.dkv_split_d, d.Dp // 16)
     dc = d.Dp // split
     hh = _head_block(d, config.block_h_dkv)
-    f32 = jnp.float32
-    idt = f32 if (config.interm_f32 or q_p.dtype == f32) else q_p.dtype
     ntiles = _ntiles(used, bk)
 
     def slot_coords(i):

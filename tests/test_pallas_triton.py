@@ -66,10 +66,11 @@ def test_against_dense_oracle(rng, dtype, with_sink):
         assert_close(got, ref, dtype, factor=2.0, what=name)
 
 
-@pytest.mark.parametrize("split", [1, 2])
-def test_structured_layout_matches_reference(rng, split):
-    """A window + causal pool list (the shape the benchmark runs) against the XLA impl; split=2
-    also runs the interm kernel with its accumulator's columns split over two programs."""
+@pytest.mark.parametrize("interm,split", [("gemm", 1), ("kernel", 1), ("kernel", 2)])
+def test_structured_layout_matches_reference(rng, interm, split):
+    """A window + causal pool list (the shape the benchmark runs) against the XLA impl, with the
+    per-slot intermediate from the GEMM path and from the interm kernel (split=2: its
+    accumulator's columns split over two programs)."""
     T, P, H, D = 48, 12, 16, 32
     idx = jnp.broadcast_to(csa_jax.build_indices(T, 4, window=16,
                                                  pool_topk=csa_jax.pool_indices(T, 4)), (1, T, 28))
@@ -78,7 +79,7 @@ def test_structured_layout_matches_reference(rng, split):
     sink = jnp.asarray(rng.standard_normal(H), jnp.float32)
     do = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
     dlse = jnp.zeros(q.shape[:3], jnp.float32)
-    cfg = dataclasses.replace(SMALL, dkv_split_d=split)
+    cfg = dataclasses.replace(SMALL, dkv_split_d=split, interm=interm)
     o, lse, grads = _run(q, kv, idx, sink, do, dlse, scale=D ** -0.5, config=cfg)
 
     def loss(q, kv, sink):
@@ -120,6 +121,8 @@ def test_config_validation_and_defaults():
         pallas_triton.Config(num_stages=0)
     with pytest.raises(ValueError, match="dkv_split_d=3"):
         pallas_triton.Config(dkv_split_d=3)
+    with pytest.raises(ValueError, match="interm='scatter'"):
+        pallas_triton.Config(interm="scatter")
     cfg = pallas_triton.default_config((1, 4096, 128, 512), (1, 5120, 512), (1, 4096, 1152),
                                        jnp.bfloat16)
     assert cfg.block_k <= 64 and cfg.num_stages >= 2 and cfg.block_h <= 64
