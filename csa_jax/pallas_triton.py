@@ -99,10 +99,10 @@ class Config:
     block_h: int = 64
     num_warps: int = 8
     num_stages: int = 3
-    block_k_dq: int = 64
+    block_k_dq: int = 32
     block_h_dq: int = 32
     num_warps_dq: int = 4
-    num_stages_dq: int = 2
+    num_stages_dq: int = 3
     block_k_dkv: int = 64
     block_h_dkv: int = 32
     num_warps_dkv: int = 4
@@ -171,8 +171,10 @@ def default_config(q_shape, kv_shape, idx_shape, dtype) -> Config:
 
     NVIDIA (and CPU interpret): the Config defaults, measured on the H200 (docs/perf/triton_h200.md):
     forward 8 warps, 3 stages, 64-row tiles, 64 heads (4 warps ran 2.3x slower, 32 heads 1.5x);
-    dq 4 warps, 32 heads, 64-row tiles (5.8 ms against 10.7 ms for 8 warps / 64 heads / 32 rows);
-    interm 4 warps, 64-row tiles (8 warps ran 4.6x slower, 32-row tiles 8x). AMD (ROCm): <= 32-row
+    dq 4 warps, 32 heads, 32-row tiles, 3 stages (with the GEMM interm path: Pro cr4 T=16384
+    backward 54.9 ms, against 72.7 ms for 64-row tiles / 2 stages and 90.9 ms for 64 heads /
+    8 warps); interm kernel (interm="kernel" only) 4 warps, 64-row tiles (8 warps ran 4.6x
+    slower, 32-row tiles 8x). AMD (ROCm): <= 32-row
     tiles and 2 stages, so each program's shared memory stays near the 64 KiB LDS of MI300-class
     GPUs (not measured: no AMD GPU was available). f32 inputs halve the tile rows (twice the
     bytes per row). Tiles never exceed the padded slot count, head blocks never the padded heads.
@@ -183,7 +185,7 @@ def default_config(q_shape, kv_shape, idx_shape, dtype) -> Config:
     cfg = Config()
     if _is_amd(platform, kind):
         cfg = dataclasses.replace(cfg, block_k=32, block_k_dkv=32, block_h_dq=32, block_k_dq=32,
-                                  block_h_dkv=16, num_stages=2)
+                                  num_stages_dq=2, block_h_dkv=16, num_stages=2)
     if jnp.dtype(dtype) == jnp.float32:
         cfg = dataclasses.replace(cfg, block_k=cfg.block_k // 2, block_k_dkv=cfg.block_k_dkv // 2,
                                   block_h_dq=cfg.block_h_dq // 2, num_stages=2)
