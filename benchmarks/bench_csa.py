@@ -64,7 +64,9 @@ def parse_args(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--interpret", action="store_true", help="CPU smoke test of the script")
     ap.add_argument("--diag", action="store_true",
-                    help="also time pallas_triton's backward kernels and inverse map alone")
+                    help="also time pallas_triton's backward parts and inverse map alone: "
+                         "bwd_dq (the dq kernel; with interm='gemm' it also stores dS and P), "
+                         "bwd_interm (with 'gemm': dq kernel + the GEMM), bwd_interm+reduce")
     return ap.parse_args(argv)
 
 

@@ -13,12 +13,13 @@ their repeated gathers hit L2):
   math of csa_jax.blockmath). All heads of the block share one gathered tile. The loop stops at
   the token's last non-empty tile (a dynamic trip count computed from idx), so causally empty
   tails (early tokens of cr4 / cr128) cost nothing.
-- dq, program = (b, t, head block): recompute p from lse, dp = dO kv^T, ds, dq += ds kv.
-- per-slot intermediate, program = (b, t, slot tile[, column chunk]): the tile is gathered once
-  and every head block of the token streams past it: interm[t, j] = sum_h (scale*ds*q + p*dO).
-  Scores are formed slot-major (s^T = rows q^T, a transposed-operand dot), so the head sums
-  ds^T q and p^T dO are plain dots with the accumulator [block_k_dkv, D] as output. One writer
-  per slot.
+- dq, program = (b, t, head block): recompute p from lse, dp = dO kv^T, ds, dq += ds kv; with
+  Config.interm="gemm" (default) it also stores scale*ds and p of every slot, [B, T, 2, H, K].
+- per-slot intermediate, "gemm": interm[t] = [scale*dS; P]^T [q; dO], one batched GEMM per token
+  in XLA (contraction over 2H). "kernel", program = (b, t, slot tile[, column chunk]): the tile
+  is gathered once and every head block of the token streams past it: interm[t, j] =
+  sum_h (scale*ds*q + p*dO), with the scores recomputed slot-major (s^T = rows q^T) so the head
+  sums ds^T q and p^T dO are plain dots into a [block_k_dkv, D] accumulator. One writer per slot.
 - dkv gather-reduce, program = (b, kv row): the inverse map (kv row -> (t, j) slots, CSR built by
   a stable sort + histogram in XLA) is walked in fixed order, `block_r` slots at a time, and summed
   in f32. No atomics, no scatter: dkv is bit-deterministic.

@@ -152,3 +152,22 @@ def test_lowers_to_triton_ir(kind, platform):
                      lowering_platforms=(platform,))]
     for low in texts:
         assert "triton" in low.as_text().lower()
+
+
+def test_gemm_path_buffer_is_exact_zero_past_last_tile(rng):
+    """interm="gemm": the dq kernel's (scale * dS, P) buffer holds exact zeros at every empty slot,
+    including whole tiles past a token's last non-empty one (which its loop never visits), so the
+    batched GEMM never reads uninitialized memory."""
+    q, kv, idx, sink = random_problem(rng, T=6, H=16, D=16, K=48, empty_rows=1)
+    idx = idx.at[:, :, 20:].set(-1)                     # tiles 2 (slots 32..47) empty everywhere
+    cfg = dataclasses.replace(SMALL, interm="gemm")
+    d = pallas_triton._dims(q, kv, idx, cfg)
+    idx_p, used = pallas_triton._prep_idx(idx, d)
+    lse = jnp.asarray(rng.standard_normal(q.shape[:3]), jnp.float32)[..., None]
+    _, dsp = pallas_triton._dq_call(d, cfg, 0.25, True, None, used, idx_p, q, q, lse, lse, lse,
+                                    kv, dsp_dtype=jnp.float32)
+    empty = np.asarray(idx_p < 0)                                                  # [B, T, Kp]
+    vals = np.asarray(dsp).transpose(0, 1, 4, 2, 3)[empty]                         # [n, 2, H]
+    assert vals.size and np.all(vals == 0.0), "non-zero or NaN entries at empty slots"
+    live = np.asarray(dsp).transpose(0, 1, 4, 2, 3)[~empty]
+    assert np.isfinite(live).all() and np.abs(live[:, 1]).max() > 0      # P is not all zero
