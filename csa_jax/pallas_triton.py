@@ -479,7 +479,7 @@ def _inverse_map(idx_p, N):
 def _backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, interpret, config,
               parts=("dq", "interm", "reduce")):
     """`parts` (all by default) lets a benchmark time the kernels one by one; skipped parts
-    return zeros."""
+    return zeros (with interm="gemm" the interm part needs the dq kernel, so its dq is kept)."""
     d = _dims(q, kv, idx, config)
     prec = _precision(q.dtype)
     f32 = jnp.float32
