@@ -52,6 +52,21 @@ _PROPS = re.compile(r"Function properties for (\S+)\s*\n\s*(\d+) bytes stack fra
                     r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 
 
+def parse_ptxas_log(log):
+    """{kernel: {registers, stack, spill_stores, spill_loads}} from the text of `ptxas -v`."""
+    out = {}
+    for m in _PROPS.finditer(log):
+        out.setdefault(m.group(1), {}).update(stack=int(m.group(2)),
+                                              spill_stores=int(m.group(3)),
+                                              spill_loads=int(m.group(4)))
+    for block in re.split(r"(?=ptxas info\s+: Compiling entry function)", log):
+        name = re.search(r"Compiling entry function '(\S+)'", block)
+        regs = re.search(r"Used (\d+) registers", block)
+        if name and regs:
+            out.setdefault(name.group(1), {})["registers"] = int(regs.group(1))
+    return out
+
+
 def ptxas_report(ptxas, ptx_path):
     """{kernel: {registers, stack, spill_stores, spill_loads, threads}} of one PTX file."""
     text = open(ptx_path).read()
@@ -63,16 +78,7 @@ def ptxas_report(ptxas, ptx_path):
     res = subprocess.run([ptxas, f"-arch={arch}", "-v", ptx_path, "-o", os.devnull],
                          capture_output=True, text=True)
     log = res.stdout + res.stderr
-    out = {}
-    for m in _PROPS.finditer(log):
-        out.setdefault(m.group(1), {}).update(stack=int(m.group(2)),
-                                              spill_stores=int(m.group(3)),
-                                              spill_loads=int(m.group(4)))
-    for block in re.split(r"(?=ptxas info\s+: Compiling entry function)", log):
-        name = re.search(r"Compiling entry function '(\S+)'", block)
-        regs = re.search(r"Used (\d+) registers", block)
-        if name and regs:
-            out.setdefault(name.group(1), {})["registers"] = int(regs.group(1))
+    out = parse_ptxas_log(log)
     for k, v in out.items():
         v["threads"] = threads.get(k)
         v["arch"] = arch
