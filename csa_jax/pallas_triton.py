@@ -82,7 +82,8 @@ class Config:
               num_warps_dkv, num_stages_dkv; dkv_split_d > 1 splits the [block_k_dkv, D] f32
               accumulator's columns over that many programs; each recomputes the tile's scores,
               so the kernel does (2 * split + 2) / 4 times the products, with a smaller
-              accumulator (not timed on a GPU yet).
+              accumulator. Never timed: with the default interm tiles it asked for 262,528 B
+              of shared memory on the H200 and did not compile (docs/perf/triton_h200.md).
     reduce:   block_r inverse-map entries summed per step, num_warps_reduce (memory bound).
     interm_f32: keep the per-slot intermediate in f32 even for bf16 inputs (2x its bytes).
     interm:   how the per-slot intermediate is formed. "gemm" (default): the dq kernel also
