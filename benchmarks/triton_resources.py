@@ -128,22 +128,6 @@ def compile_dump(fn, args, dump_root):
     return ptx, thunks, [os.path.basename(p) for p in new]
 
 
-def cuobjdump_report(ptxas, paths):
-    """{kernel: {registers, stack, local, shared_static}} from `cuobjdump -res-usage` of cubins."""
-    tool = os.path.join(os.path.dirname(ptxas), "cuobjdump")
-    out = {}
-    if not os.access(tool, os.X_OK):
-        return out
-    for path in paths:
-        res = subprocess.run([tool, "-res-usage", path], capture_output=True, text=True)
-        for m in re.finditer(r"Function (\S+):\s*\n\s*REG:(\d+) STACK:(\d+) SHARED:(\d+) "
-                             r"LOCAL:(\d+)", res.stdout):
-            out[m.group(1).rstrip(":")] = dict(registers=int(m.group(2)), stack=int(m.group(3)),
-                                               shared_static=int(m.group(4)),
-                                               local=int(m.group(5)))
-    return out
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--family", default="pro")
@@ -182,13 +166,8 @@ def main(argv=None):
                 for p in ptx:
                     kernels.update(ptxas_report(ptxas, p))
                 row["kernels"] = kernels
-                row["cuobjdump"] = cuobjdump_report(
-                    ptxas, [os.path.join(dump_root, f) for f in files if f.endswith(".cubin")])
-                if not kernels and row["cuobjdump"]:
-                    row["kernels"] = {k: dict(v, spill_stores=f"local {v['local']}")
-                                      for k, v in row["cuobjdump"].items()}
-                if not row["kernels"]:
-                    row["error"] = "no PTX or cubin found; new dump files: " + ", ".join(
+                if not kernels:
+                    row["error"] = "no PTX found; new dump files: " + ", ".join(
                         f for f in files if "module" in f and "jit_" in f)[:300]
             except Exception as e:  # noqa: BLE001
                 row["error"] = f"{type(e).__name__}: {e}"[:500]

@@ -384,6 +384,12 @@ def _dq_kernel(ntiles_ref, idx_ref, q_ref, do_ref, lse_ref, delta_ref, dlse_ref,
     delta = delta_ref[...]
     dlse = dlse_ref[...]
     ntiles = ntiles_ref[...]
+    dsp = dsp_ref[0] if dsp_ref else None
+
+    def store(i, ds_scaled, p):
+        cols = pl.ds(i * bk, bk)
+        dsp[0, :, cols] = ds_scaled.astype(dsp.dtype)
+        dsp[1, :, cols] = p.astype(dsp.dtype)
 
     def body(i, acc):
         rows, valid = _gather_tile(idx_ref, kv_ref, i * bk, bk)
@@ -391,24 +397,20 @@ def _dq_kernel(ntiles_ref, idx_ref, q_ref, do_ref, lse_ref, delta_ref, dlse_ref,
         p = blockmath.recompute_p(s, lse, valid[None, :])
         dp = pltriton.dot(do, rows, trans_b=True, precision=precision)
         ds = blockmath.softmax_grad(p, dp, delta, dlse)
-        if dsp_ref:
-            cols = pl.ds(i * bk, bk)
-            dsp_ref[0][0, :, cols] = (ds * scale).astype(dsp_ref[0].dtype)
-            dsp_ref[0][1, :, cols] = p.astype(dsp_ref[0].dtype)
+        if dsp is not None:
+            store(i, ds * scale, p)
         return acc + pltriton.dot(ds.astype(rows.dtype), rows, precision=precision)
 
     acc = lax.fori_loop(0, ntiles, body, jnp.zeros(q.shape, jnp.float32))
     dq_ref[...] = (acc * scale).astype(dq_ref.dtype)
-    if dsp_ref:   # tiles past the token's last non-empty slot: exact zeros, never garbage
-        out = dsp_ref[0]
-        zero = jnp.zeros((q.shape[0], bk), out.dtype)
+    if dsp is not None:   # tiles past the token's last non-empty slot: exact zeros, never garbage
+        zero = jnp.zeros((q.shape[0], bk), dsp.dtype)
 
         def clear(i, c):
-            out[0, :, pl.ds(i * bk, bk)] = zero
-            out[1, :, pl.ds(i * bk, bk)] = zero
+            store(i, zero, zero)
             return c
 
-        lax.fori_loop(ntiles, out.shape[-1] // bk, clear, 0)
+        lax.fori_loop(ntiles, dsp.shape[-1] // bk, clear, 0)
 
 
 def _interm_kernel(ntiles_ref, idx_ref, q_ref, do_ref, lse_ref, delta_ref, dlse_ref, kv_ref,
