@@ -67,6 +67,23 @@ def parse_ptxas_log(log):
     return out
 
 
+_OPS = {"wgmma": r"\bwgmma\.mma_async", "mma_sync": r"\bmma\.sync",
+        "cp_async": r"\bcp\.async\.(?:ca|cg)", "ld_local": r"\bld\.local",
+        "st_local": r"\bst\.local", "ld_global": r"\bld\.global"}
+
+
+def ptx_op_counts(text):
+    """{kernel: {op: count}} of static PTX instructions per .entry: which matrix instruction
+    Triton chose (wgmma is Hopper's; mma.sync the Ampere path), async copies, local memory."""
+    out = {}
+    parts = re.split(r"(?=^\.(?:visible\s+)?\.?entry\s)", text, flags=re.M)
+    for part in parts:
+        name = re.match(r"\.(?:visible\s+)?\.?entry\s+(\w+)", part)
+        if name:
+            out[name.group(1)] = {k: len(re.findall(v, part)) for k, v in _OPS.items()}
+    return out
+
+
 def ptxas_report(ptxas, ptx_path):
     """{kernel: {registers, stack, spill_stores, spill_loads, threads}} of one PTX file."""
     text = open(ptx_path).read()
@@ -79,9 +96,11 @@ def ptxas_report(ptxas, ptx_path):
                          capture_output=True, text=True)
     log = res.stdout + res.stderr
     out = parse_ptxas_log(log)
+    ops = ptx_op_counts(text)
     for k, v in out.items():
         v["threads"] = threads.get(k)
         v["arch"] = arch
+        v["ptx_ops"] = ops.get(k, {})
     if res.returncode != 0:
         out["_ptxas_error"] = {"log": log[-2000:]}
     return out
@@ -126,6 +145,12 @@ def compile_dump(fn, args, dump_root):
     for path in (p for p in new if p.endswith("thunk_sequence.txt")):
         thunks += [ln.strip()[:400] for ln in open(path) if "csa" in ln]
     return ptx, thunks, [os.path.basename(p) for p in new]
+
+
+def ops_cell(ops):
+    if not ops:
+        return "-"
+    return " / ".join(str(ops.get(k, "-")) for k in ("wgmma", "mma_sync", "cp_async", "ld_local"))
 
 
 def main(argv=None):
@@ -185,15 +210,15 @@ def main(argv=None):
             print(f"  {r['variant']} {r['part']}: {ln.split('kCustomKernel')[-1].strip()}")
     print(f"\n## pallas_triton compiler resources: {meta['device']}, {meta['problem']}")
     print("| variant | part | kernel | threads | registers/thread | stack B | spill stores B "
-          "| spill loads B |")
-    print("|---|---|---|---|---|---|---|---|")
+          "| spill loads B | PTX wgmma / mma.sync / cp.async / ld.local |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
             print(f"| {r['variant']} | {r['part']} | ERROR: {r['error'][:150]} |")
         for k, v in sorted(r.get("kernels", {}).items()):
             print(f"| {r['variant']} | {r['part']} | {k} | {v.get('threads')} | "
                   f"{v.get('registers')} | {v.get('stack')} | {v.get('spill_stores')} | "
-                  f"{v.get('spill_loads')} |")
+                  f"{v.get('spill_loads')} | {ops_cell(v.get('ptx_ops'))} |")
 
 
 if __name__ == "__main__":
