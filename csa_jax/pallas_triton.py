@@ -86,6 +86,12 @@ class Config:
               of shared memory on the H200 and did not compile (docs/perf/triton_h200.md).
     reduce:   block_r inverse-map entries summed per step, num_warps_reduce (memory bound).
     interm_f32: keep the per-slot intermediate in f32 even for bf16 inputs (2x its bytes).
+    slot_major (forward), slot_major_dq (dq kernel): form the scores as (rows q^T)^T instead of
+              q rows^T. The resident q (and dO) [heads, D] then feed the MMA as its second
+              operand, which Hopper's MMA reads from shared memory, instead of being held in
+              registers beside the [heads, D] f32 accumulator (the head-major kernels use all 255
+              registers per thread and spill; docs/perf/triton_h200.md). Costs shared memory:
+              the resident operands join the tile ring.
     interm:   how the per-slot intermediate is formed. "gemm" (default): the dq kernel also
               stores scale * dS and P [B, T, 2, H, K] (q's dtype, as the kernel path rounds them
               before its dots) and one batched GEMM per token in XLA contracts them with
@@ -114,6 +120,8 @@ class Config:
     num_warps_reduce: int = 4
     interm_f32: bool = False
     interm: str = "gemm"
+    slot_major: bool = False
+    slot_major_dq: bool = False
 
     def __post_init__(self):
         for name in ("block_k", "block_h", "block_k_dq", "block_h_dq", "block_k_dkv",
@@ -135,8 +143,9 @@ class Config:
                 raise ValueError(f"{name}={v!r} must be an int >= 1")
         if self.interm not in ("gemm", "kernel"):
             raise ValueError(f"interm={self.interm!r} must be 'gemm' or 'kernel'")
-        if not isinstance(self.interm_f32, bool):
-            raise ValueError(f"interm_f32={self.interm_f32!r} must be a bool")
+        for name in ("interm_f32", "slot_major", "slot_major_dq"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
 
 
 def _device_kind():
@@ -277,6 +286,17 @@ def _gather_tile(idx_ref, kv_ref, start, bk):
     return rows, valid
 
 
+def _scores(a, rows, slot_major, precision):
+    """a rows^T [hb, bk] for a resident [hb, D] operand a (q or dO) and a gathered tile.
+
+    slot_major computes it as (rows a^T)^T: a becomes the MMA's second operand (shared memory
+    on Hopper) rather than a register-resident first operand; the [bk, hb] result is
+    transposed in registers."""
+    if slot_major:
+        return pltriton.dot(rows, a, trans_b=True, precision=precision).T
+    return pltriton.dot(a, rows, trans_b=True, precision=precision)
+
+
 def _gather_rows(ref, rows, mask):
     """ref[rows, :] for a [n] vector of row ids, masked rows read as 0.
 
@@ -291,7 +311,7 @@ def _gather_rows(ref, rows, mask):
 
 def _fwd_kernel(ntiles_ref, idx_ref, q_ref, kv_ref, sink_ref,      # inputs
                 o_ref, lse_ref,                                    # outputs
-                *, scale, bk, precision):
+                *, scale, bk, precision, slot_major=False):
     # ntiles_ref (); idx_ref [Kp]; q_ref [hb, D]; kv_ref [N, D]; sink_ref [hb, 1]
     q = q_ref[...]
     hb, D = q.shape
@@ -299,7 +319,7 @@ def _fwd_kernel(ntiles_ref, idx_ref, q_ref, kv_ref, sink_ref,      # inputs
     def body(i, carry):
         m, l, acc = carry
         rows, valid = _gather_tile(idx_ref, kv_ref, i * bk, bk)
-        s = pltriton.dot(q, rows, trans_b=True, precision=precision) * scale  # [hb, bk]
+        s = _scores(q, rows, slot_major, precision) * scale                   # [hb, bk]
         m, l, p, alpha = blockmath.softmax_update(m, l, s, valid[None, :])
         acc = alpha * acc + pltriton.dot(p.astype(rows.dtype), rows, precision=precision)
         return m, l, acc
@@ -341,7 +361,8 @@ def _forward(q, kv, idx, sink, *, scale, interpret, config, kernel=None):
         b, t, h = coords(i)
         return b, t, h, 0
 
-    kernel = functools.partial(kernel or _fwd_kernel, scale=scale, bk=config.block_k,
+    kernel = kernel or functools.partial(_fwd_kernel, slot_major=config.slot_major)
+    kernel = functools.partial(kernel, scale=scale, bk=config.block_k,
                                precision=_precision(q.dtype))
     o, lse = pl.pallas_call(
         kernel,
@@ -377,7 +398,7 @@ def forward(q, kv, idx, sink, *, scale, interpret, config):
 
 def _dq_kernel(ntiles_ref, idx_ref, q_ref, do_ref, lse_ref, delta_ref, dlse_ref, kv_ref,  # in
                dq_ref, *dsp_ref,                                                          # out
-               scale, bk, precision):
+               scale, bk, precision, slot_major):
     # q_ref, do_ref [hb, D]; lse/delta/dlse [hb, 1]; dsp_ref (interm="gemm" only) [2, hb, Kp]:
     # this head block's scale * dS and P over all slots, in the dtype of the interm products.
     q = q_ref[...]
@@ -395,9 +416,9 @@ def _dq_kernel(ntiles_ref, idx_ref, q_ref, do_ref, lse_ref, delta_ref, dlse_ref,
 
     def body(i, acc):
         rows, valid = _gather_tile(idx_ref, kv_ref, i * bk, bk)
-        s = pltriton.dot(q, rows, trans_b=True, precision=precision) * scale  # [hb, bk]
+        s = _scores(q, rows, slot_major, precision) * scale                   # [hb, bk]
         p = blockmath.recompute_p(s, lse, valid[None, :])
-        dp = pltriton.dot(do, rows, trans_b=True, precision=precision)
+        dp = _scores(do, rows, slot_major, precision)
         ds = blockmath.softmax_grad(p, dp, delta, dlse)
         if dsp is not None:
             store(i, ds * scale, p)
@@ -539,7 +560,8 @@ def _dq_call(d, config, scale, interpret, prec, used, idx_p, q_p, do_p, lse_p, d
                                       lambda i: (*tok(i), 0, coords(i)[2], 0)))
         out_shape.append(jax.ShapeDtypeStruct((d.B, d.T, 2, d.Hp, d.Kp), dsp_dtype))
     return pl.pallas_call(
-        functools.partial(_dq_kernel, scale=scale, bk=bk, precision=prec),
+        functools.partial(_dq_kernel, scale=scale, bk=bk, precision=prec,
+                          slot_major=config.slot_major_dq),
         grid=(n,),
         in_specs=[
             pl.BlockSpec((None, None), tok),

@@ -50,13 +50,15 @@ def test_golden(case):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("with_sink", [True, False])
 def test_against_dense_oracle(rng, dtype, with_sink):
+    # with_sink=False also runs the slot-major score products (Config.slot_major*).
     # H = 20 pads to two head blocks of 16; K = 40 pads to three tiles of 16; D = 24 pads to 32.
     q, kv, idx, sink = random_problem(rng, T=10, H=20, D=24, K=40, dtype=dtype, sink=with_sink,
                                       empty_rows=2)
     scale = 0.7 * q.shape[-1] ** -0.5
     do = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
     dlse = jnp.asarray(rng.standard_normal(q.shape[:3]), jnp.float32)
-    o, lse, grads = _run(q, kv, idx, sink, do, dlse, scale=scale, config=SMALL)
+    cfg = SMALL if with_sink else dataclasses.replace(SMALL, slot_major=True, slot_major_dq=True)
+    o, lse, grads = _run(q, kv, idx, sink, do, dlse, scale=scale, config=cfg)
     o_r, lse_r, dq_r, dkv_r, dsink_r = dense_oracle(q, kv, idx, sink, scale, do, dlse)
     assert o.dtype == dtype and lse.dtype == jnp.float32
     assert_close(o, o_r, dtype, what="o")
@@ -66,11 +68,13 @@ def test_against_dense_oracle(rng, dtype, with_sink):
         assert_close(got, ref, dtype, factor=2.0, what=name)
 
 
-@pytest.mark.parametrize("interm,split", [("gemm", 1), ("kernel", 1), ("kernel", 2)])
-def test_structured_layout_matches_reference(rng, interm, split):
+@pytest.mark.parametrize("interm,split,slot_major", [("gemm", 1, False), ("kernel", 1, False),
+                                                     ("kernel", 2, False), ("gemm", 1, True)])
+def test_structured_layout_matches_reference(rng, interm, split, slot_major):
     """A window + causal pool list (the shape the benchmark runs) against the XLA impl, with the
     per-slot intermediate from the GEMM path and from the interm kernel (split=2: its
-    accumulator's columns split over two programs)."""
+    accumulator's columns split over two programs); slot_major: the forward's and the dq
+    kernel's scores formed as (rows q^T)^T."""
     T, P, H, D = 48, 12, 16, 32
     idx = jnp.broadcast_to(csa_jax.build_indices(T, 4, window=16,
                                                  pool_topk=csa_jax.pool_indices(T, 4)), (1, T, 28))
@@ -79,7 +83,8 @@ def test_structured_layout_matches_reference(rng, interm, split):
     sink = jnp.asarray(rng.standard_normal(H), jnp.float32)
     do = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
     dlse = jnp.zeros(q.shape[:3], jnp.float32)
-    cfg = dataclasses.replace(SMALL, dkv_split_d=split, interm=interm)
+    cfg = dataclasses.replace(SMALL, dkv_split_d=split, interm=interm, slot_major=slot_major,
+                              slot_major_dq=slot_major)
     o, lse, grads = _run(q, kv, idx, sink, do, dlse, scale=D ** -0.5, config=cfg)
 
     def loss(q, kv, sink):
@@ -123,6 +128,8 @@ def test_config_validation_and_defaults():
         pallas_triton.Config(dkv_split_d=3)
     with pytest.raises(ValueError, match="interm='scatter'"):
         pallas_triton.Config(interm="scatter")
+    with pytest.raises(ValueError, match="slot_major_dq=1"):
+        pallas_triton.Config(slot_major_dq=1)
     cfg = pallas_triton.default_config((1, 4096, 128, 512), (1, 5120, 512), (1, 4096, 1152),
                                        jnp.bfloat16)
     assert cfg.block_k <= 64 and cfg.num_stages >= 2 and cfg.block_h <= 64
@@ -140,16 +147,18 @@ def test_lowers_to_triton_ir(kind, platform):
     B, T, H, D, P, K = 1, 64, 128, 512, 16, 80
     q, kv = S((B, T, H, D), jnp.bfloat16), S((B, T + P, D), jnp.bfloat16)
     idx, sink, lse = S((B, T, K), jnp.int32), S((H,), jnp.float32), S((B, T, H), jnp.float32)
-    cfg = pallas_triton.Config(num_stages=2)
     mesh = AbstractMesh((1,), ("x",),
                         abstract_device=AbstractDevice(device_kind=kind, num_cores=None,
                                                        platform=platform))
-    fwd = lambda *a: pallas_triton.forward(*a, scale=0.05, interpret=False, config=cfg)
-    bwd = lambda *a: pallas_triton.backward(*a, scale=0.05, interpret=False, config=cfg)
-    with use_abstract_mesh(mesh):
-        texts = [jax.jit(fwd).trace(q, kv, idx, sink).lower(lowering_platforms=(platform,)),
-                 jax.jit(bwd).trace(q, kv, idx, sink, q, lse, q, lse).lower(
-                     lowering_platforms=(platform,))]
+    texts = []
+    for cfg in (pallas_triton.Config(num_stages=2),
+                pallas_triton.Config(num_stages=2, slot_major=True, slot_major_dq=True)):
+        fwd = lambda *a, c=cfg: pallas_triton.forward(*a, scale=0.05, interpret=False, config=c)
+        bwd = lambda *a, c=cfg: pallas_triton.backward(*a, scale=0.05, interpret=False, config=c)
+        with use_abstract_mesh(mesh):
+            texts += [jax.jit(fwd).trace(q, kv, idx, sink).lower(lowering_platforms=(platform,)),
+                      jax.jit(bwd).trace(q, kv, idx, sink, q, lse, q, lse).lower(
+                          lowering_platforms=(platform,))]
     for low in texts:
         assert "triton" in low.as_text().lower()
 
