@@ -121,7 +121,7 @@ class Config:
     interm_f32: bool = False
     interm: str = "gemm"
     slot_major: bool = False
-    slot_major_dq: bool = False
+    slot_major_dq: bool = True
 
     def __post_init__(self):
         for name in ("block_k", "block_h", "block_k_dq", "block_h_dq", "block_k_dkv",
@@ -196,7 +196,8 @@ def default_config(q_shape, kv_shape, idx_shape, dtype) -> Config:
     cfg = Config()
     if _is_amd(platform, kind):
         cfg = dataclasses.replace(cfg, block_k=32, block_k_dkv=32, block_h_dq=32, block_k_dq=32,
-                                  num_stages_dq=2, block_h_dkv=16, num_stages=2)
+                                  num_stages_dq=2, block_h_dkv=16, num_stages=2,
+                                  slot_major_dq=False)
     if jnp.dtype(dtype) == jnp.float32:
         cfg = dataclasses.replace(cfg, block_k=cfg.block_k // 2, block_k_dkv=cfg.block_k_dkv // 2,
                                   block_h_dq=cfg.block_h_dq // 2, num_stages=2)

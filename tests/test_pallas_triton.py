@@ -17,7 +17,7 @@ from conftest import assert_close, dense_oracle, golden, random_problem
 
 # Small tiles so that the tiny problems below still walk several tiles and head blocks.
 SMALL = pallas_triton.Config(block_k=16, block_h=16, block_k_dq=16, block_h_dq=16, block_k_dkv=16,
-                             block_h_dkv=16, block_r=4, num_stages=2)
+                             block_h_dkv=16, block_r=4, num_stages=2, slot_major_dq=False)
 
 
 def _run(q, kv, idx, sink, do, dlse, *, scale, config):
