@@ -15,6 +15,8 @@ their repeated gathers hit L2):
   tails (early tokens of cr4 / cr128) cost nothing.
 - dq, program = (b, t, head block): recompute p from lse, dp = dO kv^T, ds, dq += ds kv; with
   Config.interm="gemm" (default) it also stores scale*ds and p of every slot, [B, T, 2, H, K].
+  On NVIDIA its score products are slot-major (Config.slot_major_dq): q and dO sit in shared
+  memory as the MMA's second operand instead of in registers beside the accumulator.
 - per-slot intermediate, "gemm": interm[t] = [scale*dS; P]^T [q; dO], one batched GEMM per token
   in XLA (contraction over 2H). "kernel", program = (b, t, slot tile[, column chunk]): the tile
   is gathered once and every head block of the token streams past it: interm[t, j] =
@@ -27,7 +29,8 @@ their repeated gathers hit L2):
 
 Not implemented: window reuse for structured layouts (cr0 / cr128 contiguous-tile loads shared by
 a block of tokens); every layout goes through the generic gather. docs/perf/triton_h200.md has the
-measured speed and what limits it.
+measured speed and what limits it (registers and spills, not gathered bytes: a probe that
+gathers cache-resident rows is at most 9% faster).
 
 Padding (inside this module only): D to a power of two >= 16, H to a multiple of the head block,
 K to a multiple of block_k (with -1). Triton needs power-of-two block shapes and dots of >= 16.
@@ -181,14 +184,17 @@ def default_config(q_shape, kv_shape, idx_shape, dtype) -> Config:
     """Defaults by device kind, clipped to the problem.
 
     NVIDIA (and CPU interpret): the Config defaults, measured on the H200 (docs/perf/triton_h200.md):
-    forward 8 warps, 3 stages, 64-row tiles, 64 heads (4 warps ran 2.3x slower, 32 heads 1.5x);
+    forward 8 warps, 3 stages, 64-row tiles, 64 heads (4 warps ran 2.3x slower, 16 warps 2.5x,
+    32 heads 1.5x);
     dq 4 warps, 32 heads, 32-row tiles, 3 stages (with the GEMM interm path: Pro cr4 T=16384
     backward 54.9 ms, against 72.7 ms for 64-row tiles / 2 stages and 90.9 ms for 64 heads /
-    8 warps); interm kernel (interm="kernel" only) 4 warps, 64-row tiles (8 warps ran 4.6x
-    slower, 32-row tiles 8x). AMD (ROCm): <= 32-row
-    tiles and 2 stages, so each program's shared memory stays near the 64 KiB LDS of MI300-class
-    GPUs (not measured: no AMD GPU was available). f32 inputs halve the tile rows (twice the
-    bytes per row). Tiles never exceed the padded slot count, head blocks never the padded heads.
+    8 warps), slot-major scores (47.5 ms; docs/perf/triton_h200.md table 4); forward scores
+    head-major (slot-major ran 1.3-1.7x slower); interm kernel (interm="kernel" only) 4 warps,
+    64-row tiles (8 warps ran 4.6x slower, 32-row tiles 8x). AMD (ROCm): <= 32-row tiles,
+    2 stages and head-major dq scores, so each program's shared memory stays near the 64 KiB
+    LDS of MI300-class GPUs (not measured: no AMD GPU was available). f32 inputs halve the tile
+    rows (twice the bytes per row). Tiles never exceed the padded slot count, head blocks never
+    the padded heads.
     """
     del kv_shape
     platform, kind = _device_kind()
