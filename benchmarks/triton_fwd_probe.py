@@ -10,7 +10,8 @@ the tile loop differs:
 
   full       the library's kernel (checked against impl="xla" on the same inputs: o and lse)
   contig     the same number of rows per tile, but read as one contiguous run of kv rows
-             (pl.ds) instead of the pointer gather: the cost of gathering
+             (pl.ds) instead of the pointer gather: the cost of gathering (on the H200 with
+             the default tiles Triton asks 262,656 B of shared memory for it: no compile)
   hot        the pointer gather of rows 0..block_k-1 in every tile (L1/L2-resident): compute
              and load issue without memory traffic
   nosoftmax  gathered rows, both products, but P = S (no max, exp, rescale): the softmax's cost
