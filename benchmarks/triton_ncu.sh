@@ -6,7 +6,7 @@
 #
 # Profiles the first launch of each kernel in a bench_csa.py run (default: Pro cr4 causal,
 # T=4096, forward and backward, one timed rep, no check) and writes OUTDIR/ncu_fwd.txt and
-# OUTDIR/ncu_dq.txt. Clocks are left alone (--clock-control none), as METHOD.md asks.
+# OUTDIR/ncu_dq.txt (KERNELS="dq" profiles only that one). Clocks are left alone (--clock-control none), as METHOD.md asks.
 # Needs an NVIDIA GPU whose runtime lets ncu read the counters (Firecracker machines do).
 set -euo pipefail
 out=${1:?usage: triton_ncu.sh OUTDIR [bench_csa.py args...]}
@@ -18,7 +18,7 @@ args=("$@")
 [ ${#args[@]} -gt 0 ] || args=(--impls pallas_triton --families pro --ratios 4 --seqs 4096
                               --cr4-indices causal --modes fwd,bwd --reps 1 --check none)
 here=$(cd "$(dirname "$0")" && pwd)
-for k in fwd dq; do
+for k in ${KERNELS:-fwd dq}; do
   "$ncu" --clock-control none --kernel-name "regex:csa_triton_$k" --launch-count 1 \
     --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
     --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
