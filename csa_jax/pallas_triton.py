@@ -92,9 +92,9 @@ class Config:
     slot_major (forward), slot_major_dq (dq kernel): form the scores as (rows q^T)^T instead of
               q rows^T. The resident q (and dO) [heads, D] then feed the MMA as its second
               operand, which Hopper's MMA reads from shared memory, instead of being held in
-              registers beside the [heads, D] f32 accumulator (the head-major kernels use all 255
-              registers per thread and spill; docs/perf/triton_h200.md). Costs shared memory:
-              the resident operands join the tile ring.
+              registers beside the [heads, D] f32 accumulator. On the H200 the head-major dq
+              kernel spilled 10.1 M requests per launch and the slot-major one 0.13 M, with the
+              same shared memory per program (docs/perf/triton_h200.md).
     interm:   how the per-slot intermediate is formed. "gemm" (default): the dq kernel also
               stores scale * dS and P [B, T, 2, H, K] (q's dtype, as the kernel path rounds them
               before its dots) and one batched GEMM per token in XLA contracts them with
@@ -191,8 +191,9 @@ def default_config(q_shape, kv_shape, idx_shape, dtype) -> Config:
     8 warps), slot-major scores (47.5 ms; docs/perf/triton_h200.md table 4); forward scores
     head-major (slot-major ran 1.3-1.7x slower); interm kernel (interm="kernel" only) 4 warps,
     64-row tiles (8 warps ran 4.6x slower, 32-row tiles 8x). AMD (ROCm): <= 32-row tiles,
-    2 stages and head-major dq scores, so each program's shared memory stays near the 64 KiB
-    LDS of MI300-class GPUs (not measured: no AMD GPU was available). f32 inputs halve the tile
+    2 stages, so each program's shared memory stays near the 64 KiB LDS of MI300-class GPUs,
+    and head-major dq scores (AMD's matrix instructions read both operands from registers, so
+    the slot-major form frees none); not measured, no AMD GPU was available. f32 inputs halve the tile
     rows (twice the bytes per row). Tiles never exceed the padded slot count, head blocks never
     the padded heads.
     """
