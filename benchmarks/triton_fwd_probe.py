@@ -44,12 +44,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_csa import flops, make_problem, parse_variants, time_fn  # noqa: E402
 
 
-def _finish(o_ref, lse_ref, sink_ref, m, l, acc):
-    o, lse = blockmath.finalize(m, l, acc, sink_ref[...])
-    o_ref[...] = o.astype(o_ref.dtype)
-    lse_ref[...] = lse
-
-
 def _loop_probe(tile_fn):
     """A forward kernel whose tile step is tile_fn(i, q, carry, idx_ref, kv_ref, bk, ...)."""
     def kernel(ntiles_ref, idx_ref, q_ref, kv_ref, sink_ref, o_ref, lse_ref, *, scale, bk,
@@ -59,16 +53,8 @@ def _loop_probe(tile_fn):
         body = functools.partial(tile_fn, q=q, idx_ref=idx_ref, kv_ref=kv_ref, bk=bk,
                                  scale=scale, precision=precision)
         m, l, acc = lax.fori_loop(0, ntiles_ref[...], body, blockmath.init_state((hb,), D))
-        _finish(o_ref, lse_ref, sink_ref, m, l, acc)
+        pt._fwd_store(o_ref, lse_ref, sink_ref, m, l, acc)
     return kernel
-
-
-def _softmax_step(carry, q, rows, valid, scale, precision):
-    m, l, acc = carry
-    s = pt.pltriton.dot(q, rows, trans_b=True, precision=precision) * scale
-    m, l, p, alpha = blockmath.softmax_update(m, l, s, valid[None, :])
-    acc = alpha * acc + pt.pltriton.dot(p.astype(rows.dtype), rows, precision=precision)
-    return m, l, acc
 
 
 def _contig(i, carry, *, q, idx_ref, kv_ref, bk, scale, precision):
@@ -77,14 +63,14 @@ def _contig(i, carry, *, q, idx_ref, kv_ref, bk, scale, precision):
     n = kv_ref.shape[0]
     base = jnp.clip(idx_ref[0], 0, n - bk)                 # any in-range run of rows
     rows = kv_ref[pl.ds(jnp.minimum(base + i * bk, n - bk), bk), :]
-    return _softmax_step(carry, q, rows, valid, scale, precision)
+    return pt._fwd_step(carry, q, rows, valid, scale=scale, precision=precision)
 
 
 def _hot(i, carry, *, q, idx_ref, kv_ref, bk, scale, precision):
     valid = idx_ref[pl.ds(i * bk, bk)] >= 0
     ids = (i * bk + lax.broadcasted_iota(jnp.int32, (bk,), 0)) % bk       # rows 0..bk-1
     rows = pt._gather_rows(kv_ref, ids, valid)
-    return _softmax_step(carry, q, rows, valid, scale, precision)
+    return pt._fwd_step(carry, q, rows, valid, scale=scale, precision=precision)
 
 
 def _nosoftmax(i, carry, *, q, idx_ref, kv_ref, bk, scale, precision):
@@ -107,7 +93,7 @@ def _noloop(ntiles_ref, idx_ref, q_ref, kv_ref, sink_ref, o_ref, lse_ref, *, sca
             precision):
     q = q_ref[...].astype(jnp.float32)
     m, l, _ = blockmath.init_state((q.shape[0],), q.shape[1])
-    _finish(o_ref, lse_ref, sink_ref, m, l + 1.0, q)
+    pt._fwd_store(o_ref, lse_ref, sink_ref, m, l + 1.0, q)
 
 
 PROBES = {

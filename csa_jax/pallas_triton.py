@@ -193,9 +193,9 @@ def default_config(q_shape, kv_shape, idx_shape, dtype) -> Config:
     64-row tiles (8 warps ran 4.6x slower, 32-row tiles 8x). AMD (ROCm): <= 32-row tiles,
     2 stages, so each program's shared memory stays near the 64 KiB LDS of MI300-class GPUs,
     and head-major dq scores (AMD's matrix instructions read both operands from registers, so
-    the slot-major form frees none); not measured, no AMD GPU was available. f32 inputs halve the tile
-    rows (twice the bytes per row). Tiles never exceed the padded slot count, head blocks never
-    the padded heads.
+    the slot-major form frees none); not measured, no AMD GPU was available. f32 inputs halve
+    the tile rows (twice the bytes per row). Tiles never exceed the padded slot count, head
+    blocks never the padded heads.
     """
     del kv_shape
     platform, kind = _device_kind()
@@ -317,6 +317,22 @@ def _gather_rows(ref, rows, mask):
 # ----------------------------------------------------------------------------- forward
 
 
+def _fwd_step(carry, q, rows, valid, *, scale, precision, slot_major=False):
+    """One online-softmax step of the forward over a gathered tile rows [bk, D]."""
+    m, l, acc = carry
+    s = _scores(q, rows, slot_major, precision) * scale                       # [hb, bk]
+    m, l, p, alpha = blockmath.softmax_update(m, l, s, valid[None, :])
+    acc = alpha * acc + pltriton.dot(p.astype(rows.dtype), rows, precision=precision)
+    return m, l, acc
+
+
+def _fwd_store(o_ref, lse_ref, sink_ref, m, l, acc):
+    """Join the sink, normalize, and write o [hb, D] and lse [hb, 1]."""
+    o, lse = blockmath.finalize(m, l, acc, sink_ref[...])
+    o_ref[...] = o.astype(o_ref.dtype)
+    lse_ref[...] = lse
+
+
 def _fwd_kernel(ntiles_ref, idx_ref, q_ref, kv_ref, sink_ref,      # inputs
                 o_ref, lse_ref,                                    # outputs
                 *, scale, bk, precision, slot_major=False):
@@ -325,17 +341,12 @@ def _fwd_kernel(ntiles_ref, idx_ref, q_ref, kv_ref, sink_ref,      # inputs
     hb, D = q.shape
 
     def body(i, carry):
-        m, l, acc = carry
         rows, valid = _gather_tile(idx_ref, kv_ref, i * bk, bk)
-        s = _scores(q, rows, slot_major, precision) * scale                   # [hb, bk]
-        m, l, p, alpha = blockmath.softmax_update(m, l, s, valid[None, :])
-        acc = alpha * acc + pltriton.dot(p.astype(rows.dtype), rows, precision=precision)
-        return m, l, acc
+        return _fwd_step(carry, q, rows, valid, scale=scale, precision=precision,
+                         slot_major=slot_major)
 
     m, l, acc = lax.fori_loop(0, ntiles_ref[...], body, blockmath.init_state((hb,), D))
-    o, lse = blockmath.finalize(m, l, acc, sink_ref[...])
-    o_ref[...] = o.astype(o_ref.dtype)
-    lse_ref[...] = lse
+    _fwd_store(o_ref, lse_ref, sink_ref, m, l, acc)
 
 
 def _token_head_grid(d, hb):
