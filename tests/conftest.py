@@ -17,7 +17,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-GOLDEN_DIR = REPO.parent / "shared" / "golden"
+GOLDEN_DIR = REPO / "tests" / "golden"   # copies of ../shared/golden (README there)
 GOLDEN_FILES = {
     "cr0": "v4_sliding_attention_s0.npz",
     "cr4": "v4_compressed_sparse_attention_s0.npz",
@@ -31,7 +31,7 @@ TOL = {jnp.dtype(jnp.float32): 1e-5, jnp.dtype(jnp.bfloat16): 2e-2, jnp.dtype(jn
 def golden(name):
     path = GOLDEN_DIR / GOLDEN_FILES[name]
     if not path.exists():
-        pytest.fail(f"golden case missing: {path} (shared/ must sit beside the repo)")
+        pytest.fail(f"golden case missing: {path} (tests/golden/ holds the three public cases)")
     return dict(np.load(path))
 
 
