@@ -30,16 +30,23 @@ Backward for one tile:
 Ring of `depth` slots over a flat stream of tiles (step = token * n_tiles + tile): the prologue
 issues steps 0 .. depth-2, step i waits on slot `ring_slot(i, depth)`, computes, then issues step
 `i + lookahead(depth)` into the slot that step i-1 freed. This API is stable: add, don't change.
+
+Also here, because every impl needs them once: the CSR inverse map of an index list
+(`inverse_map`, used by the reference and every kernel's deterministic dkv), `round_up`,
+`precision` (the dot precision per input dtype) and `resolve_interpret` (interpret=None).
 """
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
+from jax import lax
 
 from csa_jax.common import NEG_INIT, finalize_lse
 
 __all__ = [
     "init_state", "softmax_update", "finalize", "recompute_p", "softmax_grad",
     "ring_slot", "lookahead", "step_coords", "flat_step", "num_tiles",
+    "round_up", "precision", "resolve_interpret", "inverse_map",
 ]
 
 
@@ -121,3 +128,39 @@ def flat_step(token, tile, n_tiles):
 def num_tiles(k, block_k):
     """Tiles of block_k slots covering k slots (the last one padded with empty slots)."""
     return -(-k // block_k)
+
+
+# ----------------------------------------------------------------------------- shared helpers
+
+def round_up(x, m):
+    """x rounded up to a multiple of m (Python ints)."""
+    return -(-x // m) * m
+
+
+def precision(dtype):
+    """Dot precision for inputs of this dtype: HIGHEST for f32 (true f32 products; the default
+    is TF32 on NVIDIA and bf16 passes on TPU), the native MMA (None) for bf16 / f16."""
+    return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+
+
+def resolve_interpret(interpret, platforms):
+    """interpret=None -> interpret mode unless the default backend is one of `platforms` (the
+    kernel's own hardware); any other value is passed through (True/False/InterpretParams)."""
+    if interpret is None:
+        return jax.default_backend() not in platforms
+    return interpret
+
+
+def inverse_map(idx, num_kv, num_rows):
+    """CSR inverse of idx [B, E] (flat slots): (perm [B, E], key [B, E], offsets [B, R+1]).
+
+    perm lists the slots sorted by kv row (stable, so the slots of one row stay in slot order;
+    empty slots sort last under key num_kv); key = the row of each sorted entry; the entries of
+    row r are perm[offsets[r]:offsets[r+1]]. num_rows >= num_kv (rows past num_kv are empty)."""
+    key = jnp.where(idx >= 0, idx, num_kv).astype(jnp.int32)
+    perm = jnp.argsort(key, axis=-1, stable=True).astype(jnp.int32)
+    skey = jnp.take_along_axis(key, perm, axis=-1)
+    # rows past num_kv are empty: clamp so the empty slots (key num_kv) belong to no row
+    rows = jnp.minimum(jnp.arange(num_rows + 1, dtype=jnp.int32), num_kv)
+    offs = jax.vmap(lambda k: jnp.searchsorted(k, rows, side="left"))(skey).astype(jnp.int32)
+    return perm, skey, offs

@@ -17,7 +17,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 import csa_jax
 from csa_jax import blockmath as bm
-from csa_jax import pallas_tpu as pt
+from csa_jax.kernels import tpu as pt
+from csa_jax.kernels.tpu.forward import _forward_impl
 from csa_jax.common import sanitize_indices
 from conftest import assert_close, dense_oracle, golden, random_problem
 
@@ -306,12 +307,12 @@ def test_dma_counts(rng):
     Window reuse: one DMA per contiguous tile, far fewer per token."""
     q, kv, idx, sink = random_problem(rng, B=1, T=16, H=2, D=16, K=12)
     idx = sanitize_indices(idx, kv.shape[1])
-    *_, cnt = pt._forward_impl(q, kv, idx, sink, scale=0.2, interpret=True,
+    *_, cnt = _forward_impl(q, kv, idx, sink, scale=0.2, interpret=True,
                                config=pt.Config(block_t=8, block_k=8), count_dmas=True)
     assert int(cnt.sum()) == int((idx >= 0).sum())
     T, w = 64, 16
     q, kv, idx, sink, lay = _structured_problem(rng, "cr0", T=T, w=w, B=1, H=2, D=16)
-    *_, cnt = pt._forward_impl(q, kv, idx, sink, scale=0.2, interpret=True,
+    *_, cnt = _forward_impl(q, kv, idx, sink, scale=0.2, interpret=True,
                                config=pt.Config(block_t=8, block_k=8, **lay), count_dmas=True)
     # block i streams the rows [max(8i - 15, 0), 8i + 8) in 8-row tiles
     want = [-(-(8 * i + 8 - max(8 * i - w + 1, 0)) // 8) for i in range(T // 8)]
@@ -407,7 +408,7 @@ def test_race_detector_catches_wait_after_read(rng, layout):
         raised = ""
         with _race_report() as rep:
             try:
-                o, _ = pt._forward_impl(q, kv, idx, sink, scale=0.25, interpret=RACES,
+                o, _ = _forward_impl(q, kv, idx, sink, scale=0.25, interpret=RACES,
                                         config=cfg, broken=broken)
                 jax.block_until_ready(o)
             except Exception as e:  # jax >= 0.12 raises on a race (on_race="raise")

@@ -1,0 +1,1 @@
+"""Kernel packages, one per Pallas dialect (each an impl module; see csa_jax/vjp.py)."""

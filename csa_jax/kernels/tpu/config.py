@@ -1,0 +1,165 @@
+"""TPU kernel config: the tuning knobs, their defaults, and the layout promise check."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+from csa_jax import blockmath as bm
+
+LAYOUTS = ("generic", "cr0", "cr4", "cr128")
+# Where the kernels run compiled; elsewhere interpret=None means interpret mode.
+PLATFORMS = ("tpu",)
+
+
+
+# ----------------------------------------------------------------------------- config
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Tuning knobs of the TPU kernels (hashable, validated in __post_init__).
+
+    block_t      tokens per program (a program owns all H heads of its tokens).
+    block_k      rows per ring slot: one gathered tile (block_k slots of one token) or one
+                 contiguous tile (block_k consecutive kv rows: window union or cr128 pool).
+    depth        ring slots, 2..4: depth - 1 tiles are in flight while one is computed.
+    block_r      kv rows (or row segments) per program of the CSR gather-reduce forming dkv.
+    fanin_split  slots per segment of that reduce: a row used by more slots is summed in
+                 segments by several programs, then the segments are added (fixed order).
+    slot_chunk   gathered slots per backward launch (None = all): bounds the per-slot f32
+                 intermediate [T, slot_chunk, D]; a multiple of block_k.
+    explicit_transpose  write ds^T q and p^T dO as x.T @ y instead of transposed-operand dots
+                 (exists only to measure the difference on hardware).
+    layout       what the caller promises about idx (csa_spec.md section 4):
+                 "generic" (default): nothing; every slot is gathered by its own DMA.
+                 "cr0":   slots [0, window) hold token t's window rows max(0, t-window+1)..t
+                          (each once, any order, -1 for the rest) and every later slot is -1.
+                 "cr4":   the same window; slots [window, K) are arbitrary (gathered per row).
+                 "cr128": the same window; slots [window, K) hold pool rows T + p for every
+                          p < (t + 1) // pool_ratio (any order), -1 elsewhere; N - T pool rows.
+                 Structured layouts fetch the window union of a token block (and the cr128 pool)
+                 as contiguous tiles, one DMA per tile, and ignore idx there; check_layout
+                 verifies the promise (forward calls it whenever idx is concrete).
+    window, pool_ratio  the layout's window size and (cr128) pool ratio.
+    """
+    block_t: int = 8
+    block_k: int = 128
+    depth: int = 2
+    block_r: int = 64
+    slot_chunk: int | None = None
+    explicit_transpose: bool = False
+    layout: str = "generic"
+    window: int = 128
+    pool_ratio: int = 128
+    fanin_split: int = 512
+
+    def __post_init__(self):
+        for name in ("block_t", "block_k", "block_r", "window", "pool_ratio", "fanin_split"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"Config.{name}={v!r} must be a positive int")
+        if self.block_k % 8:
+            raise ValueError(f"Config.block_k={self.block_k} must be a multiple of 8")
+        if self.block_r % 8:
+            raise ValueError(f"Config.block_r={self.block_r} must be a multiple of 8")
+        if self.depth not in (2, 3, 4):
+            raise ValueError(f"Config.depth={self.depth!r} must be 2, 3 or 4")
+        if self.slot_chunk is not None and (
+                isinstance(self.slot_chunk, bool) or not isinstance(self.slot_chunk, int)
+                or self.slot_chunk < 1 or self.slot_chunk % self.block_k):
+            raise ValueError(f"Config.slot_chunk={self.slot_chunk!r} must be None or a positive "
+                             f"multiple of block_k={self.block_k}")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"Config.layout={self.layout!r} must be one of {LAYOUTS}")
+        if self.pool_ratio < 2:
+            raise ValueError(f"Config.pool_ratio={self.pool_ratio} must be >= 2")
+
+
+
+def default_config(q_shape, kv_shape, idx_shape, dtype, *, layout="generic", window=128,
+                   pool_ratio=128) -> Config:
+    """The default Config for these shapes (what the public op uses when given none).
+
+    Rule. block_k = 128 (one lane-width tile) when K >= 128, else K rounded up to 8.
+    block_t: generic layout 8 tokens (a sublane tile of o; T itself when T < 8); structured
+    layouts (window reuse) as many tokens as keep the block's (token, head) rows near 256
+    (256 // H rounded down to 8, at least 8; T itself when T is smaller), because a larger block
+    shares one window union among more tokens (DMAs per token ~ (block_t + window) / block_t /
+    block_k). depth 3 when a program streams at least 4 tiles (two loads in flight), else 2.
+    block_r = 64, fanin_split = 512. slot_chunk = None (whole K) unless the f32 per-slot
+    intermediate T*K*D*4 of one sequence would exceed 1 GiB, then the largest multiple of
+    block_k that fits.
+    layout / window / pool_ratio are passed through (the caller's promise about idx)."""
+    del dtype, kv_shape
+    _, t, h, d = q_shape
+    k = idx_shape[-1]
+    block_k = 128 if k >= 128 else bm.round_up(max(k, 1), 8)
+    if layout == "generic":
+        block_t = min(8, t)
+        n_steps = block_t * bm.num_tiles(k, block_k)
+    else:
+        cap = max(8, (256 // h) // 8 * 8)
+        block_t = t if t <= cap else cap
+        n_steps = bm.num_tiles(block_t + window - 1, block_k) + bm.num_tiles(k - window, block_k)
+    depth = 3 if n_steps >= 4 else 2
+    slot_chunk = None
+    if t * k * d * 4 > (1 << 30):
+        slot_chunk = max(block_k, ((1 << 30) // (t * d * 4)) // block_k * block_k)
+    return Config(block_t=block_t, block_k=block_k, depth=depth, slot_chunk=slot_chunk,
+                  layout=layout, window=window, pool_ratio=pool_ratio)
+
+
+def _sorted_rows(x):
+    """Each row's non-empty ids in ascending order, empties (-1) moved to the end as -1."""
+    big = np.iinfo(np.int32).max
+    x = np.sort(np.where(x >= 0, x, big), axis=-1)
+    return np.where(x == big, -1, x)
+
+
+def check_layout(idx, num_kv, config):
+    """Eager check that a concrete idx [B, T, K] keeps the promise of config.layout (see Config);
+    raises ValueError naming the first token whose slots break it. No-op for "generic"."""
+    if config.layout == "generic":
+        return
+    idx = np.asarray(idx)
+    _, t, k = idx.shape
+    w = config.window
+    if k < w:
+        raise ValueError(f"layout={config.layout!r} needs K >= window, got K={k}, window={w}")
+    tok = np.arange(t)[:, None]
+    j = np.arange(w)[None, :]
+    start = np.maximum(tok - w + 1, 0)
+    want_win = np.where(j <= tok - start, start + j, -1)                  # [T, window]
+    checks = [("window", idx[:, :, :w], want_win, slice(None, w))]
+    if config.layout == "cr0":
+        checks.append(("-1 (nothing after the window)", idx[:, :, w:],
+                       np.full((t, k - w), -1), slice(w, None)))
+    if config.layout == "cr128":
+        j = np.arange(k - w)[None, :]
+        visible = (tok + 1) // config.pool_ratio
+        if num_kv < t + visible.max(initial=0):
+            raise ValueError(f"layout='cr128': {num_kv=} kv rows cannot hold the "
+                             f"{visible.max()} pool rows visible at T={t}")
+        checks.append(("the visible pool", idx[:, :, w:], np.where(j < visible, t + j, -1),
+                       slice(w, None)))
+    for what, got, want, sl in checks:
+        got = _sorted_rows(got)
+        bad = np.argwhere(np.any(got != want[None], axis=-1))
+        if bad.size:
+            b, tk = (int(v) for v in bad[0])
+            raise ValueError(
+                f"layout={config.layout!r}: idx[{b}, {tk}, {sl.start or 0}:{sl.stop or k}] holds "
+                f"rows {sorted(int(v) for v in got[b, tk] if v >= 0)}, expected {what} "
+                f"{sorted(int(v) for v in want[tk] if v >= 0)}")
+
+
+def _maybe_check_layout(idx, n, config):
+    """check_layout when idx is concrete; under jit (a tracer) the promise is trusted."""
+    if config.layout == "generic":
+        return
+    try:
+        idx = np.asarray(idx)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return
+    check_layout(idx, n, config)

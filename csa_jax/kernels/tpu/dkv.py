@@ -1,0 +1,179 @@
+"""dkv reductions of the TPU backward: the CSR gather-reduce kernel over gathered slots and the
+closed-form inverse maps of window / pool tiles. Fixed summation order everywhere."""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from csa_jax import blockmath as bm
+from csa_jax.blockmath import inverse_map
+from csa_jax.kernels.tpu.config import PLATFORMS
+from csa_jax.kernels.tpu.ring import _Ring, _stream
+
+
+def _dkv_kernel(
+        # prefetch
+        perm_smem,   # [B * E] int32: slot of each sorted entry
+        key_smem,    # [B * E] int32: kv row of each sorted entry
+        offs_smem,   # [B * (R + 1)] int32: CSR row offsets
+        # inputs
+        interm_hbm,  # [B, E, D] f32 (HBM)
+        # outputs
+        dkv_ref,     # [block_r, D] f32
+        # scratch
+        ring_ref, sems,
+        *, num_entries, num_rows):
+    b, j = pl.program_id(0), pl.program_id(1)
+    block_r = dkv_ref.shape[0]
+    rows = ring_ref.shape[1]
+    r0 = j * block_r
+    start = offs_smem[b * (num_rows + 1) + r0]
+    end = offs_smem[b * (num_rows + 1) + r0 + block_r]
+
+    def entry(g, r):
+        e = start + g * rows + r
+        return e, b * num_entries + jnp.minimum(e, num_entries - 1)   # clamp: never read OOB
+
+    def gather_row(g, r):
+        e, flat = entry(g, r)
+        return jnp.where(e < end, perm_smem[flat], -1)
+
+    dkv_ref[...] = jnp.zeros(dkv_ref.shape, jnp.float32)
+
+    def consume(step, slot):
+        # Entries are added one by one in sorted (row, slot) order: a fixed summation order,
+        # hence bit-identical dkv across runs and program orders.
+        def body(r, c):
+            e, flat = entry(step, r)
+
+            @pl.when(e < end)
+            def _():
+                row = key_smem[flat] - r0
+                dkv_ref[pl.ds(row, 1), :] += ring_ref[slot, pl.ds(r, 1), :]
+            return c
+
+        lax.fori_loop(0, rows, body, 0)
+
+    ring = _Ring(interm_hbm.at[b], ring_ref, sems, gather=True, gather_row=gather_row)
+    _stream(ring, bm.num_tiles(end - start, rows), consume)
+
+
+def _csr_reduce(values, perm, key, offs, *, interpret, config):
+    """out[b, r] = sum of values[b, perm[b, e]] over e in [offs[b, r], offs[b, r+1]) (whose
+    key[b, e] == r), in e order. values [B, E, D] f32; offs [B, R+1] with R a multiple of
+    block_r. Returns [B, R, D] f32."""
+    bsz, e, d = values.shape
+    br = config.block_r
+    r = offs.shape[1] - 1
+    kernel = functools.partial(_dkv_kernel, num_entries=e, num_rows=r)
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=3,
+        grid=(bsz, r // br),
+        in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+        out_specs=pl.BlockSpec((None, br, d), lambda b, j, *_: (b, j, 0)),
+        scratch_shapes=[pltpu.VMEM((config.depth, config.block_k, d), jnp.float32),
+                        pltpu.SemaphoreType.DMA((config.depth,))],
+    )
+    return pl.pallas_call(
+        kernel,
+        grid_spec=grid_spec,
+        out_shape=jax.ShapeDtypeStruct((bsz, r, d), jnp.float32),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
+        interpret=bm.resolve_interpret(interpret, PLATFORMS),
+        name="csa_dkv_reduce_tpu",
+    )(perm.reshape(-1), key.reshape(-1), offs.reshape(-1), values)
+
+
+def split_map(key, offs, num_kv, seg_len, block_r):
+    """Split every row's entry list into segments of at most seg_len entries (fan-in skew).
+
+    key [B, E] / offs [B, R+1]: a CSR from inverse_map. Returns (seg [B, E]: the segment of each
+    sorted entry, numbered in entry order, s_pad for empty slots; seg_offs [B, S+1]: the CSR of
+    entries by segment; row_of_seg [B, S]: the row of each segment, num_kv past the last;
+    row_offs [B, R+1]: the CSR of segments by row), with S = s_pad a static bound (multiple of
+    block_r). Segment s of row r covers entries offs[r] + s' * seg_len ... of that row."""
+    bsz, e = key.shape
+    r = offs.shape[1] - 1
+    s_pad = bm.round_up(r + bm.num_tiles(e, seg_len), block_r)
+    counts = offs[:, 1:] - offs[:, :-1]                                   # [B, R]
+    nseg = (counts + seg_len - 1) // seg_len
+    row_offs = jnp.concatenate([jnp.zeros((bsz, 1), jnp.int32),
+                                jnp.cumsum(nseg, axis=1).astype(jnp.int32)], axis=1)
+    valid = key < num_kv
+    row = jnp.minimum(key, r - 1)
+    pos = jnp.arange(e, dtype=jnp.int32)[None] - jnp.take_along_axis(offs, row, axis=1)
+    seg = jnp.where(valid, jnp.take_along_axis(row_offs, row, axis=1) + pos // seg_len, s_pad)
+    total = row_offs[:, -1:]                                              # [B, 1]
+    s_ids = jnp.minimum(jnp.arange(s_pad + 1, dtype=jnp.int32)[None], total)
+    seg_offs = jax.vmap(lambda k, q: jnp.searchsorted(k, q, side="left"))(seg, s_ids)
+    s_all = jnp.arange(s_pad, dtype=jnp.int32)
+    row_of_seg = jax.vmap(lambda o: jnp.searchsorted(o[1:], s_all, side="right"))(row_offs)
+    row_of_seg = jnp.where(s_all[None] < total, row_of_seg, num_kv)
+    return (seg.astype(jnp.int32), seg_offs.astype(jnp.int32), row_of_seg.astype(jnp.int32),
+            row_offs)
+
+
+def _dkv_csr(interm, idx_g, num_kv, *, interpret, config):
+    """dkv [B, N, D] f32 of the gathered slots: per kv row, the sum of its slots' interm rows.
+
+    Two fixed-order passes of the CSR gather-reduce kernel: (1) segments of at most
+    config.fanin_split entries (a program owns block_r segments, so a hot row such as cr128
+    pool row 0 is spread over many programs), (2) per row, the sum of its segments."""
+    bsz, e, d = interm.shape
+    r_pad = bm.round_up(num_kv, config.block_r)
+    perm, key, offs = inverse_map(idx_g.reshape(bsz, e), num_kv, r_pad)
+    seg, seg_offs, row_of_seg, row_offs = split_map(key, offs, num_kv, config.fanin_split,
+                                                    config.block_r)
+    part = _csr_reduce(interm, perm, seg, seg_offs, interpret=interpret, config=config)
+    s_pad = part.shape[1]
+    ident = jnp.broadcast_to(jnp.arange(s_pad, dtype=jnp.int32), (bsz, s_pad))
+    dkv = _csr_reduce(part, ident, row_of_seg, row_offs, interpret=interpret, config=config)
+    return dkv[:, :num_kv]
+
+
+def _dkv_struct(interm_s, plan):
+    """dkv rows [0, T) (window) and [T, N) (cr128 pool) from the per-block contributions
+    interm_s [B, nb, n_struct*bk, D], by closed-form inverse maps, in a fixed order.
+
+    Window: block i's union starts at u0_i = max(i*bt - window + 1, 0), so row r is in the
+    unions of blocks r // bt .. (r + window - 1) // bt, at offset r - u0_i; at most
+    (window - 1) // bt + 2 blocks, summed in block order. Pool row p: every block's pool tile
+    row p, summed over blocks (each block is one partial: a hot row such as pool row 0 is
+    split across all programs)."""
+    bsz, nb, _, d = interm_s.shape
+    bt, bk = plan.bt, plan.bk
+    out = []
+    if plan.n_w:
+        span = plan.n_w * bk
+        flat = interm_s[:, :, :span].reshape(bsz, nb * span, d)
+        r = jnp.arange(plan.t, dtype=jnp.int32)
+        acc = jnp.zeros((bsz, plan.t, d), jnp.float32)
+        for c in range((plan.window - 1) // bt + 2):
+            blk = r // bt + c
+            off = r - jnp.maximum(blk * bt - plan.window + 1, 0)
+            ok = (blk < nb) & (off >= 0) & (off < span)
+            g = jnp.where(ok, blk * span + off, 0)
+            acc = acc + jnp.where(ok[None, :, None], flat[:, g], 0.0)
+        out.append(acc)
+    else:
+        out.append(jnp.zeros((bsz, plan.t, d), jnp.float32))
+    if plan.n_pm:
+        pool = interm_s[:, :, plan.n_w * bk:]                     # [B, nb, n_pm*bk, D]
+        # block i streamed (and wrote) the pool rows p < (i*bt + bt) // ratio only
+        p = jnp.arange(plan.n_pm * bk, dtype=jnp.int32)[None, :, None]
+
+        def add_block(blk, acc):                                  # fixed order: block 0, 1, ..
+            seen = p < jnp.minimum((blk * bt + bt) // plan.ratio, plan.pool_rows)
+            part = lax.dynamic_index_in_dim(pool, blk, axis=1, keepdims=False)
+            return acc + jnp.where(seen, part, 0.0)
+
+        acc = lax.fori_loop(0, nb, add_block,
+                            jnp.zeros(pool.shape[:1] + pool.shape[2:], jnp.float32))
+        out.append(acc[:, :plan.pool_rows])
+    dkv = jnp.concatenate(out, axis=1)
+    return jnp.pad(dkv, ((0, 0), (0, plan.n - dkv.shape[1]), (0, 0)))

@@ -1,0 +1,138 @@
+"""Static geometry of a TPU launch (_Plan), the kernels' input preparation and MXU products."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from csa_jax import blockmath as bm
+
+
+# ----------------------------------------------------------------------------- MXU products
+
+def _dot_nt(a, b, precision):
+    """a [M, X] . b [N, X] -> [M, N] f32 (contract the last dims; b is never transposed)."""
+    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=precision,
+                           preferred_element_type=jnp.float32)
+
+
+def _dot_nn(a, b, precision):
+    return lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=precision,
+                           preferred_element_type=jnp.float32)
+
+
+def _dot_tn(a, b, precision, explicit_transpose):
+    """a [X, M] . b [X, N] -> a^T b [M, N] f32, as a transposed-operand dot (contract dim 0)."""
+    if explicit_transpose:
+        return _dot_nn(a.T, b, precision)
+    return lax.dot_general(a, b, (((0,), (0,)), ((), ())), precision=precision,
+                           preferred_element_type=jnp.float32)
+
+
+
+# ----------------------------------------------------------------------------- geometry
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """Static geometry of one launch (Python ints only)."""
+    t: int          # tokens T
+    t_pad: int      # T padded to block_t
+    h: int
+    d: int
+    n: int          # kv rows N
+    n_pad: int      # kv rows after tail padding (contiguous tiles never read past the end)
+    bt: int         # block_t
+    bk: int         # block_k
+    depth: int
+    n_w: int        # window tiles per program (0: no window reuse)
+    n_pm: int       # pool tiles per program, at most (cr128 only)
+    n_kg: int       # gathered tiles per token
+    g_off: int      # first gathered slot of idx
+    window: int
+    ratio: int      # cr128 pool ratio
+    pool_rows: int  # N - T (cr128)
+
+    @property
+    def nb(self):
+        return self.t_pad // self.bt
+
+    @property
+    def n_struct(self):
+        return self.n_w + self.n_pm
+
+
+def _make_plan(q_shape, n, k, config):
+    _, t, h, d = q_shape
+    bt, bk = config.block_t, config.block_k
+    t_pad = bm.round_up(t, bt)
+    layout, w = config.layout, config.window
+    if layout != "generic" and k < w:
+        raise ValueError(f"layout={layout!r} needs K >= window, got K={k}, window={w}")
+    if layout == "cr128" and n - t < t // config.pool_ratio:
+        raise ValueError(f"layout='cr128' needs N - T >= T // pool_ratio pool rows, got N={n}, "
+                         f"T={t}, pool_ratio={config.pool_ratio}")
+    n_w = 0 if layout == "generic" else bm.num_tiles(bt + w - 1, bk)
+    n_pm = bm.num_tiles(n - t, bk) if layout == "cr128" else 0
+    g_off = w if layout == "cr4" else 0
+    gathered = {"generic": k, "cr4": k - w}.get(layout, 0)      # slots gathered per token
+    n_kg = bm.num_tiles(gathered, bk)
+    n_pad = n
+    if n_w:
+        n_pad = max(n_pad, t_pad + n_w * bk)
+    if n_pm:
+        n_pad = max(n_pad, t + n_pm * bk)
+    return _Plan(t=t, t_pad=t_pad, h=h, d=d, n=n, n_pad=n_pad, bt=bt, bk=bk,
+                 depth=config.depth, n_w=n_w, n_pm=n_pm, n_kg=n_kg, g_off=g_off, window=w,
+                 ratio=config.pool_ratio, pool_rows=n - t)
+
+
+# ----------------------------------------------------------------------------- kernel inputs
+
+def _gathered_idx(idx, plan, k_g):
+    """The gathered part of idx, [B, Tp, k_g] with -1 padding (k_g a multiple of block_k)."""
+    g = idx[:, :, plan.g_off:plan.g_off + k_g]
+    return jnp.pad(g, ((0, 0), (0, plan.t_pad - plan.t), (0, k_g - g.shape[-1])),
+                   constant_values=-1)
+
+
+def _valid_tiles(idx_g, block_k):
+    """[B, Tp, Kg] -> [B, Tp * n_kg, 1, block_k] int32 mask, one row per gathered step."""
+    b, t, k = idx_g.shape
+    return (idx_g >= 0).astype(jnp.int32).reshape(b, t * (k // block_k), 1, block_k)
+
+
+def _flat_tokens(x, plan):
+    """[B, T, H, ...] -> [B, Tp*H, ...] (pad T; rows of one token are H consecutive rows)."""
+    pad = [(0, 0), (0, plan.t_pad - plan.t)] + [(0, 0)] * (x.ndim - 2)
+    x = jnp.pad(x, pad)
+    return x.reshape((x.shape[0], plan.t_pad * plan.h) + x.shape[3:])
+
+
+def _pad_kv(kv, plan):
+    if plan.n_pad == plan.n:
+        return kv
+    return jnp.pad(kv, ((0, 0), (0, plan.n_pad - plan.n), (0, 0)))
+
+
+def _gather_inputs(idx, plan):
+    """The gathered part of idx as kernel inputs: (idx blocks [B, nb, 1, bt*k_g], their SMEM
+    BlockSpec, valid tiles [B, Tp*n_kg, 1, bk] with their BlockSpec, k_g slots per token);
+    small dummies when nothing is gathered (cr0 / cr128), so the kernel signature is fixed.
+    Each program gets only its own block's index list in SMEM (a few KiB), not all of idx."""
+    bsz, bt, bk = idx.shape[0], plan.bt, plan.bk
+    if plan.n_kg == 0:
+        idx_b, valid, k_g, v_rows = (jnp.zeros((bsz, plan.nb, 1, 1), jnp.int32),
+                                     jnp.zeros((bsz, plan.nb, 1, bk), jnp.int32), 0, 1)
+    else:
+        k_g = plan.n_kg * bk
+        idx_g = _gathered_idx(idx, plan, k_g)
+        idx_b, valid, v_rows = (idx_g.reshape(bsz, plan.nb, 1, bt * k_g),
+                                _valid_tiles(idx_g, bk), bt * plan.n_kg)
+    # [.., 1, L] so the block's last two dims are the array's (a TPU block-shape rule)
+    idx_spec = pl.BlockSpec((None, None, 1, idx_b.shape[-1]), lambda b, i: (b, i, 0, 0),
+                            memory_space=pltpu.SMEM)
+    valid_spec = pl.BlockSpec((None, v_rows, 1, bk), lambda b, i: (b, i, 0, 0))
+    return (idx_b, idx_spec), (valid, valid_spec), k_g
