@@ -146,14 +146,14 @@ def run_impl(impl, variant, cfg_overrides, problem, args, row):
         row.update(bwd_ms=ms, bwd_reps=n, bwd_first_s=first)
         outs.update(dq=g[0], dkv=g[1], dsink=g[2])
     if args.diag and impl == "pallas_triton" and "bwd" in args.modes:
-        # Backward kernels one at a time (private hooks of the module; benchmark only).
-        from csa_jax import pallas_triton as pt
-        d = pt._dims(q, kv, idx, cfg_obj)
-        inv = jax.jit(lambda i: pt._inverse_map(pt._prep_idx(i, d)[0], d.N))
+        # Backward kernels one at a time (csa_jax.kernels.triton.testing: internal entry points).
+        from csa_jax.kernels.triton import testing as tt
+        d = tt.dims(q, kv, idx, cfg_obj)
+        inv = jax.jit(lambda i: tt.inverse_map(tt.prep_idx(i, d)[0], d.N))
         row["inverse_map_ms"] = time_fn(inv, (idx,), 3, 1.0)[0]
         bargs = (q, kv, idx, sink, o, lse, do, jnp.zeros_like(lse))
         for parts in (("dq",), ("interm",), ("interm", "reduce")):
-            part_fn = jax.jit(functools.partial(pt._backward, scale=cfg.scale,
+            part_fn = jax.jit(functools.partial(tt.backward_parts, scale=cfg.scale,
                                                 interpret=args.interpret,
                                                 config=cfg_obj, parts=parts))
             row["bwd_" + "+".join(parts) + "_ms"] = time_fn(part_fn, bargs, 3, 1.0)[0]

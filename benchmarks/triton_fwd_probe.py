@@ -5,8 +5,8 @@
         [--reps 5] [--out $OUT/probe.json]
 
 Every probe runs under the very launch of `impl="pallas_triton"` (same grid, block specs, tile
-loop bounds, compiler parameters; `pallas_triton._forward(..., kernel=probe)`); only the body of
-the tile loop differs:
+loop bounds, compiler parameters; `csa_jax.kernels.triton.testing.forward_with_kernel(...,
+kernel=probe)`); only the body of the tile loop differs:
 
   full       the library's kernel (checked against impl="xla" on the same inputs: o and lse)
   contig     the same number of rows per tile, but read as one contiguous run of kv rows
@@ -37,7 +37,11 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from csa_jax import blockmath, pallas_triton as pt, problems
+from jax.experimental.pallas import triton as pltriton
+
+from csa_jax import blockmath, problems
+from csa_jax.kernels import triton as pallas_triton
+from csa_jax.kernels.triton import testing as tt
 from csa_jax.reference import forward as xla_forward
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -53,7 +57,7 @@ def _loop_probe(tile_fn):
         body = functools.partial(tile_fn, q=q, idx_ref=idx_ref, kv_ref=kv_ref, bk=bk,
                                  scale=scale, precision=precision)
         m, l, acc = lax.fori_loop(0, ntiles_ref[...], body, blockmath.init_state((hb,), D))
-        pt._fwd_store(o_ref, lse_ref, sink_ref, m, l, acc)
+        tt.fwd_store(o_ref, lse_ref, sink_ref, m, l, acc)
     return kernel
 
 
@@ -63,28 +67,28 @@ def _contig(i, carry, *, q, idx_ref, kv_ref, bk, scale, precision):
     n = kv_ref.shape[0]
     base = jnp.clip(idx_ref[0], 0, n - bk)                 # any in-range run of rows
     rows = kv_ref[pl.ds(jnp.minimum(base + i * bk, n - bk), bk), :]
-    return pt._fwd_step(carry, q, rows, valid, scale=scale, precision=precision)
+    return tt.fwd_step(carry, q, rows, valid, scale=scale, precision=precision)
 
 
 def _hot(i, carry, *, q, idx_ref, kv_ref, bk, scale, precision):
     valid = idx_ref[pl.ds(i * bk, bk)] >= 0
     ids = (i * bk + lax.broadcasted_iota(jnp.int32, (bk,), 0)) % bk       # rows 0..bk-1
-    rows = pt._gather_rows(kv_ref, ids, valid)
-    return pt._fwd_step(carry, q, rows, valid, scale=scale, precision=precision)
+    rows = tt.gather_rows(kv_ref, ids, valid)
+    return tt.fwd_step(carry, q, rows, valid, scale=scale, precision=precision)
 
 
 def _nosoftmax(i, carry, *, q, idx_ref, kv_ref, bk, scale, precision):
     m, l, acc = carry
-    rows, valid = pt._gather_tile(idx_ref, kv_ref, i * bk, bk)
-    s = pt.pltriton.dot(q, rows, trans_b=True, precision=precision) * scale
+    rows, valid = tt.gather_tile(idx_ref, kv_ref, i * bk, bk)
+    s = pltriton.dot(q, rows, trans_b=True, precision=precision) * scale
     p = jnp.where(valid[None, :], s, 0.0)
-    acc = acc + pt.pltriton.dot(p.astype(rows.dtype), rows, precision=precision)
+    acc = acc + pltriton.dot(p.astype(rows.dtype), rows, precision=precision)
     return m, l + 1.0, acc
 
 
 def _loadonly(i, carry, *, q, idx_ref, kv_ref, bk, scale, precision):
     m, l, acc = carry
-    rows, _ = pt._gather_tile(idx_ref, kv_ref, i * bk, bk)
+    rows, _ = tt.gather_tile(idx_ref, kv_ref, i * bk, bk)
     acc = acc + jnp.sum(rows.astype(jnp.float32), axis=0, keepdims=True)  # [1, D] broadcast
     return m, l + 1.0, acc
 
@@ -93,7 +97,7 @@ def _noloop(ntiles_ref, idx_ref, q_ref, kv_ref, sink_ref, o_ref, lse_ref, *, sca
             precision):
     q = q_ref[...].astype(jnp.float32)
     m, l, _ = blockmath.init_state((q.shape[0],), q.shape[1])
-    pt._fwd_store(o_ref, lse_ref, sink_ref, m, l + 1.0, q)
+    tt.fwd_store(o_ref, lse_ref, sink_ref, m, l + 1.0, q)
 
 
 PROBES = {
@@ -138,11 +142,11 @@ def main(argv=None):
         nominal, valid = flops(cfg, T, idx)
         ref = jax.jit(functools.partial(xla_forward, scale=cfg.scale))(q, kv, idx, sink)
         for vname, over in parse_variants(args.variants):
-            c = dataclasses.replace(pt.default_config(q.shape, kv.shape, idx.shape, q.dtype),
+            c = dataclasses.replace(pallas_triton.default_config(q.shape, kv.shape, idx.shape, q.dtype),
                                     **over)
             for probe in args.probes:
                 row = dict(problem=spec, variant=vname, probe=probe, config=repr(c))
-                fn = jax.jit(functools.partial(pt._forward, scale=cfg.scale,
+                fn = jax.jit(functools.partial(tt.forward_with_kernel, scale=cfg.scale,
                                                interpret=args.interpret, config=c,
                                                kernel=PROBES[probe]))
                 try:

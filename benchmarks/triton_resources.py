@@ -26,7 +26,8 @@ import tempfile
 import jax
 import jax.numpy as jnp
 
-from csa_jax import pallas_triton, problems
+from csa_jax import problems
+from csa_jax.kernels import triton as pallas_triton
 from csa_jax.config import preset
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

@@ -25,6 +25,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from csa_jax.blockmath import inverse_map, precision
 from csa_jax.common import NEG_INIT, finalize_lse
 
 DKV_MODES = ("inverse_map", "scatter")
@@ -74,11 +75,6 @@ def _chunk_size(B, T, H, K, config):
     return min(c, T)
 
 
-def _precision(dtype):
-    # f32 inputs: true f32 products (no TF32 / bf16 passes); low precision inputs: native MMA.
-    return jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
-
-
 def _gather_rows(kv, idx_c):
     """kv [B, N, D], idx_c [B, C, K] (-1 = empty) -> rows [B, C, K, D] (row 0 for empty), valid."""
     valid = idx_c >= 0
@@ -99,7 +95,7 @@ def _scores(q_c, rows, valid, scale, prec):
 
 
 def _forward_chunk(q_c, kv, idx_c, sink, scale, config):
-    prec = _precision(q_c.dtype)
+    prec = precision(q_c.dtype)
     rows, valid = _gather_rows(kv, idx_c)
     s = _scores(q_c, rows, valid, scale, prec)
     m = jnp.max(s, axis=-1)                                                     # [B, C, H]
@@ -166,14 +162,15 @@ def forward(q, kv, idx, sink, *, scale, interpret=None, config=None):
 def _segment_reduce_deterministic(values, targets, num_rows, width):
     """sum of values[e] over e with targets[e] == r, for r in [0, num_rows): [num_rows, D] f32.
 
-    values [E, D] f32; targets [E] int32 in [0, num_rows). Inverse map by stable sort + histogram
-    (CSR), then a tree of fixed-order gather-sums: level l groups each row's current entries into
-    items of `width` consecutive entries and sums each item in slot order. Deterministic.
+    values [E, D] f32; targets [E] int32 in [0, num_rows). Inverse map by stable sort (CSR,
+    csa_jax.blockmath.inverse_map), then a tree of fixed-order gather-sums: level l groups each
+    row's current entries into items of `width` consecutive entries and sums each item in slot
+    order. Deterministic.
     """
     E, D = values.shape
-    order = jnp.argsort(targets, stable=True).astype(jnp.int32)                 # CSR payload
-    cnt = jnp.zeros((num_rows,), jnp.int32).at[targets].add(1)                  # integer: exact
-    off = jnp.cumsum(cnt) - cnt
+    order, _, offs = inverse_map(targets[None], num_rows, num_rows)             # CSR, [1, ...]
+    order, off = order[0], offs[0, :-1]
+    cnt = offs[0, 1:] - off
     src = order
     # A row can hold at most E entries; each level divides the longest list by `width`.
     levels = max(1, math.ceil(math.log(max(E, 2), width)))
@@ -227,7 +224,7 @@ def backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, interpret=None, confi
     B, T, H, D = q.shape
     N = kv.shape[1]
     K = idx.shape[2]
-    prec = _precision(q.dtype)
+    prec = precision(q.dtype)
     pdt = _pdtype(q.dtype, config)
 
     def body(start, C, carry, padded):

@@ -1,6 +1,6 @@
 """The custom_vjp around every impl, and the impl-module interface it dispatches to.
 
-Each impl is a module (csa_jax.reference for "xla", csa_jax.kernels.tpu, csa_jax.pallas_triton,
+Each impl is a module (csa_jax.reference for "xla", csa_jax.kernels.tpu, csa_jax.kernels.triton,
 csa_jax.pallas_mosaic_gpu) exposing:
 
     class Config                      frozen, validated dataclass of tuning knobs
@@ -25,7 +25,7 @@ IMPL_MODULES = {
     "xla": "csa_jax.reference",
     "pallas_tpu": "csa_jax.kernels.tpu",
     "pallas_mosaic_gpu": "csa_jax.pallas_mosaic_gpu",
-    "pallas_triton": "csa_jax.pallas_triton",
+    "pallas_triton": "csa_jax.kernels.triton",
 }
 
 

@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import bench_csa  # noqa: E402
 import triton_fwd_probe  # noqa: E402
 
-from csa_jax import pallas_triton  # noqa: E402
+from csa_jax.kernels import triton as pallas_triton  # noqa: E402
 
 
 def test_variant_specs_reach_the_config():

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 import csa_jax
-from csa_jax import pallas_triton
+from csa_jax.kernels import triton as pallas_triton
+from csa_jax.kernels.triton import testing as tt
 from csa_jax.common import EMPTY_LSE
 from conftest import assert_close, dense_oracle, golden, random_problem
 
@@ -170,11 +171,11 @@ def test_gemm_path_buffer_is_exact_zero_past_last_tile(rng):
     q, kv, idx, sink = random_problem(rng, T=6, H=16, D=16, K=48, empty_rows=1)
     idx = idx.at[:, :, 20:].set(-1)                     # tiles 2 (slots 32..47) empty everywhere
     cfg = dataclasses.replace(SMALL, interm="gemm")
-    d = pallas_triton._dims(q, kv, idx, cfg)
-    idx_p, used = pallas_triton._prep_idx(idx, d)
+    d = tt.dims(q, kv, idx, cfg)
+    idx_p, used = tt.prep_idx(idx, d)
     lse = jnp.asarray(rng.standard_normal(q.shape[:3]), jnp.float32)[..., None]
-    _, dsp = pallas_triton._dq_call(d, cfg, 0.25, True, None, used, idx_p, q, q, lse, lse, lse,
-                                    kv, dsp_dtype=jnp.float32)
+    _, dsp = tt.dq_call(d, cfg, 0.25, True, None, used, idx_p, q, q, lse, lse, lse, kv,
+                          dsp_dtype=jnp.float32)
     empty = np.asarray(idx_p < 0)                                                  # [B, T, Kp]
     vals = np.asarray(dsp).transpose(0, 1, 4, 2, 3)[empty]                         # [n, 2, H]
     assert vals.size and np.all(vals == 0.0), "non-zero or NaN entries at empty slots"

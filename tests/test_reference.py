@@ -209,8 +209,9 @@ def test_tolerances_are_by_dtype():
     ("cpu", "cpu", jnp.bfloat16, "xla"),
 ])
 def test_auto_choice(monkeypatch, platform, kind, dtype, want):
-    from csa_jax import api, pallas_triton
+    from csa_jax import api
+    from csa_jax.kernels.triton import config as triton_config
     monkeypatch.setattr(api, "_platform", lambda: platform)
-    monkeypatch.setattr(pallas_triton, "_device_kind", lambda: (platform, kind))
+    monkeypatch.setattr(triton_config, "_device_kind", lambda: (platform, kind))
     assert api.resolve_impl("auto", (1, 8, 4, 32), (1, 8, 32), (1, 8, 4), dtype) == want
     assert api.resolve_impl("xla", (1, 8, 4, 32), (1, 8, 32), (1, 8, 4), dtype) == "xla"

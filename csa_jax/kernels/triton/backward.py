@@ -1,0 +1,268 @@
+"""The Triton backward: the dq kernel, the per-slot intermediate (GEMM or kernel), the dkv
+gather-reduce over the shared CSR inverse map, and backward()."""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from csa_jax import blockmath
+from csa_jax.kernels.triton.config import PLATFORMS, _params
+from csa_jax.kernels.triton.plan import (_dims, _gather_rows, _gather_tile, _head_block,
+                                         _ntiles, _pad_to, _prep_idx, _scores,
+                                         _token_head_grid)
+
+
+def _dq_kernel(ntiles_ref, idx_ref, q_ref, do_ref, lse_ref, delta_ref, dlse_ref, kv_ref,  # in
+               dq_ref, *dsp_ref,                                                          # out
+               scale, bk, precision, slot_major):
+    # q_ref, do_ref [hb, D]; lse/delta/dlse [hb, 1]; dsp_ref (interm="gemm" only) [2, hb, Kp]:
+    # this head block's scale * dS and P over all slots, in the dtype of the interm products.
+    q = q_ref[...]
+    do = do_ref[...]
+    lse = lse_ref[...]
+    delta = delta_ref[...]
+    dlse = dlse_ref[...]
+    ntiles = ntiles_ref[...]
+    dsp = dsp_ref[0] if dsp_ref else None
+
+    def store(i, ds_scaled, p):
+        cols = pl.ds(i * bk, bk)
+        dsp[0, :, cols] = ds_scaled.astype(dsp.dtype)
+        dsp[1, :, cols] = p.astype(dsp.dtype)
+
+    def body(i, acc):
+        rows, valid = _gather_tile(idx_ref, kv_ref, i * bk, bk)
+        s = _scores(q, rows, slot_major, precision) * scale                   # [hb, bk]
+        p = blockmath.recompute_p(s, lse, valid[None, :])
+        dp = _scores(do, rows, slot_major, precision)
+        ds = blockmath.softmax_grad(p, dp, delta, dlse)
+        if dsp is not None:
+            store(i, ds * scale, p)
+        return acc + pltriton.dot(ds.astype(rows.dtype), rows, precision=precision)
+
+    acc = lax.fori_loop(0, ntiles, body, jnp.zeros(q.shape, jnp.float32))
+    dq_ref[...] = (acc * scale).astype(dq_ref.dtype)
+    if dsp is not None:   # tiles past the token's last non-empty slot: exact zeros, never garbage
+        zero = jnp.zeros((q.shape[0], bk), dsp.dtype)
+
+        def clear(i, c):
+            store(i, zero, zero)
+            return c
+
+        lax.fori_loop(ntiles, dsp.shape[-1] // bk, clear, 0)
+
+
+def _interm_kernel(ntiles_ref, idx_ref, q_ref, do_ref, lse_ref, delta_ref, dlse_ref, kv_ref,
+                   interm_ref,
+                   *, scale, bk, hh, n_heads, split, precision):
+    # idx_ref [bk] (this slot tile); q_ref, do_ref [Hp, D]; lse/delta/dlse [1, Hp] (all heads);
+    # interm_ref [bk, D / split]: this program's column chunk of the tile's intermediate.
+    dc = interm_ref.shape[-1]
+    cols = pl.ds((pl.program_id(0) % split) * dc, dc)
+
+    @pl.when(ntiles_ref[0] > ntiles_ref[1])
+    def _():
+        rows, valid = _gather_tile(idx_ref, kv_ref, 0, bk)                    # [bk, D], [bk]
+
+        def body(h, acc):
+            hs = pl.ds(h * hh, hh)
+            q = q_ref[hs, :]                                                   # [hh, D]
+            do = do_ref[hs, :]
+            lse = lse_ref[:, hs]                                               # [1, hh]
+            delta = delta_ref[:, hs]
+            dlse = dlse_ref[:, hs]
+            # Slot-major products: s^T [bk, hh] = rows q^T, so the head sums below are plain dots.
+            s = pltriton.dot(rows, q, trans_b=True, precision=precision) * scale
+            p = blockmath.recompute_p(s, lse, valid[:, None])
+            dp = pltriton.dot(rows, do, trans_b=True, precision=precision)
+            ds = blockmath.softmax_grad(p, dp, delta, dlse)
+            if split > 1:   # the scores need all of D, the accumulator only its chunk
+                q, do = q_ref[hs, cols], do_ref[hs, cols]
+            acc = acc + pltriton.dot((ds * scale).astype(q.dtype), q, precision=precision)
+            return acc + pltriton.dot(p.astype(do.dtype), do, precision=precision)
+
+        acc = lax.fori_loop(0, n_heads // hh, body, jnp.zeros((bk, dc), jnp.float32))
+        interm_ref[...] = acc.astype(interm_ref.dtype)
+
+
+def _reduce_kernel(off_ref, perm_ref, interm_ref, dkv_ref, *, br):
+    # off_ref [2] (this row's CSR range); perm_ref [E + br]; interm_ref [E, D]; dkv_ref [1, D]
+    start = off_ref[0]
+    count = off_ref[1] - start
+    D = dkv_ref.shape[-1]
+
+    def body(c, acc):
+        k = c * br + lax.broadcasted_iota(jnp.int32, (br,), 0)
+        live = k < count
+        pos = pltriton.load(perm_ref.at[pl.ds(start + c * br, br)], mask=live, other=0)
+        rows = _gather_rows(interm_ref, pos, live)
+        return acc + jnp.sum(rows.astype(jnp.float32), axis=0, keepdims=True)   # fixed order
+
+    acc = lax.fori_loop(0, (count + br - 1) // br, body, jnp.zeros((1, D), jnp.float32))
+    dkv_ref[...] = acc.astype(dkv_ref.dtype)
+
+
+def _inverse_map(idx_p, N):
+    """CSR of the slot -> kv row map per batch: (offsets [B, N, 2], perm [B, T*Kp]).
+
+    perm lists flat slot positions t*Kp + j sorted by kv row (stable: ascending slot order within
+    a row, which fixes the summation order); empty slots sort past row N-1 and are never read.
+    The map is csa_jax.blockmath.inverse_map; offsets holds each row's [start, end)."""
+    B = idx_p.shape[0]
+    perm, _, offs = blockmath.inverse_map(idx_p.reshape(B, -1), N, N)           # offs [B, N+1]
+    return jnp.stack([offs[:, :-1], offs[:, 1:]], axis=-1), perm
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "interpret", "config", "parts"))
+def _backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, interpret, config,
+              parts=("dq", "interm", "reduce")):
+    """`parts` (all by default) lets a benchmark time the kernels one by one; skipped parts
+    return zeros (with interm="gemm" the interm part needs the dq kernel, so its dq is kept)."""
+    d = _dims(q, kv, idx, config)
+    prec = blockmath.precision(q.dtype)
+    f32 = jnp.float32
+    idx_p, used = _prep_idx(idx, d)
+    delta = jnp.sum(o.astype(f32) * do.astype(f32), axis=-1)                  # [B, T, H]
+    # Padded heads: q = dO = 0, lse = delta = dlse = 0, so p = 1 but ds = 0 and p * dO = 0.
+    q_p = _pad_to(_pad_to(q, 3, d.Dp), 2, d.Hp)
+    do_p = _pad_to(_pad_to(do, 3, d.Dp), 2, d.Hp)
+    kv_p = _pad_to(kv, 2, d.Dp)
+    col = lambda x: _pad_to(x.astype(f32), 2, d.Hp)[..., None]                 # [B, T, Hp, 1]
+    lse_p, delta_p, dlse_p = col(lse), col(delta), col(dlse)
+
+    dq = jnp.zeros_like(q_p)
+    dkv = jnp.zeros_like(kv_p)
+    idt = f32 if (config.interm_f32 or q_p.dtype == f32) else q_p.dtype
+    gemm = config.interm == "gemm"
+    if "dq" in parts or (gemm and "interm" in parts):
+        dq, *dsp = _dq_call(d, config, scale, interpret, prec, used, idx_p, q_p, do_p, lse_p,
+                            delta_p, dlse_p, kv_p, dsp_dtype=q_p.dtype if gemm else None)
+    if "interm" in parts:
+        if gemm:
+            interm = _interm_gemm(dsp[0], q_p, do_p, prec, idt)
+        else:
+            interm = _interm_call(d, config, scale, interpret, prec, used, idx_p, q_p, do_p,
+                                  lse_p, delta_p, dlse_p, kv_p, idt)
+        if "reduce" in parts:
+            dkv = _reduce_call(d, config, interpret, idx_p, interm, kv.dtype)
+        else:   # keep the kernel alive for timing
+            dkv = dkv.at[:, 0].set(interm[:, 0, 0].astype(dkv.dtype))
+
+    # dsink = sum_t exp(sink - lse) * (dlse - delta); zero weight where sink = -inf.
+    w = jnp.exp(sink[None, None, :] - lse)
+    dsink = jnp.sum(w * (dlse - delta), axis=(0, 1))
+    return dq[:, :, :d.H, :d.D], dkv[:, :, :d.D], dsink
+
+
+def _dq_call(d, config, scale, interpret, prec, used, idx_p, q_p, do_p, lse_p, delta_p, dlse_p,
+             kv_p, dsp_dtype=None):
+    """dq [B, T, Hp, Dp]: programs over (b, t, head block). With dsp_dtype also returns
+    dsp [B, T, 2, Hp, Kp] = (scale * dS, P) of every slot (zeros past a token's last tile)."""
+    bk = config.block_k_dq
+    hb = _head_block(d, config.block_h_dq)
+    n, coords = _token_head_grid(d, hb)
+    tok = lambda i: coords(i)[:2]
+    tok_head = lambda i: (*coords(i), 0)
+    head_spec = pl.BlockSpec((None, None, hb, d.Dp), tok_head)
+    col_spec = pl.BlockSpec((None, None, hb, 1), tok_head)
+    out_specs = [head_spec]
+    out_shape = [jax.ShapeDtypeStruct(q_p.shape, q_p.dtype)]
+    if dsp_dtype is not None:
+        out_specs.append(pl.BlockSpec((None, None, 2, hb, d.Kp),
+                                      lambda i: (*tok(i), 0, coords(i)[2], 0)))
+        out_shape.append(jax.ShapeDtypeStruct((d.B, d.T, 2, d.Hp, d.Kp), dsp_dtype))
+    return pl.pallas_call(
+        functools.partial(_dq_kernel, scale=scale, bk=bk, precision=prec,
+                          slot_major=config.slot_major_dq),
+        grid=(n,),
+        in_specs=[
+            pl.BlockSpec((None, None), tok),
+            pl.BlockSpec((None, None, d.Kp), lambda i: (*tok(i), 0)),
+            head_spec, head_spec, col_spec, col_spec, col_spec,
+            pl.BlockSpec((None, d.N, d.Dp), lambda i: (coords(i)[0], 0, 0)),
+        ],
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=_params(config.num_warps_dq, config.num_stages_dq),
+        interpret=interpret,
+        name="csa_triton_dq",
+    )(_ntiles(used, bk), idx_p, q_p, do_p, lse_p, delta_p, dlse_p, kv_p)
+
+
+def _interm_gemm(dsp, q_p, do_p, prec, idt):
+    """interm[b, t, j] = sum_h scale * dS[h, j] q[h] + P[h, j] dO[h]: one batched GEMM per token
+    (M = slots, N = D, contraction over 2 * heads) in XLA (cuBLAS on GPU, which accumulates bf16
+    products in f32), written straight in the interm dtype: no f32 [B, T, K, D] temporary."""
+    qdo = jnp.stack([q_p, do_p], axis=2)                                       # [B, T, 2, Hp, Dp]
+    dims = (((2, 3), (2, 3)), ((0, 1), (0, 1)))
+    return lax.dot_general(dsp, qdo, dims, precision=prec, preferred_element_type=idt)
+
+
+def _interm_call(d, config, scale, interpret, prec, used, idx_p, q_p, do_p, lse_p, delta_p,
+                 dlse_p, kv_p, idt):
+    """Per-slot intermediate [B, T, Kp, Dp]: programs over (b, t, slot tile, column chunk)."""
+    bk = config.block_k_dkv
+    nkt = d.Kp // bk
+    split = min(config.dkv_split_d, d.Dp // 16)
+    dc = d.Dp // split
+    hh = _head_block(d, config.block_h_dkv)
+    ntiles = _ntiles(used, bk)
+
+    def slot_coords(i):
+        i = i // split
+        return i // (d.T * nkt), (i // nkt) % d.T, i % nkt
+
+    # (ntiles[t], tile) pairs tell a program whether its tile holds any non-empty slot.
+    tile_no = jnp.broadcast_to(jnp.arange(nkt, dtype=jnp.int32), (d.B, d.T, nkt))
+    live = jnp.stack([jnp.broadcast_to(ntiles[..., None], tile_no.shape), tile_no], -1)
+    all_heads = pl.BlockSpec((None, None, d.Hp, d.Dp), lambda i: (*slot_coords(i)[:2], 0, 0))
+    all_rows = pl.BlockSpec((None, None, 1, d.Hp), lambda i: (*slot_coords(i)[:2], 0, 0))
+    return pl.pallas_call(
+        functools.partial(_interm_kernel, scale=scale, bk=bk, hh=hh, n_heads=d.Hp,
+                          split=split, precision=prec),
+        grid=(d.B * d.T * nkt * split,),
+        in_specs=[
+            pl.BlockSpec((None, None, None, 2), lambda i: (*slot_coords(i), 0)),
+            pl.BlockSpec((None, None, bk), slot_coords),
+            all_heads, all_heads, all_rows, all_rows, all_rows,
+            pl.BlockSpec((None, d.N, d.Dp), lambda i: (slot_coords(i)[0], 0, 0)),
+        ],
+        out_specs=pl.BlockSpec((None, None, bk, dc), lambda i: (*slot_coords(i), i % split)),
+        out_shape=jax.ShapeDtypeStruct((d.B, d.T, d.Kp, d.Dp), idt),
+        compiler_params=_params(config.num_warps_dkv, config.num_stages_dkv),
+        interpret=interpret,
+        name="csa_triton_interm",
+    )(live, idx_p, q_p, do_p, *(jnp.swapaxes(x, 2, 3) for x in (lse_p, delta_p, dlse_p)), kv_p)
+
+
+def _reduce_call(d, config, interpret, idx_p, interm, dtype):
+    """dkv [B, N, Dp]: deterministic gather-reduce over the inverse map, programs over rows."""
+    E = d.T * d.Kp
+    br = config.block_r
+    offsets, perm = _inverse_map(idx_p, d.N)
+    perm = _pad_to(perm, 1, E + br)          # a masked tail read never leaves the array
+    return pl.pallas_call(
+        functools.partial(_reduce_kernel, br=br),
+        grid=(d.B * d.N,),
+        in_specs=[
+            pl.BlockSpec((None, None, 2), lambda i: (i // d.N, i % d.N, 0)),
+            pl.BlockSpec((None, E + br), lambda i: (i // d.N, 0)),
+            pl.BlockSpec((None, E, d.Dp), lambda i: (i // d.N, 0, 0)),
+        ],
+        out_specs=pl.BlockSpec((None, 1, d.Dp), lambda i: (i // d.N, i % d.N, 0)),
+        out_shape=jax.ShapeDtypeStruct((d.B, d.N, d.Dp), dtype),
+        compiler_params=_params(config.num_warps_reduce, 2),
+        interpret=interpret,
+        name="csa_triton_dkv_reduce",
+    )(offsets, perm, interm.reshape(d.B, E, d.Dp))
+
+
+def backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, interpret, config):
+    """(dq, dkv, dsink) of csa_spec.md section 3 with the dlse terms; dkv is deterministic."""
+    return _backward(q, kv, idx, sink, o, lse, do, dlse, scale=float(scale),
+                     interpret=blockmath.resolve_interpret(interpret, PLATFORMS), config=config)

@@ -1,0 +1,167 @@
+"""Triton kernel config: the tuning knobs, defaults by device kind, and where auto may pick it."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas import triton as pltriton
+
+# Where the kernels run compiled; elsewhere interpret=None means interpret mode.
+PLATFORMS = ("gpu", "cuda", "rocm")
+
+
+def _is_pow2(x):
+    return isinstance(x, int) and x > 0 and (x & (x - 1)) == 0
+
+
+def _next_pow2(x):
+    return 1 << max(0, (int(x) - 1).bit_length())
+
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Tuning of the four Triton-dialect kernels; block sizes are powers of two.
+
+    forward:  block_k gathered kv rows per tile, block_h heads per program, num_warps, num_stages.
+    dq:       block_k_dq, block_h_dq (heads per program), num_warps_dq, num_stages_dq.
+    interm:   block_k_dkv slots per program (all heads), block_h_dkv heads per inner step,
+              num_warps_dkv, num_stages_dkv; dkv_split_d > 1 splits the [block_k_dkv, D] f32
+              accumulator's columns over that many programs; each recomputes the tile's scores,
+              so the kernel does (2 * split + 2) / 4 times the products, with a smaller
+              accumulator. Never timed: with the default interm tiles it asked for 262,528 B
+              of shared memory on the H200 and did not compile (docs/perf/triton_h200.md).
+    reduce:   block_r inverse-map entries summed per step, num_warps_reduce (memory bound).
+    interm_f32: keep the per-slot intermediate in f32 even for bf16 inputs (2x its bytes).
+    slot_major (forward), slot_major_dq (dq kernel): form the scores as (rows q^T)^T instead of
+              q rows^T. The resident q (and dO) [heads, D] then feed the MMA as its second
+              operand, which Hopper's MMA reads from shared memory, instead of being held in
+              registers beside the [heads, D] f32 accumulator. On the H200 the head-major dq
+              kernel spilled 10.1 M requests per launch and the slot-major one 0.13 M, with the
+              same shared memory per program (docs/perf/triton_h200.md).
+    interm:   how the per-slot intermediate is formed. "gemm" (default): the dq kernel also
+              stores scale * dS and P [B, T, 2, H, K] (q's dtype, as the kernel path rounds them
+              before its dots) and one batched GEMM per token in XLA contracts them with
+              [q; dO] over the heads. "kernel": the interm kernel above recomputes the scores
+              slot-major (7 products instead of 5, no [B, T, 2, H, K] buffer).
+
+    Row and head blocks are >= 16 (Triton's dot minimum). Shared memory per program is about
+    (resident operands + num_stages * streamed tile) bytes: e.g. the dq kernel holds q and dO
+    [block_h_dq, D] and streams [block_k_dq, D] tiles; <= 64-row tiles keep AMD's LDS in reach.
+    """
+
+    block_k: int = 64
+    block_h: int = 64
+    num_warps: int = 8
+    num_stages: int = 3
+    block_k_dq: int = 32
+    block_h_dq: int = 32
+    num_warps_dq: int = 4
+    num_stages_dq: int = 3
+    block_k_dkv: int = 64
+    block_h_dkv: int = 32
+    num_warps_dkv: int = 4
+    num_stages_dkv: int = 2
+    dkv_split_d: int = 1
+    block_r: int = 32
+    num_warps_reduce: int = 4
+    interm_f32: bool = False
+    interm: str = "gemm"
+    slot_major: bool = False
+    slot_major_dq: bool = True
+
+    def __post_init__(self):
+        for name in ("block_k", "block_h", "block_k_dq", "block_h_dq", "block_k_dkv",
+                     "block_h_dkv"):
+            v = getattr(self, name)
+            if not _is_pow2(v) or v < 16:
+                raise ValueError(f"{name}={v!r} must be a power of two >= 16 (Triton dot minimum)")
+        if not _is_pow2(self.dkv_split_d):
+            raise ValueError(f"dkv_split_d={self.dkv_split_d!r} must be a power of two")
+        if not _is_pow2(self.block_r):
+            raise ValueError(f"block_r={self.block_r!r} must be a power of two")
+        for name in ("num_warps", "num_warps_dq", "num_warps_dkv", "num_warps_reduce"):
+            v = getattr(self, name)
+            if v not in (1, 2, 4, 8, 16):
+                raise ValueError(f"{name}={v!r} must be one of 1, 2, 4, 8, 16")
+        for name in ("num_stages", "num_stages_dq", "num_stages_dkv"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name}={v!r} must be an int >= 1")
+        if self.interm not in ("gemm", "kernel"):
+            raise ValueError(f"interm={self.interm!r} must be 'gemm' or 'kernel'")
+        for name in ("interm_f32", "slot_major", "slot_major_dq"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
+
+
+def _device_kind():
+    try:
+        d = jax.devices()[0]
+    except RuntimeError:
+        return "cpu", ""
+    return d.platform, d.device_kind
+
+
+def _is_amd(platform, kind):
+    kind = kind.lower()
+    return platform == "rocm" or kind.startswith("gfx") or "amd" in kind or "instinct" in kind
+
+
+def unsupported(q_shape, kv_shape, idx_shape, dtype):
+    """Why impl="auto" should not pick this impl here (None = it may).
+
+    auto picks it only where it was verified and measured faster end to end: NVIDIA GPUs with
+    bf16/f16 inputs (docs/perf/triton_h200.md, docs/perf/train_h200.md). On ROCm it has never
+    run (request impl="pallas_triton" explicitly); f32 inputs stay on the exact XLA reference.
+    """
+    del q_shape, kv_shape, idx_shape
+    platform, kind = _device_kind()
+    if platform not in PLATFORMS or _is_amd(platform, kind) or "nvidia" not in kind.lower():
+        return f"not an NVIDIA GPU (platform={platform!r}, device_kind={kind!r})"
+    if jnp.dtype(dtype) == jnp.float32:
+        return "f32 inputs: the XLA reference computes true f32 products"
+    return None
+
+
+def default_config(q_shape, kv_shape, idx_shape, dtype) -> Config:
+    """Defaults by device kind, clipped to the problem.
+
+    NVIDIA (and CPU interpret): the Config defaults, measured on the H200 (docs/perf/triton_h200.md):
+    forward 8 warps, 3 stages, 64-row tiles, 64 heads (4 warps ran 2.3x slower, 16 warps 2.5x,
+    32 heads 1.5x);
+    dq 4 warps, 32 heads, 32-row tiles, 3 stages (with the GEMM interm path: Pro cr4 T=16384
+    backward 54.9 ms, against 72.7 ms for 64-row tiles / 2 stages and 90.9 ms for 64 heads /
+    8 warps), slot-major scores (47.5 ms; docs/perf/triton_h200.md table 4); forward scores
+    head-major (slot-major ran 1.3-1.7x slower); interm kernel (interm="kernel" only) 4 warps,
+    64-row tiles (8 warps ran 4.6x slower, 32-row tiles 8x). AMD (ROCm): <= 32-row tiles,
+    2 stages, so each program's shared memory stays near the 64 KiB LDS of MI300-class GPUs,
+    and head-major dq scores (AMD's matrix instructions read both operands from registers, so
+    the slot-major form frees none); not measured, no AMD GPU was available. f32 inputs halve
+    the tile rows (twice the bytes per row). Tiles never exceed the padded slot count, head
+    blocks never the padded heads.
+    """
+    del kv_shape
+    platform, kind = _device_kind()
+    H, K = q_shape[2], idx_shape[2]
+    cfg = Config()
+    if _is_amd(platform, kind):
+        cfg = dataclasses.replace(cfg, block_k=32, block_k_dkv=32, block_h_dq=32, block_k_dq=32,
+                                  num_stages_dq=2, block_h_dkv=16, num_stages=2,
+                                  slot_major_dq=False)
+    if jnp.dtype(dtype) == jnp.float32:
+        cfg = dataclasses.replace(cfg, block_k=cfg.block_k // 2, block_k_dkv=cfg.block_k_dkv // 2,
+                                  block_h_dq=cfg.block_h_dq // 2, num_stages=2)
+    kp = max(16, _next_pow2(K))
+    hp = max(16, _next_pow2(H))
+    clip = lambda v, top: max(16, min(v, top))
+    return dataclasses.replace(
+        cfg, block_k=clip(cfg.block_k, kp), block_k_dq=clip(cfg.block_k_dq, kp),
+        block_k_dkv=clip(cfg.block_k_dkv, kp), block_h=clip(cfg.block_h, hp),
+        block_h_dq=clip(cfg.block_h_dq, hp), block_h_dkv=clip(cfg.block_h_dkv, hp))
+
+
+def _params(num_warps, num_stages):
+    # num_stages is always explicit: the ROCm default (1) would disable load pipelining.
+    return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
