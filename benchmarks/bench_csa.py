@@ -36,9 +36,8 @@ import traceback
 import jax
 import jax.numpy as jnp
 
-from csa_jax import problems
+from csa_jax import problems, registry
 from csa_jax.config import forward_flops, preset
-from csa_jax.vjp import impl_module
 
 
 
@@ -127,7 +126,7 @@ OUT_NAMES = ("o", "lse", "dq", "dkv", "dsink")
 
 def run_impl(impl, variant, cfg_overrides, problem, args, row):
     cfg, q, kv, idx, sink, do = problem
-    mod = impl_module(impl)
+    mod = registry.get(impl)
     cfg_obj = mod.default_config(q.shape, kv.shape, idx.shape, q.dtype)
     if cfg_overrides:
         cfg_obj = dataclasses.replace(cfg_obj, **cfg_overrides)

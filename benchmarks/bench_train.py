@@ -34,11 +34,11 @@ from train.parallel import make_runner  # noqa: E402
 def kernel_candidates() -> list[str]:
     """This platform's kernel impls that have landed, best first ('best' tries them in order
     and keeps the first that runs)."""
-    from csa_jax.vjp import available_impls
+    from csa_jax import registry
 
-    order = {"gpu": ("pallas_mosaic_gpu", "pallas_triton"), "tpu": ("pallas_tpu",)}
-    avail = set(available_impls())
-    return [name for name in order.get(jax.default_backend(), ()) if name in avail]
+    platform = jax.default_backend()
+    return [name for name, impl in registry.REGISTRY.items()
+            if platform in impl.auto and impl.unavailable() is None]
 
 
 def bench(preset, impl, seq_len, batch_size, steps, warmup, dtype):

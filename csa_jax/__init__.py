@@ -10,7 +10,7 @@ from csa_jax.common import EMPTY_LSE
 from csa_jax.compressor import compress, indexer_scores, indexer_topk
 from csa_jax.config import BENCHMARK_GRID, BenchShape, CSAConfig, forward_flops, preset
 from csa_jax.indices import build_indices, pool_indices, validate_indices, window_indices
-from csa_jax.vjp import available_impls
+from csa_jax.registry import available_impls
 
 __all__ = [
     "sparse_attention", "validate_indices", "window_indices", "pool_indices", "build_indices",

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 import csa_jax
-from csa_jax import reference
+from csa_jax import reference, registry
 from csa_jax.config import BENCHMARK_GRID, FAMILIES, PRESET_RATIOS, preset
 from csa_jax.problems import INDEX_MODES, loss_fn, make_problem, rel_err
 
@@ -37,8 +37,9 @@ def parse_args(argv=None):
                     help="tokens T (default: 4096 on an accelerator, 512 on CPU)")
     ap.add_argument("--batch", type=int, default=1, help="batch size B (default 1)")
     ap.add_argument("--impl", default="xla",
-                    help="comma-separated impls to run: xla, pallas_tpu, pallas_triton, "
-                         "pallas_mosaic_gpu, auto (default: xla)")
+                    help=f"comma-separated impls to run: {', '.join(registry.choices())} "
+                         f"(available here: {', '.join(registry.available_impls())}; "
+                         "default: xla)")
     ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="input dtype")
     ap.add_argument("--indices", default="causal", choices=INDEX_MODES + ("both",),
                     help="cr4 pool lists: causal (top-k of a random lightning indexer), random "
@@ -64,11 +65,12 @@ def parse_args(argv=None):
         ap.error(f"--check-seq must be >= 0, got {args.check_seq}")
     impls = [s.strip() for s in args.impl.split(",") if s.strip()]
     for impl in impls:
-        if impl not in csa_jax.api.IMPLS:
-            ap.error(f"unknown impl {impl!r}; choose from {', '.join(csa_jax.api.IMPLS)}")
-        if impl != "auto" and impl not in csa_jax.available_impls():
-            ap.error(f"impl {impl!r} is not implemented yet; available: "
-                     f"{', '.join(csa_jax.available_impls())}")
+        if impl == "auto":
+            continue
+        try:
+            registry.get(impl).mod                      # raises if it cannot run here
+        except (ValueError, NotImplementedError) as e:
+            ap.error(f"{e}; available: {', '.join(registry.available_impls())}")
     args.impls = impls
     return args
 

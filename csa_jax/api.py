@@ -1,28 +1,19 @@
-"""The public op: validation, impl choice and dispatch into the custom_vjp (csa_jax/vjp.py)."""
+"""The public op: validation, impl choice (csa_jax/registry.py) and dispatch into the custom_vjp
+(csa_jax/vjp.py)."""
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from csa_jax.common import IMPLS, sanitize_indices
-from csa_jax.vjp import attention, impl_module
+from csa_jax import registry
+from csa_jax.common import sanitize_indices
+from csa_jax.vjp import attention
 
 # Compiled once per shape and static option, also for eager callers.
 _attention = jax.jit(attention, static_argnums=(4, 5, 6, 7))
 
 _FLOAT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
-
-# "auto": the first impl that exists and accepts the problem, per platform. Explicitly requested
-# impls never fall back.
-# On NVIDIA GPUs pallas_triton's forward is 1.5-3x the reference and a `small` training step
-# 1.85x (docs/perf/triton_h200.md, docs/perf/train_h200.md); its own unsupported() keeps auto
-# off it elsewhere (ROCm: never run; f32 inputs).
-AUTO_ORDER = {
-    "tpu": ("pallas_tpu", "xla"),
-    "gpu": ("pallas_triton", "xla"),
-    "cpu": ("xla",),
-}
 
 
 def _shape(x, name):
@@ -66,22 +57,11 @@ def _platform():
     return jax.default_backend()
 
 
-def resolve_impl(impl, q_shape, kv_shape, idx_shape, dtype):
-    """The impl name to run: `impl` itself, or for "auto" the platform's best available impl."""
-    if impl not in IMPLS:
-        raise ValueError(f"impl={impl!r} is unknown; choose one of {IMPLS}")
-    if impl != "auto":
-        impl_module(impl)               # NotImplementedError if it has not landed
-        return impl
-    for name in AUTO_ORDER.get(_platform(), ("xla",)):
-        try:
-            mod = impl_module(name)
-        except NotImplementedError:
-            continue
-        check = getattr(mod, "unsupported", None)
-        if check is None or check(q_shape, kv_shape, idx_shape, dtype) is None:
-            return name
-    return "xla"
+def resolve_impl(impl, q_shape, kv_shape, idx_shape, dtype) -> registry.Impl:
+    """The registered Impl to run: `impl` itself, or for "auto" the platform's best (the order and
+    the rules are csa_jax/registry.py's; on NVIDIA GPUs pallas_triton, whose forward is 1.5-3x the
+    reference and a `small` training step 1.85x: docs/perf/triton_h200.md, train_h200.md)."""
+    return registry.resolve(impl, q_shape, kv_shape, idx_shape, dtype, _platform())
 
 
 def sparse_attention(q, kv, idx, sink=None, *, scale=None, impl="auto", interpret=None,
@@ -95,7 +75,9 @@ def sparse_attention(q, kv, idx, sink=None, *, scale=None, impl="auto", interpre
          counts twice.
     sink [H] float or None: a per-head logit that joins the softmax denominator, no value.
     scale: softmax scale, default D ** -0.5.
-    impl: "auto" | "xla" | "pallas_tpu" | "pallas_mosaic_gpu" | "pallas_triton".
+    impl: "auto" or a registered impl: "xla", "pallas_tpu", "pallas_triton", "gluon" (optional:
+         pip install csa_jax[gluon]); csa_jax.available_impls() lists those that run here.
+         "pallas_mosaic_gpu" is reserved (raises NotImplementedError).
     interpret: None (interpret a Pallas impl when its hardware is absent), True/False, or the
          dialect's InterpretParams, passed through (e.g. race detection).
     config: the impl's own Config (e.g. csa_jax.reference.Config(dkv="scatter")); None = default.
@@ -114,11 +96,10 @@ def sparse_attention(q, kv, idx, sink=None, *, scale=None, impl="auto", interpre
     if not np.isfinite(scale) or scale == 0:
         raise ValueError(f"scale={scale} must be finite and non-zero")
     impl = resolve_impl(impl, q.shape, kv.shape, idx.shape, q.dtype)
-    mod = impl_module(impl)
     if config is None:
-        config = mod.default_config(q.shape, kv.shape, idx.shape, q.dtype)
-    elif not isinstance(config, mod.Config):
-        raise TypeError(f"config for impl={impl!r} must be {mod.__name__}.Config, "
+        config = impl.default_config(q.shape, kv.shape, idx.shape, q.dtype)
+    elif not isinstance(config, impl.Config):
+        raise TypeError(f"config for impl={impl.name!r} must be {impl.mod.__name__}.Config, "
                         f"got {type(config).__name__}")
     idx = sanitize_indices(idx, kv.shape[1])
     sink_arr = (jnp.full((H,), -jnp.inf, jnp.float32) if sink is None

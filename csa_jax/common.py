@@ -13,9 +13,6 @@ NEG_INIT = -1e30
 # lse of a row with no valid slot and no sink (log 0 would be -inf; we return this finite value).
 EMPTY_LSE = -1e30
 
-IMPLS = ("auto", "xla", "pallas_tpu", "pallas_mosaic_gpu", "pallas_triton")
-
-
 def sanitize_indices(idx, num_kv):
     """Map every id outside [0, num_kv) to -1 (empty slot); int32 in, int32 out."""
     return jnp.where((idx >= 0) & (idx < num_kv), idx, -1).astype(jnp.int32)

@@ -15,7 +15,7 @@ dkv strategies (Config.dkv):
   of additions into a row is unspecified, so bits may differ between runs on GPUs.
 The two agree to f32 rounding.
 
-This module is also the template of the impl-module interface (see csa_jax/vjp.py).
+This module is also the template of the impl-module interface (see csa_jax/registry.py).
 """
 from __future__ import annotations
 
@@ -133,7 +133,7 @@ def _chunk_loop(B, T, H, K, config, body, init, padded):
 
 
 def forward(q, kv, idx, sink, *, scale, interpret=None, config=None):
-    """o [B, T, H, D] (q.dtype), lse [B, T, H] f32. See the impl-module interface in vjp.py."""
+    """o [B, T, H, D] (q.dtype), lse [B, T, H] f32. See the impl-module interface in registry.py."""
     del interpret
     config = config or Config()
     B, T, H, D = q.shape

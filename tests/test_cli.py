@@ -30,8 +30,8 @@ def test_cli_help_and_errors():
                                     capture_output=True, text=True, timeout=120)
     h = run("--help")
     assert h.returncode == 0 and "--indices" in h.stdout and "published AMD" in h.stdout
-    for argv, msg in ((["--impl", "cuda"], "unknown impl 'cuda'"),
-                      (["--impl", "pallas_mosaic_gpu"], "not implemented yet"),
+    for argv, msg in ((["--impl", "cuda"], "impl='cuda' is unknown"),
+                      (["--impl", "pallas_mosaic_gpu"], "use impl='pallas_triton'"),
                       (["--seq-len", "-5"], "--seq-len must be positive, got -5"),
                       (["--ratio", "8"], "invalid choice: 8")):
         r = run(*argv)

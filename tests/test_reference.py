@@ -213,5 +213,5 @@ def test_auto_choice(monkeypatch, platform, kind, dtype, want):
     from csa_jax.kernels.triton import config as triton_config
     monkeypatch.setattr(api, "_platform", lambda: platform)
     monkeypatch.setattr(triton_config, "_device_kind", lambda: (platform, kind))
-    assert api.resolve_impl("auto", (1, 8, 4, 32), (1, 8, 32), (1, 8, 4), dtype) == want
-    assert api.resolve_impl("xla", (1, 8, 4, 32), (1, 8, 32), (1, 8, 4), dtype) == "xla"
+    assert api.resolve_impl("auto", (1, 8, 4, 32), (1, 8, 32), (1, 8, 4), dtype).name == want
+    assert api.resolve_impl("xla", (1, 8, 4, 32), (1, 8, 32), (1, 8, 4), dtype).name == "xla"

@@ -14,8 +14,6 @@ import sys
 
 from train.config import PRESETS, ConfigError, get_preset, parse_schedule
 
-IMPLS = ("auto", "xla", "pallas_tpu", "pallas_mosaic_gpu", "pallas_triton")
-
 EPILOG = """\
 examples:
   python -m train                                   # tiny preset on CPU, ./runs/tiny
@@ -30,6 +28,8 @@ reproduces the uninterrupted run exactly. Outputs in the workdir: checkpoints/, 
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from csa_jax import registry      # the impl names (imports jax: --help takes a few seconds)
+
     p = argparse.ArgumentParser(
         prog="python -m train", description=__doc__.splitlines()[0].split(": ", 1)[1],
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -57,8 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="layer schedule: 'flash:N' / 'pro:N' (released pattern, N layers) or a "
                         "comma list of compress ratios, e.g. '0,0,4,128' (0 = sliding window, "
                         "4 = CSA, other m = HCA). Default: the preset's")
-    g.add_argument("--impl", choices=IMPLS, default="auto",
-                   help="sparse_attention implementation; auto = the best one for this platform")
+    g.add_argument("--impl", choices=registry.choices(), default="auto",
+                   help="sparse_attention implementation; auto = the best one for this platform. "
+                        f"Runnable in this install: auto, {', '.join(registry.available_impls())}")
     g.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                    help="compute dtype (weights stay float32); auto = bfloat16 on GPU/TPU, "
                         "float32 on CPU")
@@ -86,11 +87,11 @@ def config_from_args(args):
     """TrainConfig from parsed flags (preset defaults for flags not given)."""
     import jax
 
-    import csa_jax
+    from csa_jax import registry
 
-    if args.impl != "auto" and args.impl not in csa_jax.available_impls():
-        raise ConfigError(f"--impl {args.impl} is not available in this install; available: "
-                          f"auto, {', '.join(csa_jax.available_impls())}")
+    if args.impl != "auto" and args.impl not in registry.available_impls():
+        raise ConfigError(f"--impl {args.impl}: {registry.get(args.impl).unavailable()}; "
+                          f"available: auto, {', '.join(registry.available_impls())}")
     model = {"impl": args.impl}
     if args.layers:
         model["layer_ratios"] = parse_schedule(args.layers)
@@ -114,7 +115,7 @@ def config_from_args(args):
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    # Imported after parsing so that --help and flag errors are instant.
+    # Imported after parsing so that --help and flag errors do not load the training stack.
     from train.checkpoint import CheckpointError
     from train.data import DataError
 

@@ -1,1 +1,1 @@
-"""Kernel packages, one per Pallas dialect (each an impl module; see csa_jax/vjp.py)."""
+"""Kernel packages, one per Pallas dialect (each an impl module; see csa_jax/registry.py)."""

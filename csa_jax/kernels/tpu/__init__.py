@@ -60,13 +60,14 @@ Launches and partials are added in a fixed order.
 
 Files: config.py (Config, default_config, check_layout), plan.py (launch geometry, kernel inputs,
 MXU products), ring.py (the DMA ring and a program's tile stream), forward.py, backward.py,
-dkv.py (the dkv reductions). This package is the impl module (interface: csa_jax/vjp.py).
+dkv.py (the dkv reductions). This package is the impl module (interface: csa_jax/registry.py).
 """
 from csa_jax.blockmath import inverse_map
 from csa_jax.kernels.tpu.backward import backward
-from csa_jax.kernels.tpu.config import LAYOUTS, Config, check_layout, default_config
+from csa_jax.kernels.tpu.config import (LAYOUTS, PLATFORMS, Config, check_layout,
+                                        default_config)
 from csa_jax.kernels.tpu.dkv import split_map
 from csa_jax.kernels.tpu.forward import forward
 
 __all__ = ["Config", "default_config", "forward", "backward", "check_layout", "LAYOUTS",
-           "inverse_map", "split_map"]
+           "PLATFORMS", "inverse_map", "split_map"]

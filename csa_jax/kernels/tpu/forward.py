@@ -136,6 +136,6 @@ def _forward_jit(q, kv, idx, sink, *, scale, interpret, config, broken, count_dm
 
 
 def forward(q, kv, idx, sink, *, scale, interpret, config):
-    """o [B,T,H,D] q.dtype, lse [B,T,H] f32 (impl-module interface, see csa_jax/vjp.py)."""
+    """o [B,T,H,D] q.dtype, lse [B,T,H] f32 (impl-module interface, see csa_jax/registry.py)."""
     return _forward_impl(q, kv, idx, sink, scale=scale, interpret=interpret, config=config)
 

@@ -44,7 +44,7 @@ docs/pallas_triton.md for what has and has not been run on AMD hardware.
 
 Files: config.py (Config, default_config, unsupported), plan.py (padded dims, gathers, scores),
 forward.py, backward.py (dq, per-slot intermediate, dkv reduce). This package is the impl module
-(interface: csa_jax/vjp.py); csa_jax/kernels/triton/testing.py is the entry point for benchmarks.
+(interface: csa_jax/registry.py); csa_jax/kernels/triton/testing.py is the entry point for benchmarks.
 """
 import warnings
 
@@ -53,7 +53,8 @@ warnings.filterwarnings(
     "ignore", message=r"The Pallas Triton backend is deprecated", category=DeprecationWarning)
 
 from csa_jax.kernels.triton.backward import backward  # noqa: E402
-from csa_jax.kernels.triton.config import Config, default_config, unsupported  # noqa: E402
+from csa_jax.kernels.triton.config import (PLATFORMS, Config, default_config,  # noqa: E402
+                                           unsupported)
 from csa_jax.kernels.triton.forward import forward  # noqa: E402
 
-__all__ = ["Config", "default_config", "unsupported", "forward", "backward"]
+__all__ = ["Config", "default_config", "unsupported", "forward", "backward", "PLATFORMS"]

@@ -95,6 +95,6 @@ def _forward(q, kv, idx, sink, *, scale, interpret, config, kernel=None):
 
 
 def forward(q, kv, idx, sink, *, scale, interpret, config):
-    """o [B, T, H, D] (q.dtype), lse [B, T, H] f32; see the impl-module interface in vjp.py."""
+    """o [B, T, H, D] (q.dtype), lse [B, T, H] f32; see the impl-module interface in csa_jax/registry.py."""
     return _forward(q, kv, idx, sink, scale=float(scale),
                     interpret=blockmath.resolve_interpret(interpret, PLATFORMS), config=config)

@@ -1,0 +1,199 @@
+"""The impl registry: every implementation of the op is registered here once.
+
+An impl is a module (or package) exposing the impl-module interface
+
+    class Config                      frozen, validated dataclass of tuning knobs
+    default_config(q_shape, kv_shape, idx_shape, dtype) -> Config
+    forward(q, kv, idx, sink, *, scale, interpret, config) -> (o, lse)
+    backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, interpret, config) -> (dq, dkv, dsink)
+    unsupported(q_shape, kv_shape, idx_shape, dtype) -> str | None     (optional: why "auto"
+                                                                        should skip it here)
+
+What the op guarantees to a module: validated shapes, q and kv of one dtype, idx int32 with every
+value -1 or in [0, N), sink always an f32 [H] array (-inf = no sink), scale a Python float.
+Kernels never import this file or csa_jax/vjp.py.
+
+Registering an impl is one line below: `Impl(name, module, platforms=..., auto=...)`. `module`
+is the module itself for an impl whose dependencies ship with csa_jax (a plain import, so the
+op's imports lead to its kernels), or its dotted name plus `extra` / `requires` for an optional
+backend, imported on first use; when it cannot be imported the impl reports "not available:
+install csa_jax[<extra>]" instead of failing at import time. The registration order is the
+order "auto" tries impls in (among those whose `auto` lists the platform), "xla" last.
+
+An `Impl` is a frozen dataclass, hashable: the op passes the resolved impl itself as the static
+argument of the custom_vjp, so the name is looked up once per call.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import importlib.metadata
+import types
+
+from csa_jax import reference
+from csa_jax.kernels import tpu, triton
+
+FALLBACK = "xla"          # what "auto" runs when no kernel impl accepts the problem
+
+
+class ImplUnavailable(NotImplementedError):
+    """An impl that is registered but cannot run in this install (its optional extra is
+    missing). A NotImplementedError, so callers that skip missing impls keep working."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Impl:
+    """One registered implementation of sparse_attention.
+
+    name       the `impl=` string.
+    module     the impl module, or its dotted name when it is optional (imported lazily).
+    platforms  jax backends where it runs compiled (elsewhere only in interpret mode).
+    auto       platforms where impl="auto" may pick it (it still asks module.unsupported()).
+    extra      optional impls: the pip extra that installs their dependencies.
+    requires   optional impls: the exact pins of that extra ("triton==3.6.0"), checked before
+               the import so a wrong version reports what is needed instead of failing deep in.
+    """
+    name: str
+    module: types.ModuleType | str
+    platforms: tuple[str, ...]
+    auto: tuple[str, ...] = ()
+    extra: str | None = None
+    requires: tuple[str, ...] = ()
+
+    # ---------------------------------------------------------------- loading
+
+    @functools.cached_property
+    def _loaded(self):
+        """(module, None) or (None, reason it is not available); computed once."""
+        if isinstance(self.module, types.ModuleType):
+            return self.module, None
+        for req in self.requires:
+            dist, _, want = req.partition("==")
+            try:
+                have = importlib.metadata.version(dist)
+            except importlib.metadata.PackageNotFoundError:
+                return None, f"{dist} is not installed (needs {req})"
+            if want and have != want:
+                return None, f"found {dist} {have}, needs {req}"
+        try:
+            mod = importlib.import_module(self.module)
+        except ModuleNotFoundError as e:
+            own = e.name is not None and (self.module == e.name
+                                          or self.module.startswith(e.name + "."))
+            if not own and e.name not in {r.partition("==")[0].replace("-", "_")
+                                          for r in self.requires}:
+                raise                      # a bug inside the module, not a missing piece
+            return None, f"no module {e.name}"
+        missing = [f for f in ("Config", "default_config", "forward", "backward")
+                   if not hasattr(mod, f)]
+        if missing:
+            return None, f"{self.module} lacks {', '.join(missing)}"
+        return mod, None
+
+    def unavailable(self) -> str | None:
+        """None if the impl can run in this install, else why not and what to install."""
+        mod, why = self._loaded
+        if mod is not None:
+            return None
+        hint = f"install csa_jax[{self.extra}]" if self.extra else "it is not installed"
+        return f"impl={self.name!r} is not available: {hint} ({why})"
+
+    @property
+    def mod(self) -> types.ModuleType:
+        """The impl module; ImplUnavailable if it cannot be imported here."""
+        mod, _ = self._loaded
+        if mod is None:
+            raise ImplUnavailable(self.unavailable())
+        return mod
+
+    # ---------------------------------------------------------------- the interface
+
+    @property
+    def Config(self):
+        return self.mod.Config
+
+    def default_config(self, q_shape, kv_shape, idx_shape, dtype):
+        return self.mod.default_config(q_shape, kv_shape, idx_shape, dtype)
+
+    def unsupported(self, q_shape, kv_shape, idx_shape, dtype) -> str | None:
+        """Why "auto" should not pick this impl for the problem here (None = it may)."""
+        why = self.unavailable()
+        if why is not None:
+            return why
+        check = getattr(self.mod, "unsupported", None)
+        return None if check is None else check(q_shape, kv_shape, idx_shape, dtype)
+
+    def forward(self, q, kv, idx, sink, *, scale, interpret, config):
+        return self.mod.forward(q, kv, idx, sink, scale=scale, interpret=interpret,
+                                config=config)
+
+    def backward(self, q, kv, idx, sink, o, lse, do, dlse, *, scale, interpret, config):
+        return self.mod.backward(q, kv, idx, sink, o, lse, do, dlse, scale=scale,
+                                 interpret=interpret, config=config)
+
+
+REGISTRY: dict[str, Impl] = {}
+
+# Names that are part of the API but have no impl: requesting one says what to use instead.
+RESERVED = {
+    "pallas_mosaic_gpu": "reserved for Blackwell's TMA gather; on GPUs use impl='pallas_triton' "
+                         "or impl='auto'",
+}
+
+
+def register(impl: Impl) -> Impl:
+    if impl.name in REGISTRY or impl.name in RESERVED or impl.name == "auto":
+        raise ValueError(f"impl name {impl.name!r} is already taken")
+    REGISTRY[impl.name] = impl
+    return impl
+
+
+# ------------------------------------------------------------------------------ the impls
+register(Impl("xla", reference, platforms=("cpu", "gpu", "tpu")))
+register(Impl("pallas_tpu", tpu, platforms=tpu.PLATFORMS, auto=("tpu",)))
+register(Impl("gluon", "csa_jax.kernels.gluon", platforms=("gpu",), extra="gluon",
+              requires=("triton==3.6.0", "jax-triton==0.3.1")))
+register(Impl("pallas_triton", triton, platforms=triton.PLATFORMS, auto=("gpu",)))
+# ------------------------------------------------------------------------------
+
+
+def names() -> tuple[str, ...]:
+    """Every registered impl name (also those whose optional extra is missing)."""
+    return tuple(REGISTRY)
+
+
+def choices() -> tuple[str, ...]:
+    """What a CLI offers for --impl: "auto" and every registered name."""
+    return ("auto",) + names()
+
+
+def available_impls() -> list[str]:
+    """The registered impls that can run in this install."""
+    return [n for n, impl in REGISTRY.items() if impl.unavailable() is None]
+
+
+def get(name: str) -> Impl:
+    """The registered impl of this name (it may still be unavailable: see Impl.mod)."""
+    if isinstance(name, Impl):
+        return name
+    if name in REGISTRY:
+        return REGISTRY[name]
+    if name in RESERVED:
+        raise NotImplementedError(f"impl={name!r} is not implemented ({RESERVED[name]})")
+    raise ValueError(f"impl={name!r} is unknown; choose one of {choices()}")
+
+
+def resolve(impl, q_shape, kv_shape, idx_shape, dtype, platform: str) -> Impl:
+    """The Impl to run: the requested one (ValueError / NotImplementedError / ImplUnavailable if
+    it cannot run: an explicit request never falls back), or for "auto" the first registered
+    impl whose `auto` lists `platform` and whose unsupported() accepts the problem, else xla."""
+    if impl != "auto":
+        found = get(impl)
+        found.mod                                  # ImplUnavailable if it cannot be imported
+        return found
+    for cand in REGISTRY.values():
+        if platform in cand.auto and cand.unsupported(q_shape, kv_shape, idx_shape,
+                                                      dtype) is None:
+            return cand
+    return REGISTRY[FALLBACK]
