@@ -21,40 +21,72 @@ def check_ratio(ratio, *, allow_zero=True, what="ratio"):
 
 @dataclasses.dataclass(frozen=True)
 class CSAConfig:
-    """One V4 attention layer type. Numbers from csa_spec.md section 1 and 6."""
+    """One attention layer: the V4 shapes (csa_spec.md sections 1 and 6; `preset()` fills them)
+    and everything the NNX layer (csa_jax.layers.CSAAttention) takes. The one per-layer config:
+    a model holds a base CSAConfig and a layer schedule, and each layer's config is the base with
+    its own ratio (`dataclasses.replace(base, ratio=r)`)."""
 
-    family: str
-    ratio: int                 # 0 (cr0, SWA), 4 (cr4, CSA), 128 (cr128, HCA) or any int >= 2
-    num_heads: int             # H: 64 Flash, 128 Pro
+    family: str | None = None  # "flash" | "pro" for a preset, None for any other layer
+    ratio: int = 0             # 0 (cr0, SWA), 4 (cr4, CSA), 128 (cr128, HCA) or any int >= 2
+    num_heads: int = 64        # H: 64 Flash, 128 Pro
     head_dim: int = 512        # D; K and V share one row
     window: int = 128          # causal sliding window (includes the token itself)
-    topk: int = 0              # pool rows chosen by the indexer (cr4 only): 512 Flash, 1024 Pro
+    topk: int = 0              # pool rows chosen by the indexer (used by cr4): 512 Flash, 1024 Pro
     rope_dim: int = 64         # RoPE on the last rope_dim channels
     q_rank: int = 1024         # low-rank query latent: 1024 Flash, 1536 Pro
     o_groups: int = 8          # grouped output projection: 8 Flash, 16 Pro
     o_rank: int = 1024         # rank per output group
     index_heads: int = 64      # lightning indexer heads
     index_dim: int = 128       # lightning indexer head dim
+    d_model: int = 4096        # model width C: 4096 Flash, 7168 Pro
+    rope_theta: float = 10000.0            # RoPE base of cr0 layers
+    compress_rope_theta: float = 160000.0  # RoPE base of compressed layers (cr4, HCA)
+    norm_eps: float = 1e-6
+    impl: str = "auto"                     # sparse_attention impl (csa_jax.registry)
+    indexer_loss_coef: float = 0.0         # > 0: auxiliary indexer KL loss (cr4 layers)
+    out_init_scale: float = 1.0            # init std factor of the layer's last projection
 
     def __post_init__(self):
-        if self.family not in FAMILIES:
-            raise ValueError(f"family={self.family!r} must be one of {FAMILIES}")
+        if self.family is not None and self.family not in FAMILIES:
+            raise ValueError(f"family={self.family!r} must be one of {FAMILIES} or None")
         check_ratio(self.ratio)
         for name in ("num_heads", "head_dim", "window", "q_rank", "o_groups", "o_rank",
-                     "index_heads", "index_dim"):
+                     "index_heads", "index_dim", "d_model"):
             v = getattr(self, name)
-            if not isinstance(v, int) or v <= 0:
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"{name}={v!r} must be a positive int")
-        if not 0 <= self.rope_dim <= self.head_dim or self.rope_dim % 2:
-            raise ValueError(f"rope_dim={self.rope_dim} must be even and in [0, {self.head_dim=}]")
+        if isinstance(self.topk, bool) or not isinstance(self.topk, int) or self.topk < 0:
+            raise ValueError(f"topk={self.topk!r} must be an int >= 0")
         if self.ratio == 4 and self.topk <= 0:
             raise ValueError(f"cr4 needs topk > 0, got topk={self.topk}")
-        if self.ratio != 4 and self.topk != 0:
-            raise ValueError(f"topk={self.topk} is only meaningful for ratio 4, got ratio={self.ratio}")
+        if not isinstance(self.rope_dim, int) or self.rope_dim <= 0 or self.rope_dim % 2:
+            raise ValueError(f"rope_dim={self.rope_dim!r} must be a positive even int")
+        if self.rope_dim > self.head_dim:
+            raise ValueError(f"rope_dim={self.rope_dim} must be <= head_dim={self.head_dim}")
+        if self.ratio == 4 and self.rope_dim > self.index_dim:
+            raise ValueError(f"rope_dim={self.rope_dim} must be <= index_dim={self.index_dim}")
+        if self.num_heads % self.o_groups:
+            raise ValueError(f"o_groups={self.o_groups} must divide num_heads={self.num_heads}")
+        if not self.indexer_loss_coef >= 0:
+            raise ValueError(f"indexer_loss_coef={self.indexer_loss_coef} must be >= 0")
+        if not self.norm_eps > 0:
+            raise ValueError(f"norm_eps={self.norm_eps} must be > 0")
+        from csa_jax import registry   # late: the registry imports the kernels
+        if self.impl not in registry.choices():
+            raise ValueError(f"impl={self.impl!r} must be one of {registry.choices()}")
+
+    @property
+    def layer_type(self) -> str:
+        return f"cr{self.ratio}"
+
+    @property
+    def rope_base(self) -> float:
+        """This layer's RoPE base: rope_theta for cr0, compress_rope_theta for compressed ones."""
+        return self.rope_theta if self.ratio == 0 else self.compress_rope_theta
 
     @property
     def name(self) -> str:
-        return f"{self.family}-cr{self.ratio}"
+        return f"{self.family}-cr{self.ratio}" if self.family else self.layer_type
 
     @property
     def scale(self) -> float:
@@ -92,6 +124,7 @@ def preset(family: str, ratio: int) -> CSAConfig:
         topk=(1024 if pro else 512) if ratio == 4 else 0,
         q_rank=1536 if pro else 1024,
         o_groups=16 if pro else 8,
+        d_model=7168 if pro else 4096,
     )
 
 

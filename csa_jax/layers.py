@@ -16,7 +16,8 @@ N = T + P kv rows, K slots per token):
     o, lse = csa_jax.sparse_attention(q, [kv ; pool], idx, sink)             [B,T,H,D]
     o -> RoPE(-angle at the query position) -> grouped low-rank projection -> [B,T,C]
 
-RoPE is interleaved (channel pairs (2i, 2i+1)) on the last `rope_dim` channels. The compressor,
+The layer takes one csa_jax.CSAConfig: a preset (`csa_jax.preset(family, ratio)`) or a model's
+base config with the layer's ratio (train/config.py). RoPE is interleaved (channel pairs (2i, 2i+1)) on the last `rope_dim` channels. The compressor,
 the indexer's scoring and the attention core are the functional pieces of `csa_jax`; this module
 owns only parameters and wiring. Norms and the compressor run in float32; everything else runs
 in the dtype of the parameters and inputs it is given (the trainer casts its f32 master weights
@@ -25,7 +26,6 @@ to the compute dtype before calling the model).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import jax
@@ -33,9 +33,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 import csa_jax
+from csa_jax.config import CSAConfig
 
 __all__ = [
-    "AttentionConfig",
     "CSAAttention",
     "Compressor",
     "Indexer",
@@ -45,59 +45,6 @@ __all__ = [
 ]
 
 _INDEXER_RATIO = 4  # the lightning indexer exists only on cr4 layers (csa_spec.md section 5)
-
-
-@dataclasses.dataclass(frozen=True)
-class AttentionConfig:
-    """Static description of one attention layer.
-
-    ratio: 0 (sliding window only), 4 (CSA with the indexer's top-k) or any other m > 0 (HCA:
-      every visible pool row). rope_theta is this layer's RoPE base (V4: 10000 for cr0, the
-      "compress" base 160000 for cr4/cr128). indexer_loss_coef > 0 adds the auxiliary indexer
-      KL loss (cr4 only). out_init_scale multiplies the init std of the last projection.
-    """
-
-    d_model: int
-    n_heads: int
-    head_dim: int
-    ratio: int = 0
-    window: int = 128
-    rope_dim: int = 64
-    rope_theta: float = 10000.0
-    q_rank: int = 1024
-    o_groups: int = 8
-    o_rank: int = 1024
-    topk: int = 512
-    index_heads: int = 64
-    index_head_dim: int = 128
-    norm_eps: float = 1e-6
-    impl: str = "auto"
-    indexer_loss_coef: float = 0.0
-    out_init_scale: float = 1.0
-
-    def __post_init__(self):
-        positive = ("d_model", "n_heads", "head_dim", "window", "q_rank", "o_groups", "o_rank",
-                    "topk", "index_heads", "index_head_dim")
-        for name in positive:
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name}={value!r} must be a positive int")
-        if not isinstance(self.ratio, int) or self.ratio < 0 or self.ratio == 1:
-            raise ValueError(f"ratio={self.ratio!r} must be 0 (window only) or an int >= 2")
-        if self.rope_dim <= 0 or self.rope_dim % 2:
-            raise ValueError(f"rope_dim={self.rope_dim} must be a positive even int")
-        if self.rope_dim > self.head_dim:
-            raise ValueError(f"rope_dim={self.rope_dim} must be <= head_dim={self.head_dim}")
-        if self.ratio == _INDEXER_RATIO and self.rope_dim > self.index_head_dim:
-            raise ValueError(f"rope_dim={self.rope_dim} must be <= index_head_dim={self.index_head_dim}")
-        if self.n_heads % self.o_groups:
-            raise ValueError(f"o_groups={self.o_groups} must divide n_heads={self.n_heads}")
-        if self.indexer_loss_coef < 0:
-            raise ValueError(f"indexer_loss_coef={self.indexer_loss_coef} must be >= 0")
-
-    @property
-    def layer_type(self) -> str:
-        return f"cr{self.ratio}"
 
 
 # ----------------------------------------------------------------------------- functional pieces
@@ -182,8 +129,8 @@ class Indexer(nnx.Module):
     """The lightning indexer of a cr4 layer: per-head queries from the query latent, one key per
     pool row from its own ratio-4 compressor, per-head weights from x (every scale folded in)."""
 
-    def __init__(self, cfg: AttentionConfig, *, rngs: nnx.Rngs):
-        hi, di = cfg.index_heads, cfg.index_head_dim
+    def __init__(self, cfg: CSAConfig, *, rngs: nnx.Rngs):
+        hi, di = cfg.index_heads, cfg.index_dim
         self.cfg = cfg
         self.wq = _param(rngs, (cfg.q_rank, hi * di), cfg.q_rank)
         self.ww = _param(rngs, (cfg.d_model, hi), cfg.d_model)
@@ -193,13 +140,13 @@ class Indexer(nnx.Module):
         """x [B,T,C], q_lat [B,T,q_rank] -> q_idx [B,T,Hi,Di], k_idx [B,P,Di], weights [B,T,Hi]."""
         cfg = self.cfg
         B, T, _ = x.shape
-        hi, di = cfg.index_heads, cfg.index_head_dim
+        hi, di = cfg.index_heads, cfg.index_dim
         pos = jnp.arange(T)
         q_idx = (q_lat @ self.wq[...].astype(q_lat.dtype)).reshape(B, T, hi, di)
-        q_idx = apply_rope(q_idx, pos[:, None], base=cfg.rope_theta, rope_dim=cfg.rope_dim)
+        q_idx = apply_rope(q_idx, pos[:, None], base=cfg.rope_base, rope_dim=cfg.rope_dim)
         k_idx = self.compressor(x)  # [B, P, Di] f32
         k_idx = apply_rope(k_idx, jnp.arange(k_idx.shape[1]) * _INDEXER_RATIO,
-                           base=cfg.rope_theta, rope_dim=cfg.rope_dim)
+                           base=cfg.rope_base, rope_dim=cfg.rope_dim)
         weights = (x @ self.ww[...].astype(x.dtype)).astype(jnp.float32) * (di ** -0.5 * hi ** -0.5)
         return q_idx.astype(jnp.float32), k_idx.astype(jnp.float32), weights
 
@@ -211,9 +158,9 @@ class CSAAttention(nnx.Module):
     loss already multiplied by cfg.indexer_loss_coef (0 when off or on non-cr4 layers).
     """
 
-    def __init__(self, cfg: AttentionConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: CSAConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
-        C, H, D, G = cfg.d_model, cfg.n_heads, cfg.head_dim, cfg.o_groups
+        C, H, D, G = cfg.d_model, cfg.num_heads, cfg.head_dim, cfg.o_groups
         self.wq_a = _param(rngs, (C, cfg.q_rank), C)
         self.q_norm = RMSNorm(cfg.q_rank, eps=cfg.norm_eps)
         self.wq_b = _param(rngs, (cfg.q_rank, H * D), cfg.q_rank)
@@ -229,10 +176,10 @@ class CSAAttention(nnx.Module):
     def __call__(self, x):
         cfg = self.cfg
         B, T, _ = x.shape
-        H, D, m = cfg.n_heads, cfg.head_dim, cfg.ratio
+        H, D, m = cfg.num_heads, cfg.head_dim, cfg.ratio
         dt = x.dtype
         pos = jnp.arange(T)
-        rope = dict(base=cfg.rope_theta, rope_dim=cfg.rope_dim)
+        rope = dict(base=cfg.rope_base, rope_dim=cfg.rope_dim)
 
         q_lat = self.q_norm(x @ self.wq_a[...].astype(dt))  # [B, T, q_rank]
         q = (q_lat @ self.wq_b[...].astype(dt)).reshape(B, T, H, D)

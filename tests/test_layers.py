@@ -12,15 +12,16 @@ from conftest import assert_close, golden
 from flax import nnx
 
 import csa_jax
-from csa_jax.layers import AttentionConfig, Compressor, CSAAttention, apply_rope, rms_norm
+from csa_jax.config import CSAConfig
+from csa_jax.layers import Compressor, CSAAttention, apply_rope, rms_norm
 
 F32 = jnp.float32
 
 
 def small_cfg(ratio=0, **kw):
-    base = dict(d_model=32, n_heads=4, head_dim=32, ratio=ratio, window=8, rope_dim=16,
-                q_rank=24, o_groups=2, o_rank=16, topk=3, index_heads=2, index_head_dim=16)
-    return AttentionConfig(**{**base, **kw})
+    base = dict(d_model=32, num_heads=4, head_dim=32, ratio=ratio, window=8, rope_dim=16,
+                q_rank=24, o_groups=2, o_rank=16, topk=3, index_heads=2, index_dim=16)
+    return CSAConfig(**{**base, **kw})
 
 
 def make_layer(cfg, seed, *, randomize=True):
@@ -61,9 +62,9 @@ def test_attention_core_matches_golden(name):
     the golden output: the [window | pool] lists see exactly the rows the reference model saw."""
     g = golden(name)
     B, T, H, D = g["q"].shape
-    cfg = AttentionConfig(d_model=g["x"].shape[-1], n_heads=H, head_dim=D, ratio=int(g["ratio"]),
-                          window=int(g["window"]), q_rank=32, o_groups=2, o_rank=16,
-                          topk=int(g.get("topk_k", 4)), index_heads=4, index_head_dim=64)
+    cfg = CSAConfig(d_model=g["x"].shape[-1], num_heads=H, head_dim=D, ratio=int(g["ratio"]),
+                    window=int(g["window"]), q_rank=32, o_groups=2, o_rank=16,
+                    topk=int(g.get("topk_k", 4)), index_heads=4, index_dim=64)
     layer = CSAAttention(cfg, rngs=nnx.Rngs(0))
     topk = jnp.asarray(g["topk"]) if "topk" in g else None
     idx = np.asarray(layer.index_lists(B, T, topk))
@@ -111,7 +112,7 @@ def dense_layer(layer, x):
     [token rows ; pool rows] with the sink, from the same parameters. cr0 and HCA layers."""
     cfg = layer.cfg
     B, T, _ = x.shape
-    H, D, m, w = cfg.n_heads, cfg.head_dim, cfg.ratio, cfg.window
+    H, D, m, w = cfg.num_heads, cfg.head_dim, cfg.ratio, cfg.window
     p = lambda a: np.asarray(a[...], np.float64)  # noqa: E731
     xn = np.asarray(x, np.float64)
 
@@ -121,7 +122,7 @@ def dense_layer(layer, x):
 
     def rope(v, pos, sign=1.0):
         r = cfg.rope_dim
-        ang = sign * pos[..., None] * cfg.rope_theta ** (-np.arange(0, r, 2) / r)
+        ang = sign * pos[..., None] * cfg.rope_base ** (-np.arange(0, r, 2) / r)
         z = (v[..., -r::2] + 1j * v[..., -r + 1::2]) * np.exp(1j * ang)
         out = v.copy()
         out[..., -r::2], out[..., -r + 1::2] = z.real, z.imag
@@ -215,7 +216,7 @@ def test_layer_bf16_runs_and_tracks_f32(rng):
 
 @pytest.mark.parametrize("bad, match", [
     (dict(rope_dim=48), "rope_dim=48 must be <= head_dim=32"),
-    (dict(o_groups=3), "o_groups=3 must divide n_heads=4"),
+    (dict(o_groups=3), "o_groups=3 must divide num_heads=4"),
     (dict(ratio=1), "ratio=1"),
     (dict(rope_dim=7), "rope_dim=7"),
 ])

@@ -20,9 +20,9 @@ from train.parallel import make_runner
 
 # A model small enough to compile in seconds with both compressed layer types (cr0 layers are
 # the window-only subset of these; tests/test_layers.py checks all three).
-SMALL_MODEL = dict(d_model=32, layer_ratios=(4, 8), n_heads=2, head_dim=32, rope_dim=16,
+SMALL_MODEL = dict(d_model=32, layer_ratios=(4, 8), num_heads=2, head_dim=32, rope_dim=16,
                    q_rank=32, o_groups=2, o_rank=16, window=8, topk=4, index_heads=2,
-                   index_head_dim=16, mlp_hidden=64)
+                   index_dim=16, mlp_hidden=64)
 
 
 def small_cfg(corpus, **kw):

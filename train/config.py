@@ -1,7 +1,8 @@
 """Model and training configuration: frozen dataclasses, presets and the layer schedule.
 
-Per-layer fields are validated once, by csa_jax.layers.AttentionConfig; every other check lives
-in the __post_init__ of the dataclass that owns the field. Errors are ConfigError (a ValueError)
+Per-layer fields live in one csa_jax.CSAConfig (the type the NNX attention layer takes), held by
+ModelConfig as the base of every layer and validated there once per layer type; every other
+check lives in the __post_init__ of the dataclass that owns the field. Errors are ConfigError (a ValueError)
 naming the bad value, which the CLI prints without a traceback.
 """
 
@@ -63,49 +64,42 @@ def parse_schedule(text: str, hca_ratio: int = 128) -> tuple[int, ...]:
     return tuple(ratios)
 
 
+# The tiny preset's attention (CPU, minutes); every layer is this with its own ratio.
+_TINY_ATTENTION = csa_jax.CSAConfig(
+    d_model=128, num_heads=4, head_dim=64, rope_dim=32, q_rank=128, o_groups=2, o_rank=128,
+    window=64, topk=16, index_heads=4, index_dim=32)
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Decoder LM over bytes whose attention layers are CSAAttention (csa_jax.layers).
 
+    attention: the base per-layer config (csa_jax.CSAConfig); layer i runs
+      `layer(layer_ratios[i])`, the base with that ratio (its own ratio field is not used).
     layer_ratios: compress ratio per layer (0 = SWA, 4 = CSA, other m = HCA with ratio m).
-    cr0 layers use rope_theta, compressed layers compress_rope_theta (V4: 10000 / 160000).
+    cr0 layers use attention.rope_theta, compressed layers attention.compress_rope_theta.
     """
 
-    d_model: int = 128
+    attention: csa_jax.CSAConfig = _TINY_ATTENTION
     layer_ratios: tuple[int, ...] = (0, 0, 4, 16)
-    n_heads: int = 4
-    head_dim: int = 64
-    rope_dim: int = 32
-    q_rank: int = 128
-    o_groups: int = 2
-    o_rank: int = 128
-    window: int = 64
-    topk: int = 16
-    index_heads: int = 4
-    index_head_dim: int = 32
     mlp_hidden: int = 384
     vocab_size: int = 256
-    rope_theta: float = 10000.0
-    compress_rope_theta: float = 160000.0
-    norm_eps: float = 1e-6
-    indexer_loss_coef: float = 0.0
-    impl: str = "auto"
     compute_dtype: str = "float32"
 
     def __post_init__(self):
         object.__setattr__(self, "layer_ratios", tuple(int(r) for r in self.layer_ratios))
+        if not isinstance(self.attention, csa_jax.CSAConfig):
+            raise ConfigError(f"attention must be a csa_jax.CSAConfig, got "
+                              f"{type(self.attention).__name__}")
         if not self.layer_ratios:
             raise ConfigError("layer_ratios must name at least one layer")
-        bad = [r for r in self.layer_ratios if r < 0]
-        if bad:
-            raise ConfigError(f"layer_ratios={self.layer_ratios} has negative ratios {bad}")
         if self.compute_dtype not in ("float32", "bfloat16"):
             raise ConfigError(f"compute_dtype={self.compute_dtype!r} must be 'float32' or 'bfloat16'")
         if self.mlp_hidden <= 0 or self.vocab_size <= 0:
             raise ConfigError(f"mlp_hidden={self.mlp_hidden} and vocab_size={self.vocab_size} must be > 0")
         for ratio in sorted(set(self.layer_ratios)):
             try:
-                self.attention(ratio)  # validates every per-layer field once
+                self.layer(ratio)  # validates every per-layer field once per layer type
             except ValueError as e:
                 raise ConfigError(f"layer type cr{ratio}: {e}") from None
 
@@ -113,18 +107,34 @@ class ModelConfig:
     def n_layers(self) -> int:
         return len(self.layer_ratios)
 
-    def attention(self, ratio: int, *, out_init_scale: float = 1.0):
-        """The csa_jax.layers.AttentionConfig of a layer with this compress ratio."""
-        from csa_jax.layers import AttentionConfig
+    @property
+    def d_model(self) -> int:
+        return self.attention.d_model
 
-        return AttentionConfig(
-            d_model=self.d_model, n_heads=self.n_heads, head_dim=self.head_dim, ratio=ratio,
-            window=self.window, rope_dim=self.rope_dim,
-            rope_theta=self.rope_theta if ratio == 0 else self.compress_rope_theta,
-            q_rank=self.q_rank, o_groups=self.o_groups, o_rank=self.o_rank, topk=self.topk,
-            index_heads=self.index_heads, index_head_dim=self.index_head_dim,
-            norm_eps=self.norm_eps, impl=self.impl, indexer_loss_coef=self.indexer_loss_coef,
-            out_init_scale=out_init_scale)
+    @property
+    def norm_eps(self) -> float:
+        return self.attention.norm_eps
+
+    def layer(self, ratio: int, *, out_init_scale: float = 1.0) -> csa_jax.CSAConfig:
+        """The CSAConfig of a layer with this compress ratio: the base with its ratio."""
+        return dataclasses.replace(self.attention, ratio=ratio, out_init_scale=out_init_scale)
+
+    def replace(self, **fields) -> "ModelConfig":
+        """A copy with fields changed; CSAConfig fields (impl, topk, ...) go to the base attention
+        config, the others to the model. Unknown names raise ConfigError."""
+        att = {f.name for f in dataclasses.fields(csa_jax.CSAConfig)} - {"ratio"}
+        own = {f.name for f in dataclasses.fields(ModelConfig)} - {"attention"}
+        bad = sorted(set(fields) - att - own)
+        if bad:
+            raise ConfigError(f"unknown model field(s) {bad}; model fields: {sorted(own)}, "
+                              f"attention fields: {sorted(att)}")
+        try:
+            attention = dataclasses.replace(self.attention,
+                                            **{k: v for k, v in fields.items() if k in att})
+        except ValueError as e:
+            raise ConfigError(f"attention: {e}") from None
+        return dataclasses.replace(self, attention=attention,
+                                   **{k: v for k, v in fields.items() if k in own})
 
     def check_seq_len(self, seq_len: int) -> None:
         """A sequence length is usable when every compressed layer pools all of its tokens:
@@ -144,23 +154,24 @@ class ModelConfig:
         """Training FLOPs per token (forward + backward = 3x forward) of the matmuls and the
         attention core at nominal slots (csa_spec.md section 3 convention: attention backward =
         2.5x forward). Used for model FLOP utilisation."""
-        C, H, D, G = self.d_model, self.n_heads, self.head_dim, self.o_groups
+        a = self.attention
+        C, H, D, G = a.d_model, a.num_heads, a.head_dim, a.o_groups
         dense = 0.0
         attn = 0.0
         for r in self.layer_ratios:
-            dense += C * self.q_rank + self.q_rank * H * D + C * D  # wq_a, wq_b, wkv
-            dense += H * D * self.o_rank + G * self.o_rank * C  # wo_a (grouped), wo_b
+            dense += C * a.q_rank + a.q_rank * H * D + C * D  # wq_a, wq_b, wkv
+            dense += H * D * a.o_rank + G * a.o_rank * C  # wo_a (grouped), wo_b
             dense += 3 * C * self.mlp_hidden
-            k = self.window
+            k = a.window
             if r > 0:
                 coff = 2 if r == 4 else 1
                 dense += 2 * C * coff * D  # compressor projections
-                k += min(self.topk, seq_len // r) if r == 4 else seq_len // r
+                k += min(a.topk, seq_len // r) if r == 4 else seq_len // r
             if r == 4:
-                dense += self.q_rank * self.index_heads * self.index_head_dim + C * self.index_heads
-                dense += 2 * C * 2 * self.index_head_dim
+                dense += a.q_rank * a.index_heads * a.index_dim + C * a.index_heads
+                dense += 2 * C * 2 * a.index_dim
                 # indexer scores over all pool rows (no gradient): forward only
-                attn += 2 * self.index_heads * self.index_head_dim * (seq_len // r) / 3.0
+                attn += 2 * a.index_heads * a.index_dim * (seq_len // r) / 3.0
             attn += 2 * H * k * (2 * D) * (1 + 2.5) / 3.0
         dense += C * self.vocab_size  # head
         return 3.0 * (2.0 * dense + attn)
@@ -215,15 +226,13 @@ class TrainConfig:
 
 _TINY = ModelConfig()
 
-def _v4_layer_preset(family: str, d_model: int) -> dict:
-    """A 4-layer model with the attention widths of csa_jax.preset(family, 4)."""
-    c = csa_jax.preset(family, 4)
+
+def _v4_layer_preset(family: str) -> dict:
+    """A 4-layer model whose attention is csa_jax.preset(family, 4) (V4 widths, d_model too)."""
     return dict(
-        model=ModelConfig(
-            d_model=d_model, layer_ratios=release_schedule(4, family, 128), n_heads=c.num_heads,
-            head_dim=c.head_dim, rope_dim=c.rope_dim, q_rank=c.q_rank, o_groups=c.o_groups,
-            o_rank=c.o_rank, window=c.window, topk=c.topk, index_heads=c.index_heads,
-            index_head_dim=c.index_dim, mlp_hidden=4096, compute_dtype="bfloat16"),
+        model=ModelConfig(attention=csa_jax.preset(family, 4),
+                          layer_ratios=release_schedule(4, family, 128), mlp_hidden=4096,
+                          compute_dtype="bfloat16"),
         batch_size=1, seq_len=8192, steps=100, lr=3e-4, warmup_steps=10)
 
 
@@ -234,25 +243,27 @@ PRESETS: dict[str, dict] = {
     # ~170M parameters for one GPU (bf16 compute, f32 master weights).
     "small": dict(
         model=ModelConfig(
-            d_model=1024, layer_ratios=release_schedule(12, "flash", 128), n_heads=16,
-            head_dim=128, rope_dim=64, q_rank=512, o_groups=4, o_rank=512, window=128, topk=512,
-            index_heads=16, index_head_dim=64, mlp_hidden=2816, compute_dtype="bfloat16"),
+            attention=csa_jax.CSAConfig(
+                d_model=1024, num_heads=16, head_dim=128, rope_dim=64, q_rank=512, o_groups=4,
+                o_rank=512, window=128, topk=512, index_heads=16, index_dim=64),
+            layer_ratios=release_schedule(12, "flash", 128), mlp_hidden=2816,
+            compute_dtype="bfloat16"),
         batch_size=8, seq_len=8192, steps=2000, lr=1e-3, warmup_steps=200, log_every=10,
         eval_every=250, ckpt_every=500),
     # Real V4 attention widths (csa_spec.md section 6, via csa_jax.preset) with few layers, for
     # benchmarking.
-    "v4-flash-layer": _v4_layer_preset("flash", d_model=4096),
-    "v4-pro-layer": _v4_layer_preset("pro", d_model=7168),
+    "v4-flash-layer": _v4_layer_preset("flash"),
+    "v4-pro-layer": _v4_layer_preset("pro"),
 }
 
 
 def get_preset(name: str, **overrides) -> TrainConfig:
     """TrainConfig of a preset with field overrides (model fields go in overrides['model'] as a
-    dict of ModelConfig fields)."""
+    dict of ModelConfig or CSAConfig fields: see ModelConfig.replace)."""
     if name not in PRESETS:
         raise ConfigError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
     base = dict(PRESETS[name])
     model_over = overrides.pop("model", None) or {}
-    model = dataclasses.replace(base.pop("model"), **model_over) if model_over else base.pop("model")
+    model = base.pop("model").replace(**model_over) if model_over else base.pop("model")
     base.update({k: v for k, v in overrides.items() if v is not None})
     return TrainConfig(model=model, preset=name, **base)

@@ -11,13 +11,9 @@ from flax import nnx
 from csa_jax.layers import CSAAttention, RMSNorm
 from train.config import ModelConfig
 
-try:  # explicit FSDP gathers the blocks' weights layer by layer through this call
-    from comm.fsdp import apply_layers
-except ImportError:  # comm absent or mid-edit: the plain loop it runs outside an FSDP step
-    def apply_layers(layers, x, *consts):
-        for layer in layers:
-            x = layer(x, *consts)
-        return x
+# Explicit FSDP gathers the blocks' weights layer by layer through this call; outside an FSDP
+# step it is the plain loop over the layers.
+from comm.fsdp import apply_layers
 
 __all__ = ["Block", "DecoderLM", "SwiGLU", "count_params"]
 
@@ -43,7 +39,7 @@ class Block(nnx.Module):
     def __init__(self, cfg: ModelConfig, ratio: int, *, rngs: nnx.Rngs):
         out_scale = 1.0 / math.sqrt(2 * cfg.n_layers)  # residual branches start small
         self.attn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
-        self.attn = CSAAttention(cfg.attention(ratio, out_init_scale=out_scale), rngs=rngs)
+        self.attn = CSAAttention(cfg.layer(ratio, out_init_scale=out_scale), rngs=rngs)
         self.mlp_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.mlp = SwiGLU(cfg.d_model, cfg.mlp_hidden, out_init_scale=out_scale, rngs=rngs)
 
