@@ -15,6 +15,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+from csa_jax.problems import rel_err  # noqa: E402,F401  (the one rel_err; tests import it here)
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 GOLDEN_DIR = REPO / "tests" / "golden"   # copies of ../shared/golden (README there)
@@ -35,21 +38,24 @@ def golden(name):
     return dict(np.load(path))
 
 
-def rel_err(actual, expected):
-    """max|a - e| / max|e|, after checking that inf/NaN sit at the same places."""
-    a = np.asarray(jnp.asarray(actual, jnp.float32), np.float64)
-    e = np.asarray(jnp.asarray(expected, jnp.float32), np.float64)
-    assert a.shape == e.shape, (a.shape, e.shape)
-    assert not np.isnan(a).any(), "NaN in result"
-    np.testing.assert_array_equal(np.isinf(a), np.isinf(e))
-    fin = np.isfinite(e)
-    denom = max(np.abs(e[fin]).max(initial=0.0), 1e-30)
-    return float(np.abs(a[fin] - e[fin]).max(initial=0.0) / denom)
+# The index-list fuzz (tests/contract.py): a fixed, small number of examples per impl (each runs
+# a forward and a backward in interpret mode); fresh examples every run, printed on failure.
+settings.register_profile(
+    "ci", max_examples=6, deadline=None, database=None, print_blob=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 def assert_close(actual, expected, dtype, *, factor=1.0, what=""):
+    """max|a - e| / max|e| (csa_jax.problems.rel_err) within the dtype's tolerance, after checking
+    shapes and that inf/NaN sit at the same places."""
     tol = TOL[jnp.dtype(dtype)] * factor
-    err = rel_err(actual, expected)
+    a = np.asarray(jnp.asarray(actual, jnp.float32))
+    e = np.asarray(jnp.asarray(expected, jnp.float32))
+    assert a.shape == e.shape, f"{what}: shape {a.shape} != {e.shape}"
+    assert not np.isnan(a).any(), f"{what}: NaN in result"
+    np.testing.assert_array_equal(np.isinf(a), np.isinf(e), err_msg=f"{what}: inf positions")
+    err = rel_err(a, e)
     assert err <= tol, f"{what}: relative error {err:.3e} > {tol:.1e} ({jnp.dtype(dtype).name})"
 
 

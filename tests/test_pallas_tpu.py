@@ -21,40 +21,15 @@ from csa_jax.kernels import tpu as pt
 from csa_jax.kernels.tpu.forward import _forward_impl
 from csa_jax.common import sanitize_indices
 from conftest import assert_close, dense_oracle, golden, random_problem
-
-
-def _grads(rng, q, kv, idx, sink, *, scale, config, interpret=None, dlse_w=None):
-    """o, lse and the gradients of sum(o * w_o) + sum(lse * dlse_w) through the public API,
-    with a random w_o (returned)."""
-    def loss(q, kv, sink):
-        o, lse = csa_jax.sparse_attention(q, kv, idx, sink, scale=scale, impl="pallas_tpu",
-                                          interpret=interpret, config=config)
-        val = jnp.sum(o.astype(jnp.float32) * w_o)
-        if dlse_w is not None:
-            val = val + jnp.sum(lse * dlse_w)
-        return val, (o, lse)
-    w_o = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
-    w_o = w_o.astype(q.dtype).astype(jnp.float32)   # the cotangent the kernel sees is q.dtype
-    (_, (o, lse)), (dq, dkv, dsink) = jax.value_and_grad(loss, argnums=(0, 1, 2),
-                                                         has_aux=True)(q, kv, sink)
-    return o, lse, dq, dkv, dsink, w_o
+from contract import ImplContract, check_against_oracle, value_and_grads
 
 
 def _check_against_oracle(rng, q, kv, idx, sink, *, scale, config):
-    """Values and gradients of both outputs against the float64 oracle, tolerance by dtype."""
-    dlse_w = jnp.asarray(rng.standard_normal(q.shape[:3]), jnp.float32)
-    o, lse, dq, dkv, dsink, w_o = _grads(rng, q, kv, idx, sink, scale=scale, config=config,
-                                         dlse_w=dlse_w)
-    ro, rlse, rdq, rdkv, rdsink = dense_oracle(q, kv, idx, sink, scale, w_o, dlse_w)
-    dt = q.dtype
-    assert o.dtype == dt and dq.dtype == dt and dkv.dtype == dt and lse.dtype == jnp.float32
-    assert_close(o, ro, dt, what="o")
-    assert_close(lse, rlse, dt, what="lse")
-    assert_close(dq, rdq, dt, what="dq")
-    assert_close(dkv, rdkv, dt, what="dkv")
-    if sink is not None:
-        assert_close(dsink, rdsink, dt, what="dsink")
-    return o, lse
+    """Values and gradients of both outputs (random cotangents) against the float64 oracle."""
+    do = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
+    dlse = jnp.asarray(rng.standard_normal(q.shape[:3]), jnp.float32)
+    return check_against_oracle(q, kv, idx, sink, do, dlse, scale=scale, grad_factor=1.0,
+                                impl="pallas_tpu", config=config)
 
 
 @contextlib.contextmanager
@@ -68,47 +43,9 @@ def _race_report():
 RACES = pltpu.InterpretParams(detect_races=True)
 
 
-# ----------------------------------------------------------------------------- shared math
-
-def test_blockmath_online_softmax_matches_direct(rng):
-    h, k, d, bk = 3, 20, 8, 8
-    s = rng.standard_normal((h, k)).astype(np.float32) * 4
-    v = rng.standard_normal((k, d)).astype(np.float32)
-    valid = rng.random(k) < 0.7
-    sink = rng.standard_normal((h, 1)).astype(np.float32)
-    m, l, acc = bm.init_state((h,), d)
-    for j in range(0, k, bk):
-        m, l, p, alpha = bm.softmax_update(m, l, s[:, j:j + bk], valid[None, j:j + bk])
-        acc = alpha * acc + p @ v[j:j + bk]
-    o, lse = bm.finalize(m, l, acc, sink)
-    e = np.where(valid[None], np.exp(np.float64(s)), 0.0)
-    tot = e.sum(1, keepdims=True) + np.exp(np.float64(sink))
-    np.testing.assert_allclose(lse, np.log(tot), rtol=1e-5)
-    np.testing.assert_allclose(o, (e / tot) @ v, rtol=1e-4, atol=1e-6)
-    p = bm.recompute_p(jnp.asarray(s), lse, valid[None])
-    np.testing.assert_allclose(p, e / tot, rtol=1e-5, atol=1e-7)
-    # all-empty row, no sink: o = 0, lse = EMPTY_LSE, p = 0 (no exp overflow)
-    m, l, acc = bm.init_state((h,), d)
-    m, l, p, alpha = bm.softmax_update(m, l, jnp.asarray(s[:, :bk]), np.zeros((1, bk), bool))
-    o, lse = bm.finalize(m, l, alpha * acc, -jnp.inf)
-    assert np.all(np.asarray(p) == 0) and np.all(np.asarray(o) == 0)
-    assert np.all(np.asarray(lse) == csa_jax.EMPTY_LSE)
-    assert np.all(np.asarray(bm.recompute_p(jnp.asarray(s[:, :bk]), lse, np.zeros((1, bk), bool)))
-                  == 0)
-
-
-def test_blockmath_ring_arithmetic():
-    depth, n_tiles = 3, 5
-    la = bm.lookahead(depth)
-    assert la == 2
-    for i in range(40):
-        # the slot that step i fills ahead is the one step i-1 consumed
-        assert bm.ring_slot(i + la, depth) == bm.ring_slot(i - 1, depth)
-        t, kt = bm.step_coords(i, n_tiles)
-        assert bm.flat_step(t, kt, n_tiles) == i and 0 <= kt < n_tiles
-    assert bm.num_tiles(17, 8) == 3 and bm.num_tiles(16, 8) == 2
-    with pytest.raises(ValueError, match="depth=1"):
-        bm.lookahead(1)
+class TestContract(ImplContract):
+    IMPL = "pallas_tpu"
+    CONFIG = pt.Config(block_t=4, block_k=8, depth=3, block_r=8)
 
 
 # ----------------------------------------------------------------------------- config
@@ -159,23 +96,6 @@ def _golden_structured_idx(g, name):
     return jnp.asarray(new, jnp.int32), cfg
 
 
-@pytest.mark.parametrize("name", ["cr0", "cr4", "cr8"])
-def test_golden(name):
-    """Generic layout through the public API and jax.grad."""
-    g = golden(name)
-    q, kv, idx, sink = (jnp.asarray(g[k]) for k in ("q", "kv", "idx", "sink"))
-    scale = float(g["scale"])
-
-    def loss(q, kv, sink):
-        o, _ = csa_jax.sparse_attention(q, kv, idx, sink, scale=scale, impl="pallas_tpu")
-        return jnp.sum(o * g["dO"]), o
-
-    (_, o), (dq, dkv, dsink) = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(
-        q, kv, sink)
-    for got, key in ((o, "o"), (dq, "dq"), (dkv, "dkv"), (dsink, "dsink")):
-        assert_close(got, g[key], jnp.float32, what=f"{name} {key}")
-
-
 @pytest.mark.parametrize("name", ["cr4", "cr8"])
 def test_golden_structured(name):
     """The structured layout (window reuse, closed-form dkv) on the golden index sets, laid out
@@ -209,23 +129,6 @@ def test_fuzz_against_oracle(rng, config, dtype):
     q, kv, idx, sink = random_problem(rng, B=2, T=13, H=4, D=32, K=19, dtype=dtype,
                                       empty_rows=2)
     _check_against_oracle(rng, q, kv, idx, sink, scale=0.2, config=config)
-
-
-def test_fuzz_no_sink_and_empty_rows(rng):
-    q, kv, idx, sink = random_problem(rng, B=1, T=9, H=2, D=16, K=7, sink=False, empty_rows=3)
-    idx = idx.at[0, 0].set(-1)
-    o, lse = _check_against_oracle(rng, q, kv, idx, None, scale=0.25,
-                                   config=pt.Config(block_t=4, block_k=8))
-    assert np.all(np.asarray(o[0, 0]) == 0)
-    assert np.all(np.asarray(lse[0, 0]) == csa_jax.EMPTY_LSE)
-
-
-def test_all_empty_with_sink_gives_sink_lse(rng):
-    q, kv, _, sink = random_problem(rng, B=1, T=8, H=4, D=16, K=8)
-    idx = jnp.full((1, 8, 8), -1, jnp.int32)
-    o, lse = csa_jax.sparse_attention(q, kv, idx, sink, impl="pallas_tpu")
-    assert np.all(np.asarray(o) == 0)
-    np.testing.assert_array_equal(np.asarray(lse), np.broadcast_to(np.asarray(sink), lse.shape))
 
 
 def test_matches_xla_reference_medium(rng):
@@ -320,16 +223,11 @@ def test_dma_counts(rng):
     assert int(cnt.sum()) < int((idx >= 0).sum()) / 5
 
 
-def test_inverse_map_and_fanin_split(rng):
+def test_fanin_split(rng):
+    """split_map over the shared CSR inverse map (tests/test_blockmath.py checks the map)."""
     idx = jnp.asarray(rng.integers(-1, 5, size=(2, 30)), jnp.int32)
     idx = idx.at[1, :20].set(2)                                     # a hot row
-    perm, key, offs = pt.inverse_map(idx, 5, 8)
-    for b in range(2):
-        for r in range(8):
-            ent = np.asarray(perm[b, offs[b, r]:offs[b, r + 1]])
-            want = np.nonzero(np.asarray(idx[b]) == r)[0]
-            np.testing.assert_array_equal(ent, want)       # stable: slot order kept
-            assert np.all(np.asarray(key[b, offs[b, r]:offs[b, r + 1]]) == r)
+    perm, key, offs = bm.inverse_map(idx, 5, 8)
     seg, seg_offs, row_of_seg, row_offs = pt.split_map(key, offs, 5, 4, 8)
     for b in range(2):
         for r in range(5):
@@ -368,9 +266,10 @@ def test_no_race_forward_backward(rng, layout):
         q, kv, idx, sink, lay = _structured_problem(rng, layout, T=16, w=6, ratio=4, topk=3,
                                                     B=1, H=2, D=16)
     cfg = pt.Config(block_t=4, block_k=8, depth=3, block_r=8, **lay)
+    w_o = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
     with _race_report() as rep:
-        o, lse, dq, dkv, dsink, w_o = _grads(rng, q, kv, idx, sink, scale=0.25, config=cfg,
-                                             interpret=RACES)
+        o, lse, (dq, dkv, _) = value_and_grads(q, kv, idx, sink, w_o, None, scale=0.25,
+                                               impl="pallas_tpu", interpret=RACES, config=cfg)
         jax.block_until_ready((o, dq, dkv))
     assert "RACE DETECTED" not in rep.getvalue(), rep.getvalue()[:2000]
     ro, _, rdq, rdkv, _ = dense_oracle(q, kv, idx, sink, 0.25, w_o)

@@ -1,6 +1,8 @@
-"""The Triton-dialect impl ("pallas_triton") in interpret mode on CPU, against the golden cases and
-the float64 dense oracle; plus its config rules and an ahead-of-time lowering to Triton IR for an
-NVIDIA (H200) and an AMD (gfx942) target, which needs no GPU."""
+"""The Triton-dialect impl ("pallas_triton") in interpret mode on CPU: the contract
+(tests/contract.py) with small tiles, and what is specific to it: the per-slot intermediate
+paths and slot-major scores on a structured list, its config rules, the dq kernel's dS/P buffer,
+and an ahead-of-time lowering to Triton IR for an NVIDIA (H200) and an AMD (gfx942) target
+whose ops are checked kernel by kernel (no GPU needed)."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,64 +11,25 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax import lax
+from jax.experimental.pallas import triton as pltriton
 
 import csa_jax
+import triton_ir
+from csa_jax import blockmath
 from csa_jax.kernels import triton as pallas_triton
 from csa_jax.kernels.triton import testing as tt
-from csa_jax.common import EMPTY_LSE
-from conftest import assert_close, dense_oracle, golden, random_problem
+from conftest import assert_close, dense_oracle, random_problem
+from contract import ImplContract, value_and_grads
 
 # Small tiles so that the tiny problems below still walk several tiles and head blocks.
 SMALL = pallas_triton.Config(block_k=16, block_h=16, block_k_dq=16, block_h_dq=16, block_k_dkv=16,
                              block_h_dkv=16, block_r=4, num_stages=2, slot_major_dq=False)
 
 
-def _run(q, kv, idx, sink, do, dlse, *, scale, config):
-    """(o, lse) and the gradients of sum(o*do) + sum(lse*dlse) through the public op."""
-    kw = dict(scale=scale, impl="pallas_triton", interpret=True, config=config)
-
-    def loss(q, kv, sink):
-        o, lse = csa_jax.sparse_attention(q, kv, idx, sink, **kw)
-        return jnp.sum(o.astype(jnp.float32) * do) + jnp.sum(lse * dlse), (o, lse)
-
-    argnums = (0, 1, 2) if sink is not None else (0, 1)
-    grads, (o, lse) = jax.grad(loss, argnums=argnums, has_aux=True)(q, kv, sink)
-    return o, lse, grads
-
-
-@pytest.mark.parametrize("case", ["cr0", "cr4", "cr8"])
-def test_golden(case):
-    d = golden(case)
-    q, kv, idx, sink = (jnp.asarray(d[k]) for k in ("q", "kv", "idx", "sink"))
-    scale = float(d["scale"])
-    do = jnp.asarray(d["dO"])
-    o, lse, (dq, dkv, dsink) = _run(q, kv, idx, sink, do, jnp.zeros(q.shape[:3], jnp.float32),
-                                    scale=scale, config=None)
-    assert_close(o, d["o"], jnp.float32, what="o")
-    assert_close(lse, dense_oracle(q, kv, idx, sink, scale)[1], jnp.float32, what="lse")
-    for name, got in (("dq", dq), ("dkv", dkv), ("dsink", dsink)):
-        assert_close(got, d[name], jnp.float32, what=name)
-
-
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("with_sink", [True, False])
-def test_against_dense_oracle(rng, dtype, with_sink):
-    # with_sink=False also runs the slot-major score products (Config.slot_major*).
-    # H = 20 pads to two head blocks of 16; K = 40 pads to three tiles of 16; D = 24 pads to 32.
-    q, kv, idx, sink = random_problem(rng, T=10, H=20, D=24, K=40, dtype=dtype, sink=with_sink,
-                                      empty_rows=2)
-    scale = 0.7 * q.shape[-1] ** -0.5
-    do = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
-    dlse = jnp.asarray(rng.standard_normal(q.shape[:3]), jnp.float32)
-    cfg = SMALL if with_sink else dataclasses.replace(SMALL, slot_major=True, slot_major_dq=True)
-    o, lse, grads = _run(q, kv, idx, sink, do, dlse, scale=scale, config=cfg)
-    o_r, lse_r, dq_r, dkv_r, dsink_r = dense_oracle(q, kv, idx, sink, scale, do, dlse)
-    assert o.dtype == dtype and lse.dtype == jnp.float32
-    assert_close(o, o_r, dtype, what="o")
-    assert_close(lse, lse_r, dtype, what="lse")
-    for name, got, ref in zip(("dq", "dkv", "dsink"), grads, (dq_r, dkv_r, dsink_r)):
-        assert got.dtype == (jnp.float32 if name == "dsink" else dtype)
-        assert_close(got, ref, dtype, factor=2.0, what=name)
+class TestContract(ImplContract):
+    IMPL = "pallas_triton"
+    CONFIG = SMALL
 
 
 @pytest.mark.parametrize("interm,split,slot_major", [("gemm", 1, False), ("kernel", 1, False),
@@ -86,7 +49,8 @@ def test_structured_layout_matches_reference(rng, interm, split, slot_major):
     dlse = jnp.zeros(q.shape[:3], jnp.float32)
     cfg = dataclasses.replace(SMALL, dkv_split_d=split, interm=interm, slot_major=slot_major,
                               slot_major_dq=slot_major)
-    o, lse, grads = _run(q, kv, idx, sink, do, dlse, scale=D ** -0.5, config=cfg)
+    o, lse, grads = value_and_grads(q, kv, idx, sink, do, dlse, scale=D ** -0.5,
+                                    impl="pallas_triton", interpret=True, config=cfg)
 
     def loss(q, kv, sink):
         o, lse = csa_jax.sparse_attention(q, kv, idx, sink, impl="xla")
@@ -97,23 +61,6 @@ def test_structured_layout_matches_reference(rng, interm, split, slot_major):
     assert_close(lse, lse_x, jnp.bfloat16, what="lse")
     for name, got, ref in zip(("dq", "dkv", "dsink"), grads, ref_grads):
         assert_close(got, ref, jnp.bfloat16, factor=2.0, what=name)
-
-
-def test_empty_rows_and_determinism(rng):
-    q, kv, idx, sink = random_problem(rng, T=8, H=4, D=16, K=20, dup_frac=0.5, empty_rows=0)
-    idx = idx.at[0, 3].set(-1).at[1, 0].set(-1)
-    o, lse, grads = _run(q, kv, idx, sink, jnp.ones(q.shape), jnp.ones(q.shape[:3]),
-                         scale=0.25, config=SMALL)
-    assert float(jnp.abs(o[0, 3]).max()) == 0.0 and float(jnp.abs(o[1, 0]).max()) == 0.0
-    np.testing.assert_allclose(lse[0, 3], sink, rtol=1e-6)
-    o2, lse2 = csa_jax.sparse_attention(q, kv, idx, None, impl="pallas_triton", interpret=True,
-                                        config=SMALL)
-    assert float(jnp.abs(o2[1, 0]).max()) == 0.0
-    np.testing.assert_array_equal(np.asarray(lse2[1, 0]), np.full(4, EMPTY_LSE, np.float32))
-    # dkv is built by a fixed-order gather-reduce: bit-identical run to run.
-    _, _, grads2 = _run(q, kv, idx, sink, jnp.ones(q.shape), jnp.ones(q.shape[:3]),
-                        scale=0.25, config=SMALL)
-    np.testing.assert_array_equal(np.asarray(grads[1]), np.asarray(grads2[1]))
 
 
 def test_config_validation_and_defaults():
@@ -138,30 +85,95 @@ def test_config_validation_and_defaults():
     assert tiny.block_k == 32 and tiny.block_h == 16      # K = 20 -> one tile of 32 slots
 
 
+# ----------------------------------------------------------------------------- lowering
+
+# Per kernel: the tt.dot ops of its tile loop (all of them sit inside the loop).
+KERNEL_DOTS = {"csa_triton_fwd": 2,          # q rows^T, p rows
+               "csa_triton_dq": 3,           # q rows^T, dO rows^T, ds rows
+               "csa_triton_interm": 4,       # rows q^T, rows dO^T, ds^T q, p^T dO
+               "csa_triton_dkv_reduce": 0}   # a gather-sum, no products
+
+
+def _lower(fn, args, kind, platform):
+    from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
+    mesh = AbstractMesh((1,), ("x",),
+                        abstract_device=AbstractDevice(device_kind=kind, num_cores=None,
+                                                       platform=platform))
+    with use_abstract_mesh(mesh):
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+
+
+def _ir_problems(kernels, want):
+    """What is wrong with lowered kernels ({name: triton_ir.OpCounts}) against the expected
+    set of kernels and KERNEL_DOTS: [] when every kernel has its products in its tile loop and
+    gathers (tt.load) there."""
+    bad = [f"kernels {sorted(kernels)} != {sorted(want)}"] if set(kernels) != set(want) else []
+    for name, ops in kernels.items():
+        dots = KERNEL_DOTS.get(name)
+        if ops.total["tt.dot"] != dots or ops.in_loop["tt.dot"] != dots:
+            bad.append(f"{name}: {ops.total['tt.dot']} tt.dot ({ops.in_loop['tt.dot']} in a "
+                       f"loop), expected {dots}")
+        if not ops.in_loop["tt.load"] or not ops.total["tt.store"]:
+            bad.append(f"{name}: no tt.load in its loop or no tt.store")
+    return bad
+
+
 # pytest resets warning filters per test, so the module's own filter does not apply here.
 @pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
 @pytest.mark.parametrize("kind,platform", [("NVIDIA H200", "cuda"), ("gfx942", "rocm")])
 def test_lowers_to_triton_ir(kind, platform):
-    """Forward and backward lower to Triton IR for a GPU target without any GPU (AOT)."""
-    from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
+    """Forward and backward lower to Triton IR for a GPU target without any GPU (AOT), and the
+    IR of every kernel holds its products (tt.dot) inside its tile loop, gathers and stores."""
     S = jax.ShapeDtypeStruct
     B, T, H, D, P, K = 1, 64, 128, 512, 16, 80
     q, kv = S((B, T, H, D), jnp.bfloat16), S((B, T + P, D), jnp.bfloat16)
     idx, sink, lse = S((B, T, K), jnp.int32), S((H,), jnp.float32), S((B, T, H), jnp.float32)
-    mesh = AbstractMesh((1,), ("x",),
-                        abstract_device=AbstractDevice(device_kind=kind, num_cores=None,
-                                                       platform=platform))
-    texts = []
-    for cfg in (pallas_triton.Config(num_stages=2),
-                pallas_triton.Config(num_stages=2, slot_major=True, slot_major_dq=True)):
+    for cfg, want in ((pallas_triton.Config(num_stages=2),
+                       ("csa_triton_fwd", "csa_triton_dq", "csa_triton_dkv_reduce")),
+                      (pallas_triton.Config(num_stages=2, slot_major=True, slot_major_dq=True,
+                                            interm="kernel"), tuple(KERNEL_DOTS))):
         fwd = lambda *a, c=cfg: pallas_triton.forward(*a, scale=0.05, interpret=False, config=c)
         bwd = lambda *a, c=cfg: pallas_triton.backward(*a, scale=0.05, interpret=False, config=c)
-        with use_abstract_mesh(mesh):
-            texts += [jax.jit(fwd).trace(q, kv, idx, sink).lower(lowering_platforms=(platform,)),
-                      jax.jit(bwd).trace(q, kv, idx, sink, q, lse, q, lse).lower(
-                          lowering_platforms=(platform,))]
-    for low in texts:
-        assert "triton" in low.as_text().lower()
+        kernels = {**triton_ir.kernel_ops(_lower(fwd, (q, kv, idx, sink), kind, platform)),
+                   **triton_ir.kernel_ops(_lower(bwd, (q, kv, idx, sink, q, lse, q, lse), kind,
+                                                 platform))}
+        assert _ir_problems(kernels, want) == [], (cfg, kernels)
+
+
+def _fwd_without_pv(ntiles_ref, idx_ref, q_ref, kv_ref, sink_ref, o_ref, lse_ref, *, scale, bk,
+                    precision):
+    """The forward kernel with its p @ rows product left out: lowers fine, computes nonsense."""
+    q = q_ref[...]
+
+    def body(i, carry):
+        m, l, acc = carry
+        rows, valid = tt.gather_tile(idx_ref, kv_ref, i * bk, bk)
+        s = pltriton.dot(q, rows, trans_b=True, precision=precision) * scale
+        m, l, _, alpha = blockmath.softmax_update(m, l, s, valid[None, :])
+        return m, l, alpha * acc
+
+    m, l, acc = lax.fori_loop(0, ntiles_ref[...], body, blockmath.init_state(q.shape[:1],
+                                                                             q.shape[1]))
+    tt.fwd_store(o_ref, lse_ref, sink_ref, m, l, acc)
+
+
+@pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
+def test_lowering_and_oracle_checks_catch_a_broken_kernel(rng):
+    """The two checks above can fail: a forward without its PV product is flagged by the IR
+    check, and its output does not match the oracle in interpret mode."""
+    S = jax.ShapeDtypeStruct
+    args = (S((1, 16, 16, 32), jnp.bfloat16), S((1, 20, 32), jnp.bfloat16),
+            S((1, 16, 24), jnp.int32), S((16,), jnp.float32))
+    broken = lambda *a: tt.forward_with_kernel(*a, scale=0.1, interpret=False, config=SMALL,
+                                               kernel=_fwd_without_pv)
+    kernels = triton_ir.kernel_ops(_lower(broken, args, "NVIDIA H200", "cuda"))
+    assert _ir_problems(kernels, ["csa_triton_fwd"]) == [
+        "csa_triton_fwd: 1 tt.dot (1 in a loop), expected 2"]
+    q, kv, idx, sink = random_problem(rng, B=1, T=6, H=4, D=16, K=8)
+    o, _ = tt.forward_with_kernel(q, kv, jnp.maximum(idx, -1), sink, scale=0.25, interpret=True,
+                                  config=SMALL, kernel=_fwd_without_pv)
+    with pytest.raises(AssertionError, match="relative error"):
+        assert_close(o, dense_oracle(q, kv, idx, sink, 0.25)[0], jnp.float32, what="o")
 
 
 def test_gemm_path_buffer_is_exact_zero_past_last_tile(rng):

@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="weight of the auxiliary indexer KL loss on CSA layers (default 0)")
     g = p.add_argument_group("optimization")
     g.add_argument("--lr", type=float, help="peak learning rate of the warmup + cosine schedule")
-    g.add_argument("--warmup-steps", type=int, help="linear warmup steps")
+    g.add_argument("--warmup-steps", type=int, help="linear warmup steps before the cosine decay (preset default)")
     g.add_argument("--fsdp", choices=("off", "xla", "explicit"), default="off",
                    help="shard params and optimizer state over all devices: xla (sharding "
                         "annotations, XLA schedules the collectives) or explicit (comm's "
@@ -75,11 +75,11 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("logging and checkpoints")
     g.add_argument("--log-every", type=int, help="steps between metrics lines")
     g.add_argument("--eval-every", type=int, help="steps between held-out eval losses")
-    g.add_argument("--eval-batches", type=int, help="batches per eval")
-    g.add_argument("--ckpt-every", type=int, help="steps between checkpoints")
+    g.add_argument("--eval-batches", type=int, help="held-out batches per eval (preset default)")
+    g.add_argument("--ckpt-every", type=int, help="steps between checkpoints (preset default)")
     g.add_argument("--keep", type=int, dest="keep_checkpoints",
                    help="checkpoints to keep (default 3)")
-    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar (plain log lines only)")
     return p
 
 
