@@ -13,9 +13,9 @@ collective time (alone and concurrent) and the fraction of the collective overla
 kernels, all read from a jax.profiler trace of device 0 (kernel intervals), not assumed;
 wall-clock medians are printed beside them as a cross-check.
 
-    python benchmarks/bench_comm.py                 # all local devices, full shapes, bf16
-    python benchmarks/bench_comm.py --small         # shapes / 32, e.g. on CPU:
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 python benchmarks/bench_comm.py --small
+    python -m benchmarks.bench_comm                 # all local devices, full shapes, bf16
+    python -m benchmarks.bench_comm --small         # shapes / 32, e.g. on CPU:
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m benchmarks.bench_comm --small
 
 On one device there is nothing to communicate; on CPU the collectives run synchronously on the
 host, so neither overlap nor copy-engine transfers can be measured: the script still runs every
@@ -38,7 +38,6 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # (name, M, N, K): y[M, N] = x[M, K] @ w[K, N]; FSDP payload = w
 SHAPES = [
@@ -262,12 +261,12 @@ def main(argv=None):
         out = os.path.join(trace_root, "ring_memcpy.json")
         env = dict(os.environ)
         flags.set_xla_flags([flags.MEMCPY_P2P_FLAG], environ=env)
-        cmd = [sys.executable, os.path.abspath(__file__), "--flavours", "ring_memcpy", "--iters", str(args.iters),
-               "--child-json", out, "--trace-dir", trace_root]
+        cmd = [sys.executable, "-m", "benchmarks.bench_comm", "--flavours", "ring_memcpy",
+               "--iters", str(args.iters), "--child-json", out, "--trace-dir", trace_root]
         cmd += ["--small"] if args.small else []
         cmd += ["--dtype", args.dtype] if args.dtype else []
         cmd += ["--shapes", args.shapes] if args.shapes else []
-        proc = subprocess.run(cmd, env=env)
+        proc = subprocess.run(cmd, env=env, cwd=Path(__file__).resolve().parents[1])
         if proc.returncode == 0:
             rows += json.loads(Path(out).read_text())
         else:

@@ -1,6 +1,6 @@
 """Paper-style CSA benchmark: forward, backward and step (fwd + bwd) times of each impl.
 
-    PYTHONPATH=. python3 benchmarks/bench_csa.py --impls xla,pallas_triton \
+    python -m benchmarks.bench_csa --impls xla,pallas_triton \
         [--families flash,pro] [--ratios 0,4,128] [--seqs 4096,8192,16384] \
         [--cr4-indices causal,random] [--out bench.json] [--variants 'name:key=v,key=v;...']
 
@@ -28,16 +28,14 @@ import dataclasses
 import datetime
 import functools
 import json
-import statistics
 import sys
-import time
 import traceback
 
 import jax
 import jax.numpy as jnp
 
+from benchmarks.common import flops, make_problem, parse_variants, time_fn
 from csa_jax import problems, registry
-from csa_jax.config import forward_flops, preset
 
 
 
@@ -70,39 +68,6 @@ def parse_args(argv=None):
 
 
 # ----------------------------------------------------------------------------- inputs
-
-
-def make_problem(family, ratio, T, idx_kind, seed):
-    """The V4 problem of csa_jax.problems (the same inputs python -m csa_jax times)."""
-    cfg = preset(family, ratio)
-    pr = problems.make_problem(cfg, T, B=1, dtype=jnp.bfloat16, seed=seed,
-                               index_mode=idx_kind if ratio == 4 else "causal")
-    return cfg, pr.q, pr.kv, pr.idx, pr.sink, pr.do
-
-
-# ----------------------------------------------------------------------------- timing
-
-
-def _sync(x):
-    jax.block_until_ready(x)
-    return x
-
-
-def time_fn(fn, args, reps, cap):
-    """Compile + one warm run, then up to `reps` timed runs (stopping after `cap` seconds)."""
-    t0 = time.perf_counter()
-    out = _sync(fn(*args))
-    first = time.perf_counter() - t0
-    _sync(fn(*args))                                  # warm: autotuning / caches settled
-    times = []
-    start = time.perf_counter()
-    for _ in range(reps):
-        t = time.perf_counter()
-        _sync(fn(*args))
-        times.append(time.perf_counter() - t)
-        if time.perf_counter() - start > cap:
-            break
-    return statistics.median(times) * 1e3, len(times), first, out
 
 
 def build_fns(mod, cfg_obj, scale, interpret):
@@ -181,39 +146,7 @@ def _reduced_check(impl, cfg_overrides, family, ratio, idx_kind, args):
     return {k: rel_err(got[k], ref[k]) for k in OUT_NAMES}
 
 
-def _value(v):
-    v = v.strip()
-    if v.lower() in ("true", "false"):
-        return v.lower() == "true"
-    try:
-        return int(v)
-    except ValueError:
-        return v          # a string option, e.g. interm=kernel
-
-
-def parse_overrides(kvs):
-    over = {}
-    for kv in filter(None, kvs.split(",")):
-        k, _, v = kv.partition("=")
-        over[k.strip()] = _value(v)
-    return over
-
-
-def parse_variants(spec, base=None):
-    out = [("default", dict(base or {}))]
-    for part in filter(None, (p.strip() for p in spec.split(";"))):
-        name, _, kvs = part.partition(":")
-        out.append((name.strip(), {**(base or {}), **parse_overrides(kvs)}))
-    return out
-
-
 # ----------------------------------------------------------------------------- main
-
-
-def flops(cfg, T, idx):
-    nominal = forward_flops(T, cfg.num_heads, cfg.nominal_slots(T), cfg.head_dim)
-    valid = problems.valid_flops(idx, cfg.num_heads, cfg.head_dim)
-    return nominal, valid
 
 
 def main(argv=None):

@@ -1,7 +1,7 @@
 """Training throughput of the train/ stack: tokens/s and model FLOP utilisation per impl.
 
-    python benchmarks/bench_train.py                       # small preset, T=8192, xla + best kernel
-    python benchmarks/bench_train.py --impls xla,pallas_triton --seq-len 8192 --batch-size 1
+    python -m benchmarks.bench_train                       # small preset, T=8192, xla + best kernel
+    python -m benchmarks.bench_train --impls xla,pallas_triton --seq-len 8192 --batch-size 1
 
 Times full optimizer steps (forward, backward, AdamW; bf16 compute, f32 master weights) on
 random bytes, after a warm-up that includes compilation. MFU = model FLOPs per token
@@ -23,12 +23,10 @@ from pathlib import Path
 import jax
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from train.config import get_preset  # noqa: E402
-from train.loop import init_state  # noqa: E402
-from train.model import count_params  # noqa: E402
-from train.parallel import make_runner  # noqa: E402
+from train.config import get_preset
+from train.loop import init_state
+from train.model import count_params
+from train.parallel import make_runner
 
 
 def kernel_candidates() -> list[str]:

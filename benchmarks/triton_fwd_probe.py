@@ -29,7 +29,6 @@ import dataclasses
 import datetime
 import functools
 import json
-import os
 import sys
 
 import jax
@@ -39,13 +38,12 @@ from jax.experimental import pallas as pl
 
 from jax.experimental.pallas import triton as pltriton
 
+from benchmarks.common import flops, make_problem, parse_variants, time_fn
 from csa_jax import blockmath, problems
 from csa_jax.kernels import triton as pallas_triton
 from csa_jax.kernels.triton import testing as tt
 from csa_jax.reference import forward as xla_forward
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_csa import flops, make_problem, parse_variants, time_fn  # noqa: E402
 
 
 def _loop_probe(tile_fn):

@@ -26,12 +26,11 @@ import tempfile
 import jax
 import jax.numpy as jnp
 
+from benchmarks.common import parse_variants
 from csa_jax import problems
 from csa_jax.kernels import triton as pallas_triton
 from csa_jax.config import preset
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_csa import parse_variants  # noqa: E402
 
 
 def compile_launches(fn, args, dump_root):

@@ -4,20 +4,15 @@ script end to end in interpret mode."""
 from __future__ import annotations
 
 import dataclasses
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import bench_csa  # noqa: E402
-import triton_fwd_probe  # noqa: E402
-
-from csa_jax.kernels import triton as pallas_triton  # noqa: E402
+from benchmarks import common, triton_fwd_probe
+from csa_jax.kernels import triton as pallas_triton
 
 
 def test_variant_specs_reach_the_config():
-    got = bench_csa.parse_variants("old:interm=kernel,block_k_dq=64; f32:interm_f32=true",
+    got = common.parse_variants("old:interm=kernel,block_k_dq=64; f32:interm_f32=true",
                                    base={"num_stages": 2})
     assert got == [("default", {"num_stages": 2}),
                    ("old", {"num_stages": 2, "interm": "kernel", "block_k_dq": 64}),
@@ -25,7 +20,7 @@ def test_variant_specs_reach_the_config():
     cfg = dataclasses.replace(pallas_triton.Config(), **got[1][1])
     assert (cfg.interm, cfg.block_k_dq, cfg.num_stages) == ("kernel", 64, 2)
     with pytest.raises(ValueError, match="interm='kernal'"):
-        dataclasses.replace(pallas_triton.Config(), **bench_csa.parse_overrides("interm=kernal"))
+        dataclasses.replace(pallas_triton.Config(), **common.parse_overrides("interm=kernal"))
 
 
 def test_forward_probes_run_and_full_matches_xla():

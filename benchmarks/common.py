@@ -1,0 +1,73 @@
+"""Helpers the benchmark scripts share: the V4 problem, timing, variant specs, FLOPs."""
+from __future__ import annotations
+
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+from csa_jax import problems
+from csa_jax.config import forward_flops, preset
+
+
+def make_problem(family, ratio, T, idx_kind, seed):
+    """The V4 problem of csa_jax.problems (the same inputs python -m csa_jax times)."""
+    cfg = preset(family, ratio)
+    pr = problems.make_problem(cfg, T, B=1, dtype=jnp.bfloat16, seed=seed,
+                               index_mode=idx_kind if ratio == 4 else "causal")
+    return cfg, pr.q, pr.kv, pr.idx, pr.sink, pr.do
+
+
+def _sync(x):
+    jax.block_until_ready(x)
+    return x
+
+
+def time_fn(fn, args, reps, cap):
+    """Compile + one warm run, then up to `reps` timed runs (stopping after `cap` seconds)."""
+    t0 = time.perf_counter()
+    out = _sync(fn(*args))
+    first = time.perf_counter() - t0
+    _sync(fn(*args))                                  # warm: autotuning / caches settled
+    times = []
+    start = time.perf_counter()
+    for _ in range(reps):
+        t = time.perf_counter()
+        _sync(fn(*args))
+        times.append(time.perf_counter() - t)
+        if time.perf_counter() - start > cap:
+            break
+    return statistics.median(times) * 1e3, len(times), first, out
+
+
+def _value(v):
+    v = v.strip()
+    if v.lower() in ("true", "false"):
+        return v.lower() == "true"
+    try:
+        return int(v)
+    except ValueError:
+        return v          # a string option, e.g. interm=kernel
+
+
+def parse_overrides(kvs):
+    over = {}
+    for kv in filter(None, kvs.split(",")):
+        k, _, v = kv.partition("=")
+        over[k.strip()] = _value(v)
+    return over
+
+
+def parse_variants(spec, base=None):
+    out = [("default", dict(base or {}))]
+    for part in filter(None, (p.strip() for p in spec.split(";"))):
+        name, _, kvs = part.partition(":")
+        out.append((name.strip(), {**(base or {}), **parse_overrides(kvs)}))
+    return out
+
+
+def flops(cfg, T, idx):
+    nominal = forward_flops(T, cfg.num_heads, cfg.nominal_slots(T), cfg.head_dim)
+    valid = problems.valid_flops(idx, cfg.num_heads, cfg.head_dim)
+    return nominal, valid
