@@ -18,7 +18,7 @@ LR = 0.1  # SGD, not Adam: Adam's first step divides by |g| and amplifies roundi
 def make_model(seed: int):
     from flax import nnx
 
-    from comm.models import MLPStack
+    from mlp_stack import MLPStack
 
     return MLPStack(12, 32, 64, 5, 3, rngs=nnx.Rngs(seed))
 
@@ -36,7 +36,7 @@ def one_step(seed: int, mode: str):
     from jax.experimental import multihost_utils
 
     from comm import fsdp
-    from comm.models import mse_loss
+    from mlp_stack import mse_loss
 
     model = make_model(seed)
     step = fsdp.make_train_step(model, mse_loss, optax.sgd(LR, momentum=0.9), fsdp.make_mesh(), mode=mode)

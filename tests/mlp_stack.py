@@ -1,4 +1,4 @@
-"""A small NNX model with a layer stack, for the FSDP tests, examples and benchmark.
+"""A small NNX model with a layer stack, for the FSDP tests (test_comm_fsdp, _comm_worker).
 
 The model calls `comm.fsdp.apply_layers(self.layers, x)`, which is all a model needs to do for
 explicit FSDP to gather its weights layer by layer.

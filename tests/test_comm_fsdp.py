@@ -13,7 +13,7 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh
 
 from comm import flags, fsdp
-from comm.models import MLPStack, mse_loss
+from mlp_stack import MLPStack, mse_loss
 
 # f32 rounding: the sharded step sums gradients in another order
 ATOL = 2e-5
