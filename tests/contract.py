@@ -6,7 +6,9 @@ Each impl's test file subclasses `ImplContract` once (tokamax's shared backend t
         IMPL = "pallas_triton"
         CONFIG = <a small Config, so interpret mode walks several tiles and programs>
 
-and keeps only what is specific to that impl (races, layouts, lowering, config rules).
+and keeps only what is specific to that impl (races, layouts, lowering, config rules). An impl
+without an interpret mode sets RUNS_ON (e.g. ("gpu",)); an optional impl whose extra is not
+installed is skipped with the registry's reason.
 tests/test_api.py checks that every available registered impl has such a subclass.
 
 What the contract checks: the three golden cases (o, lse, dq, dkv, dsink; default config), the
@@ -73,12 +75,17 @@ def check_against_oracle(q, kv, idx, sink, do, dlse, *, scale, grad_factor=2.0, 
 class ImplContract:
     IMPL: str = ""
     CONFIG = None          # small tiles for the oracle, fuzz and determinism tests
+    RUNS_ON: tuple[str, ...] | None = None   # backends it can run on here; None = any (an
+                                             # interpret mode covers the CPU)
 
     @pytest.fixture(autouse=True)
     def _available(self):
         why = registry.get(self.IMPL).unavailable()
         if why is not None:
             pytest.skip(why)
+        if self.RUNS_ON is not None and jax.default_backend() not in self.RUNS_ON:
+            pytest.skip(f"impl={self.IMPL!r} runs on {self.RUNS_ON}, not on "
+                        f"{jax.default_backend()!r}")
 
     def kw(self, config="small"):
         return dict(impl=self.IMPL, interpret=None,
