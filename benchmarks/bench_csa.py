@@ -1,6 +1,6 @@
 """Paper-style CSA benchmark: forward, backward and step (fwd + bwd) times of each impl.
 
-    python -m benchmarks.bench_csa --impls xla,pallas_triton \
+    python -m benchmarks.bench_csa --impls xla,pallas_triton[,gluon] \
         [--families flash,pro] [--ratios 0,4,128] [--seqs 4096,8192,16384] \
         [--cr4-indices causal,random] [--out bench.json] [--variants 'name:key=v,key=v;...']
 
@@ -19,6 +19,8 @@ FLOPs follow csa_spec.md: forward = 4*T*H*K*D with K nominal (128 / 128+k / 128+
 Every impl is checked against impl="xla" on the same inputs when xla runs in the same call
 (max-abs error / max-abs of the reference, per output), else at a reduced size (T=1024).
 Each (config, impl) is guarded: an OOM or compile failure prints a row with the error.
+A variant runs only for the impls whose Config has all of its keys (e.g. gluon's pipeline=true
+is not tried on pallas_triton).
 The table is printed last; --out writes every number as JSON.
 """
 from __future__ import annotations
@@ -172,7 +174,7 @@ def main(argv=None):
                     f_nom, f_val = flops(cfg, T, idx)
                     ref_outs = None
                     for impl in args.impls:
-                        for vname, over in (variants if impl != "xla" else [("default", {})]):
+                        for vname, over in _impl_variants(impl, variants):
                             row = dict(family=family, ratio=ratio, T=T, idx=idx_kind, impl=impl,
                                        variant=vname, fwd_flops_nominal=f_nom,
                                        fwd_flops_valid=f_val)
@@ -210,6 +212,17 @@ def main(argv=None):
             json.dump(dict(meta=meta, rows=rows), f, indent=1)
     print_table(rows, meta)
     return rows
+
+
+def _impl_variants(impl, variants):
+    """The variants that apply to an impl: those whose keys are all fields of its Config."""
+    if impl == "xla":
+        return [("default", {})]
+    try:
+        fields = {f.name for f in dataclasses.fields(registry.get(impl).Config)}
+    except Exception:  # noqa: BLE001  (run_impl reports why the impl is missing)
+        return variants
+    return [(n, o) for n, o in variants if n == "default" or set(o) <= fields]
 
 
 def add_derived(rows):

@@ -152,7 +152,10 @@ def register(impl: Impl) -> Impl:
 # ------------------------------------------------------------------------------ the impls
 register(Impl("xla", reference, platforms=("cpu", "gpu", "tpu")))
 register(Impl("pallas_tpu", tpu, platforms=tpu.PLATFORMS, auto=("tpu",)))
-register(Impl("gluon", "csa_jax.kernels.gluon", platforms=("gpu",), extra="gluon",
+# auto: before pallas_triton, where gluon.unsupported() allows it (NVIDIA compute capability 9.x,
+# bf16/f16, H % 64 == 0, D = 512): its forward measured 1.05-1.46x pallas_triton's on the H200,
+# its backward is pallas_triton's (docs/perf/gluon_h200.md).
+register(Impl("gluon", "csa_jax.kernels.gluon", platforms=("gpu",), auto=("gpu",), extra="gluon",
               requires=("triton==3.6.0", "jax-triton==0.3.1")))
 register(Impl("pallas_triton", triton, platforms=triton.PLATFORMS, auto=("gpu",)))
 # ------------------------------------------------------------------------------

@@ -1,0 +1,262 @@
+"""GPU check of impl="gluon" (run on an NVIDIA Hopper GPU; Gluon has no CPU interpreter).
+
+    python -m benchmarks.gluon_check [--golden-dir DIR] [--out check.json]
+        [--parts probe,random,golden,grad,time] [--seed S] [--config key=val,...]
+
+--config overrides fields of the gluon Config (e.g. pipeline=true) for every gluon call.
+
+Parts:
+  probe   the adapter end to end: the warp-specialized ring gather of kernels/gluon/probe.py
+          under jax.jit, exact against a plain gather (-1 rows read as zeros);
+  random  the forward vs impl="xla" on fresh random inputs: -1 slots anywhere, out-of-range ids,
+          duplicate rows, all-empty rows, with and without sink, H in {16, 64, 128} (padding),
+          D in {64, 512}, K not a multiple of the tile, bf16 and f16; o by max-abs error over
+          max-abs reference, lse by the same on non-empty rows, and empty rows exactly
+          (o == 0, lse == sink or EMPTY_LSE);
+  golden  the three golden cases (tests/golden, cast to bf16) through sparse_attention;
+  grad    jax.grad through sparse_attention(impl="gluon") (forward Gluon, backward
+          pallas_triton) vs impl="xla";
+  time    forward ms of xla, pallas_triton, gluon at a few V4 shapes (checked vs xla).
+Every check prints one JSON line; the script exits non-zero if any check fails.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.common import time_fn
+
+TOL = {"bfloat16": 2e-2, "float16": 5e-3}
+RESULTS = []
+OVERRIDES = {}
+
+
+def gluon_config(q, kv, idx):
+    import dataclasses
+    from csa_jax import registry
+    mod = registry.get("gluon")
+    return dataclasses.replace(mod.default_config(q.shape, kv.shape, idx.shape, q.dtype),
+                               **OVERRIDES)
+
+
+def report(**row):
+    RESULTS.append(row)
+    print(json.dumps(row), flush=True)
+
+
+def rel(a, b, mask=None):
+    a = np.asarray(jnp.asarray(a, jnp.float32), np.float64)
+    b = np.asarray(jnp.asarray(b, jnp.float32), np.float64)
+    if mask is not None:
+        a, b = a[mask], b[mask]
+    if np.isnan(a).any():
+        return float("nan")
+    den = max(np.abs(b).max(initial=0.0), 1e-30)
+    return float(np.abs(a - b).max(initial=0.0) / den)
+
+
+# ----------------------------------------------------------------------------- probe
+
+
+def part_probe(seed):
+    from csa_jax.kernels.gluon.probe import ring_gather
+    key = jax.random.PRNGKey(seed)
+    for (N, D, P, K, bk) in ((1000, 512, 64, 128, 16), (300, 256, 33, 96, 32)):
+        k1, k2, key = jax.random.split(key, 3)
+        table = jax.random.normal(k1, (N, D), jnp.bfloat16)
+        idx = jax.random.randint(k2, (P, K), -1, N, dtype=jnp.int32)
+        out = jax.jit(lambda t, i: ring_gather(t, i, block_rows=bk))(table, idx)
+        ref = jnp.where((idx >= 0)[..., None], table[jnp.maximum(idx, 0)], 0)
+        exact = bool(jnp.array_equal(out, ref))
+        report(part="probe", N=N, D=D, P=P, K=K, block_rows=bk, exact=exact, ok=exact)
+
+
+# ----------------------------------------------------------------------------- forward checks
+
+
+def random_case(key, B, T, H, D, N, K, dtype, sink, empty_rows=True):
+    kq, kkv, ki, km, ks = jax.random.split(key, 5)
+    q = jax.random.normal(kq, (B, T, H, D), dtype)
+    kv = jax.random.normal(kkv, (B, N, D), dtype)
+    idx = jax.random.randint(ki, (B, T, K), 0, N, dtype=jnp.int32)
+    u = jax.random.uniform(km, (B, T, K))
+    idx = jnp.where(u < 0.2, -1, idx)                          # -1 anywhere
+    idx = jnp.where(u > 0.97, N + 5, idx)                      # out of range -> empty
+    idx = idx.at[:, :, 1].set(idx[:, :, 0])                    # duplicates
+    if empty_rows:
+        idx = idx.at[:, 0].set(-1)                             # all-empty tokens
+        idx = idx.at[:, T // 2].set(-1)
+    s = jax.random.normal(ks, (H,), jnp.float32) if sink else None
+    return q, kv, idx, s
+
+
+def check_forward(name, q, kv, idx, sink, *, scale=None, ref_o=None):
+    import csa_jax
+    from csa_jax.common import EMPTY_LSE
+    dt = jnp.dtype(q.dtype).name
+    try:
+        o, lse = csa_jax.sparse_attention(q, kv, idx, sink, scale=scale, impl="gluon",
+                                          config=gluon_config(q, kv, idx))
+        xo, xl = csa_jax.sparse_attention(q, kv, idx, sink, scale=scale, impl="xla")
+        jax.block_until_ready((o, lse))
+    except Exception as e:  # noqa: BLE001
+        traceback.print_exc(limit=4)
+        report(part="forward", case=name, ok=False, error=f"{type(e).__name__}: {e}"[:500])
+        return
+    valid = (idx >= 0) & (idx < kv.shape[1])
+    empty = ~valid.any(-1)                                     # [B, T]
+    nonempty = np.asarray(jnp.broadcast_to(~empty[..., None], lse.shape))
+    e_o = rel(o, xo)
+    e_lse = rel(lse, xl, nonempty)
+    empty_ok = True
+    if bool(empty.any()):
+        want = (EMPTY_LSE if sink is None else jnp.broadcast_to(sink, lse.shape))
+        want = jnp.broadcast_to(want, lse.shape)
+        m = np.asarray(jnp.broadcast_to(empty[..., None], lse.shape))
+        empty_ok = (bool(jnp.all(jnp.where(empty[..., None, None], o == 0, True)))
+                    and np.allclose(np.asarray(lse)[m], np.asarray(want)[m], rtol=1e-6))
+    row = dict(part="forward", case=name, shape=list(q.shape), K=idx.shape[-1], dtype=dt,
+               sink=sink is not None, err_o=e_o, err_lse=e_lse, empty_rows_ok=empty_ok)
+    tol = TOL[dt]
+    ok = e_o <= tol and e_lse <= tol and empty_ok
+    if ref_o is not None:
+        row["err_o_golden"] = rel(o, ref_o)
+        ok = ok and row["err_o_golden"] <= tol
+    row["ok"] = bool(ok)
+    report(**row)
+
+
+def part_random(seed):
+    key = jax.random.PRNGKey(seed + 1)
+    cases = [
+        ("h64_d512_bf16_sink", 1, 192, 64, 512, 320, 192, jnp.bfloat16, True),
+        ("h128_d512_bf16_nosink_k130", 2, 96, 128, 512, 200, 130, jnp.bfloat16, False),
+        ("h16_d64_bf16_sink_pad", 1, 64, 16, 64, 100, 40, jnp.bfloat16, True),
+        ("h64_d512_f16_sink", 1, 64, 64, 512, 150, 100, jnp.float16, True),
+        ("h128_d512_bf16_k1152", 1, 64, 128, 512, 2000, 1152, jnp.bfloat16, True),
+    ]
+    for name, B, T, H, D, N, K, dt, sink in cases:
+        key, k = jax.random.split(key)
+        check_forward(name, *random_case(k, B, T, H, D, N, K, dt, sink))
+
+
+def part_golden(golden_dir):
+    for f in sorted(os.listdir(golden_dir)):
+        if not f.endswith(".npz"):
+            continue
+        z = np.load(os.path.join(golden_dir, f))
+        cast = lambda x: jnp.asarray(x, jnp.bfloat16)
+        check_forward("golden:" + f, cast(z["q"]), cast(z["kv"]), jnp.asarray(z["idx"]),
+                      jnp.asarray(z["sink"], jnp.float32), scale=float(z["scale"]),
+                      ref_o=jnp.asarray(z["o"]))
+
+
+def part_grad(seed):
+    import csa_jax
+    from csa_jax import problems
+    key = jax.random.PRNGKey(seed + 2)
+    q, kv, idx, sink = random_case(key, 1, 128, 64, 512, 256, 160, jnp.bfloat16, True)
+    kd, kl = jax.random.split(key)
+    do = jax.random.normal(kd, q.shape, q.dtype)
+    dlse = jax.random.normal(kl, q.shape[:3], jnp.float32) * 0.1
+    grads = {}
+    for impl in ("gluon", "xla"):
+        cfg = gluon_config(q, kv, idx) if impl == "gluon" else None
+        loss = problems.loss_fn(lambda q, kv, idx, s, impl=impl, cfg=cfg:
+                                csa_jax.sparse_attention(q, kv, idx, s, impl=impl, config=cfg))
+        grads[impl] = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, kv, sink, idx, do, dlse)
+    errs = {n: rel(a, b) for n, a, b in zip(("dq", "dkv", "dsink"), grads["gluon"], grads["xla"])}
+    report(part="grad", errs=errs, ok=all(e <= 2e-2 for e in errs.values()))
+
+
+# ----------------------------------------------------------------------------- timing
+
+
+def part_time(seed, shapes):
+    from csa_jax import problems
+    from csa_jax.config import preset
+    from csa_jax import registry
+    for family, ratio, T in shapes:
+        cfg = preset(family, ratio)
+        pr = problems.make_problem(cfg, T, B=1, seed=seed,
+                                   index_mode="random" if ratio == 4 else "causal")
+        nominal, valid = pr.flops()
+        outs = {}
+        for impl in ("xla", "pallas_triton", "gluon"):
+            try:
+                mod = registry.get(impl)
+                c = (gluon_config(pr.q, pr.kv, pr.idx) if impl == "gluon" else
+                     mod.default_config(pr.q.shape, pr.kv.shape, pr.idx.shape, pr.q.dtype))
+                f = jax.jit(lambda q, kv, i, s, mod=mod, c=c: mod.forward(
+                    q, kv, i, s, scale=cfg.scale, interpret=False, config=c))
+                ms, _, _, outs[impl] = time_fn(f, (pr.q, pr.kv, pr.idx, pr.sink), 20, 5.0)
+                row = dict(part="time", family=family, ratio=ratio, T=T, impl=impl, fwd_ms=ms,
+                           tflops_nominal=nominal / ms / 1e9, tflops_valid=valid / ms / 1e9)
+                if impl != "xla":
+                    row["err_o"] = rel(outs[impl][0], outs["xla"][0])
+                    row["ok"] = row["err_o"] <= 2e-2
+                report(**row)
+            except Exception as e:  # noqa: BLE001
+                traceback.print_exc(limit=4)
+                report(part="time", family=family, ratio=ratio, T=T, impl=impl, ok=False,
+                       error=f"{type(e).__name__}: {e}"[:400])
+        del pr, outs
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--parts", default="probe,random,golden,grad,time")
+    ap.add_argument("--golden-dir", default=os.path.join(os.path.dirname(__file__), "..", "tests",
+                                                         "golden"))
+    ap.add_argument("--shapes", default="pro:4:4096,flash:4:4096,pro:0:4096")
+    ap.add_argument("--seed", type=int, default=int(time.time()) % 100000)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--config", default="", help="gluon Config overrides: key=val,...")
+    args = ap.parse_args(argv)
+    for kv in filter(None, args.config.split(",")):
+        k, _, v = kv.partition("=")
+        OVERRIDES[k.strip()] = (v.strip().lower() == "true" if v.strip().lower() in
+                                ("true", "false") else int(v))
+    parts = args.parts.split(",")
+    print(f"# device {jax.devices()[0].device_kind}, jax {jax.__version__}, seed {args.seed}, "
+          f"gluon config overrides {OVERRIDES}", flush=True)
+    for part in parts:
+        try:
+            if part == "probe":
+                part_probe(args.seed)
+            elif part == "random":
+                part_random(args.seed)
+            elif part == "golden":
+                if os.path.isdir(args.golden_dir):
+                    part_golden(args.golden_dir)
+                else:
+                    report(part="golden", ok=False, error=f"no golden dir {args.golden_dir}")
+            elif part == "grad":
+                part_grad(args.seed)
+            elif part == "time":
+                shapes = [(f, int(r), int(t)) for f, r, t in
+                          (s.split(":") for s in args.shapes.split(","))]
+                part_time(args.seed, shapes)
+            else:
+                raise ValueError(f"unknown part {part!r}")
+        except Exception as e:  # noqa: BLE001
+            traceback.print_exc(limit=6)
+            report(part=part, ok=False, error=f"{type(e).__name__}: {e}"[:500])
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(dict(seed=args.seed, results=RESULTS), f, indent=1)
+    bad = [r for r in RESULTS if r.get("ok") is False]
+    print(f"# {len(RESULTS)} checks, {len(bad)} failed", flush=True)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

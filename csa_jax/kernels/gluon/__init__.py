@@ -1,0 +1,163 @@
+"""impl="gluon": CSA kernels in Triton's Gluon dialect (NVIDIA Hopper), called from JAX.
+
+The impl-module interface of csa_jax/registry.py: Config, default_config, forward, backward,
+unsupported. The forward is the warp-specialized kernel of fwd.py (a producer partition
+gathering kv rows with cp.async into an mbarrier ring, two consumer warpgroups on wgmma), launched
+through jax-triton's primitive by adapter.py.
+
+BACKWARD: there is no Gluon backward yet (issue 14). `backward` runs the Pallas Triton-dialect
+backward (impl "pallas_triton", its default config) on the forward's (o, lse), which follow the
+same contract, so gradients are exact to the same tolerances; its speed is pallas_triton's.
+
+Needs the optional extra `csa_jax[gluon]` (triton==3.6.0, jax-triton==0.3.1) and an NVIDIA GPU of
+compute capability 9.0 (sm_90a: wgmma, setmaxnreg). Gluon has no CPU interpreter: on a CPU the
+kernels can only be compiled (adapter.compile_kernel), never run.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from csa_jax.kernels.gluon.adapter import missing as _missing_triton
+
+_GPU_PLATFORMS = ("gpu", "cuda")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Tuning of the Gluon forward.
+
+    block_k: gathered kv rows per ring stage (the wgmma N of QK^T and K of PV): 64 or 32.
+    stages: depth of the shared-memory ring (2 at D = 512: q 64 KiB + 2 x 64 KiB stages).
+    producer_regs: registers per thread of the producer partition (setmaxnreg; multiple of 8,
+        24..256); the consumers get what is left of the 64K-register file.
+    pipeline: issue tile i's QK^T while tile i-1's PV still runs (async wgmma), release stage
+        i-1 after both; False = each tile's two products run back to back.
+    smem_epilogue: write o through q's shared buffer and store it with 16-byte coalesced
+        stores (False: straight from the wgmma accumulator layout, 4-byte stores).
+    prefetch: load the next tile's row ids while the current tile is in flight (producer) or
+        on the tensor cores (consumers), so no global-load latency sits between a stage's release
+        and its refill, or between a tile's QK^T and its mask.
+    ablate: BENCHMARK ONLY, wrong results: 1 = no PV product, 2 = no QK^T product, 3 = neither,
+        4 = no compute at all (the consumers only wait for and release the ring: the producer's
+        pace). Used to place the time inside the kernel (docs/perf/gluon_h200.md).
+    """
+
+    block_k: int = 64
+    stages: int = 2
+    producer_regs: int = 96
+    pipeline: bool = False
+    smem_epilogue: bool = False
+    prefetch: bool = True
+    ablate: int = 0
+
+    def __post_init__(self):
+        if self.block_k not in (32, 64):
+            raise ValueError(f"block_k={self.block_k!r} must be 32 or 64")
+        if isinstance(self.stages, bool) or not isinstance(self.stages, int) or not (
+                1 <= self.stages <= 4):
+            raise ValueError(f"stages={self.stages!r} must be an int in 1..4")
+        r = self.producer_regs
+        if isinstance(r, bool) or not isinstance(r, int) or r % 8 or not 24 <= r <= 256:
+            raise ValueError(f"producer_regs={r!r} must be a multiple of 8 in 24..256")
+        for name in ("pipeline", "smem_epilogue", "prefetch"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
+        if self.ablate not in (0, 1, 2, 3, 4) or isinstance(self.ablate, bool):
+            raise ValueError(f"ablate={self.ablate!r} must be 0 (off) or 1..4 (benchmark only)")
+        if self.ablate and self.pipeline:
+            raise ValueError("ablate applies to pipeline=False only")
+
+
+def shared_bytes(D, config, itemsize=2):
+    """Shared memory the kernel's buffers need (q + ring; the compiler adds a few KiB)."""
+    from csa_jax.kernels.gluon.dims import HB, padded_dims
+    Dp = padded_dims(64, D, config.block_k, config.block_k)[1]
+    return (HB + config.stages * config.block_k) * Dp * itemsize
+
+
+_SMEM_BUDGET = 232_448 - 16_384      # the H200's per-block limit minus compiler scratch
+
+
+def default_config(q_shape, kv_shape, idx_shape, dtype) -> Config:
+    """block_k 64, 2 stages at D = 512 (the most that fits the H200's 227 KiB), more stages for
+    smaller D while they fit; block_k 32 if even 2 stages of 64 rows would not fit."""
+    del kv_shape, idx_shape
+    D = q_shape[3]
+    cfg = Config()
+    for stages in (4, 3, 2):
+        c = dataclasses.replace(cfg, stages=stages)
+        if shared_bytes(D, c) <= _SMEM_BUDGET:
+            return c
+    return dataclasses.replace(cfg, block_k=32, stages=2)
+
+
+def _device():
+    try:
+        d = jax.devices()[0]
+    except RuntimeError:
+        return "cpu", "", None
+    cc = getattr(d, "compute_capability", None)
+    return d.platform, d.device_kind, cc
+
+
+def _cannot_run(q_shape, dtype):
+    """Why the kernel cannot run here at all (None = it can)."""
+    why = _missing_triton(launch=True)
+    if why:
+        return why
+    platform, kind, cc = _device()
+    if platform not in _GPU_PLATFORMS or "nvidia" not in kind.lower():
+        return f"needs an NVIDIA Hopper GPU (platform={platform!r}, device_kind={kind!r})"
+    if cc is not None and not str(cc).startswith("9"):
+        return f"needs compute capability 9.x (sm_90a wgmma), got {cc}"
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return f"dtype {jnp.dtype(dtype).name}: the Gluon kernel takes bf16/f16 (wgmma)"
+    cfg = default_config(q_shape, None, None, dtype)
+    if shared_bytes(q_shape[3], cfg) > _SMEM_BUDGET:
+        return f"D={q_shape[3]} needs {shared_bytes(q_shape[3], cfg)} B of shared memory"
+    return None
+
+
+def unsupported(q_shape, kv_shape, idx_shape, dtype):
+    """Why impl="auto" should not pick this impl (None = it may): it must be able to run here
+    (triton + jax-triton, NVIDIA compute capability 9.x, bf16/f16), and the problem must be in
+    the measured regime, H a multiple of 64 and D = 512 (docs/perf/gluon_h200.md). Other H and D
+    run when requested explicitly (padded to 64 heads / a power of two >= 64)."""
+    del kv_shape, idx_shape
+    why = _cannot_run(q_shape, dtype)
+    if why:
+        return why
+    H, D = q_shape[2], q_shape[3]
+    if H % 64 or D != 512:
+        return f"H={H}, D={D}: measured only for H a multiple of 64 and D = 512"
+    return None
+
+
+def _check(q, kv, idx, interpret):
+    if interpret:
+        raise NotImplementedError(
+            "impl='gluon' has no interpreter (Gluon kernels compile for GPUs only); use "
+            "impl='pallas_triton' or 'xla' on a CPU, or interpret=None/False on a GPU")
+    why = _cannot_run(q.shape, q.dtype)
+    if why:
+        raise NotImplementedError(f"impl='gluon' cannot run here: {why}")
+
+
+def forward(q, kv, idx, sink, *, scale, interpret, config):
+    """o [B, T, H, D] (q.dtype), lse [B, T, H] f32 (the impl interface: csa_jax/registry.py)."""
+    _check(q, kv, idx, interpret)
+    from csa_jax.kernels.gluon import fwd as _fwd
+    return _fwd.forward(q, kv, idx, sink, scale=float(scale), config=config)
+
+
+def backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, interpret, config):
+    """(dq, dkv, dsink) by the pallas_triton backward (no Gluon backward yet; module docstring)."""
+    del config
+    _check(q, kv, idx, interpret)
+    from csa_jax.kernels import triton as pt      # the pallas_triton impl module
+    cfg = pt.default_config(q.shape, kv.shape, idx.shape, q.dtype)
+    return pt.backward(q, kv, idx, sink, o, lse, do, dlse, scale=scale, interpret=False,
+                       config=cfg)
