@@ -102,6 +102,9 @@ def sparse_attention(q, kv, idx, sink=None, *, scale=None, impl="auto", interpre
         raise TypeError(f"config for impl={impl.name!r} must be {impl.mod.__name__}.Config, "
                         f"got {type(config).__name__}")
     idx = sanitize_indices(idx, kv.shape[1])
+    check_layout = getattr(impl.mod, "check_layout", None)
+    if check_layout is not None and not isinstance(idx, jax.core.Tracer):
+        check_layout(idx, kv.shape[1], config)      # a layout promise, checked before tracing
     sink_arr = (jnp.full((H,), -jnp.inf, jnp.float32) if sink is None
                 else sink.astype(jnp.float32))
     o, lse = _attention(q, kv, idx, sink_arr, impl, scale, interpret, config)

@@ -53,3 +53,55 @@ def test_nonfinite_rule(impl):
         else:
             np.testing.assert_allclose(o[0, t, h], want_o[0, t, h], rtol=1e-5, atol=1e-6)
             np.testing.assert_allclose(lse[0, t, h], want_lse[0, t, h], rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------- layout promise
+
+@pytest.mark.parametrize("layout", ["cr0", "cr4", "cr128"])
+def test_traced_layout_check_agrees_with_check_layout(rng, layout):
+    from csa_jax import layouts
+    from csa_jax.kernels import tpu as pt
+    from test_pallas_tpu import _structured_problem
+    _, kv, idx, _, lay = _structured_problem(rng, layout, T=20, w=6, ratio=4, topk=3, B=2)
+    cfg = pt.Config(**lay)
+    viol = jax.jit(lambda i: layouts.violations(i, layout, cfg.window, cfg.pool_ratio))
+    pt.check_layout(idx, kv.shape[1], cfg)
+    assert not np.asarray(viol(idx)).any()
+    w = cfg.window
+    breaks = [idx.at[1, 9, :w].set(jnp.roll(idx[1, 9, :w], 1).at[0].set(-1)),   # a row missing
+              idx.at[1, 9, 0].set(idx[1, 9, 1]),                                # a row twice
+              idx.at[1, 9, :w].set(jnp.where(idx[1, 9, :w] >= 0, idx[1, 9, :w] + 1, -1))]
+    if layout == "cr0":
+        breaks.append(idx.at[1, 9, w].set(3))                                   # after the window
+    if layout == "cr128":
+        breaks.append(idx.at[1, 9, w:].set(-1))                                 # pool missing
+    for bad in breaks:
+        with pytest.raises(ValueError, match=rf"idx\[1, 9, "):
+            pt.check_layout(bad, kv.shape[1], cfg)
+        got = np.argwhere(np.asarray(viol(bad)))
+        assert got.tolist() == [[1, 9]], got
+
+
+def test_broken_layout_promise_is_never_silently_wrong(rng):
+    """pallas_tpu Config(layout="cr0") with an idx that breaks it: eager (concrete idx) raises
+    before tracing; under jit the broken token's o and lse are NaN, the others exact, and the
+    gradients of its batch row are NaN."""
+    from csa_jax.kernels import tpu as pt
+    from test_pallas_tpu import _structured_problem
+    q, kv, idx, sink, lay = _structured_problem(rng, "cr0", T=12, w=4, B=2, H=2, D=16)
+    bad = idx.at[1, 9, :].set(jnp.asarray([6, 7, -1, 9, -1, -1, 5], jnp.int32))
+    cfg = pt.Config(block_t=8, block_k=8, depth=2, **lay)
+    run = lambda q, kv, i, s: csa_jax.sparse_attention(q, kv, i, s, impl="pallas_tpu",
+                                                       config=cfg)
+    with pytest.raises(ValueError, match=r"layout='cr0': idx\[1, 9, 0:4\]"):
+        run(q, kv, bad, sink)
+    o, lse = jax.jit(run)(q, kv, bad, sink)
+    want_o, want_lse = dense_oracle(q, kv, bad, sink, 16 ** -0.5)
+    nan = np.isnan(np.asarray(lse))
+    assert np.argwhere(nan.any(-1)).tolist() == [[1, 9]] and nan[1, 9].all()
+    assert np.isnan(np.asarray(o)[1, 9]).all()
+    keep = ~nan[..., None]
+    np.testing.assert_allclose(np.where(keep, o, 0), np.where(keep, want_o, 0), atol=1e-5)
+    dkv, dsink = jax.jit(jax.grad(lambda kv, s: jnp.sum(run(q, kv, bad, s)[0]), (0, 1)))(kv, sink)
+    assert np.isnan(np.asarray(dkv)[1]).all() and not np.isnan(np.asarray(dkv)[0]).any()
+    assert np.isnan(np.asarray(dsink)).all()
