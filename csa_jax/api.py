@@ -107,5 +107,13 @@ def sparse_attention(q, kv, idx, sink=None, *, scale=None, impl="auto", interpre
         check_layout(idx, kv.shape[1], config)      # a layout promise, checked before tracing
     sink_arr = (jnp.full((H,), -jnp.inf, jnp.float32) if sink is None
                 else sink.astype(jnp.float32))
-    o, lse = _attention(q, kv, idx, sink_arr, impl, scale, interpret, config)
+    try:
+        o, lse = _attention(q, kv, idx, sink_arr, impl, scale, interpret, config)
+    except TypeError as e:
+        if "forward-mode autodiff" not in str(e):
+            raise
+        raise NotImplementedError(
+            "sparse_attention supports reverse-mode autodiff only (jax.grad, jax.vjp, "
+            "jax.jacrev: a custom_vjp with hand-written backward kernels); forward mode "
+            "(jax.jvp, jax.jacfwd, jax.hessian) is not implemented") from e
     return o, lse

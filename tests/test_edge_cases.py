@@ -105,3 +105,78 @@ def test_broken_layout_promise_is_never_silently_wrong(rng):
     dkv, dsink = jax.jit(jax.grad(lambda kv, s: jnp.sum(run(q, kv, bad, s)[0]), (0, 1)))(kv, sink)
     assert np.isnan(np.asarray(dkv)[1]).all() and not np.isnan(np.asarray(dkv)[0]).any()
     assert np.isnan(np.asarray(dsink)).all()
+
+
+# ----------------------------------------------------------------------------- autodiff modes
+
+@pytest.mark.parametrize("mode", ["jvp", "jacfwd"])
+def test_forward_mode_autodiff_names_the_limitation(rng, mode):
+    from conftest import random_problem
+    q, kv, idx, sink = random_problem(rng, B=1, T=4, H=2, D=8, K=4)
+    f = lambda q: csa_jax.sparse_attention(q, kv, idx, sink, impl="xla")[0]
+    with pytest.raises(NotImplementedError, match=r"reverse-mode autodiff only.*jax\.jvp"):
+        if mode == "jvp":
+            jax.jvp(f, (q,), (q,))
+        else:
+            jax.jacfwd(f)(q)
+    jax.jacrev(f)(q)                                       # reverse mode works
+
+
+# ----------------------------------------------------------------------------- edge shapes
+
+def _z(*shape):
+    return jnp.zeros(shape, jnp.float32)
+
+
+@pytest.mark.parametrize("ratio,T", [(4, 3), (8, 7), (128, 100)])
+def test_compress_shorter_than_ratio_is_an_empty_pool(ratio, T):
+    coff = 2 if ratio == 4 else 1
+    pool = csa_jax.compress(_z(2, T, 8), _z(8, coff * 4), _z(8, coff * 4), _z(ratio, coff * 4),
+                            _z(4), ratio=ratio)
+    assert pool.shape == (2, 0, 4) and pool.dtype == jnp.float32
+
+
+@pytest.mark.parametrize("call,err,match", [
+    (lambda: csa_jax.compress(_z(1, 0, 8), _z(8, 4), _z(8, 4), _z(8, 4), _z(4), ratio=8),
+     ValueError, r"x has an empty dimension \(B=1, T=0, C=8\)"),
+    (lambda: csa_jax.compress(_z(0, 8, 8), _z(8, 4), _z(8, 4), _z(8, 4), _z(4), ratio=8),
+     ValueError, "B=0"),
+    (lambda: csa_jax.compress(_z(1, 8, 8), _z(8, 0), _z(8, 0), _z(8, 0), _z(0), ratio=8),
+     ValueError, "d must be >= 1"),
+    (lambda: csa_jax.compress(_z(1, 8, 8), _z(8, 4), _z(8, 4), _z(8, 4), _z(4), ratio=0),
+     ValueError, "ratio=0 is not allowed"),
+    (lambda: csa_jax.compress(_z(1, 8, 8), _z(8, 4), _z(8, 4), _z(1, 4), _z(4), ratio=1),
+     ValueError, "ratio=1 is not allowed"),
+    (lambda: csa_jax.indexer_scores(_z(1, 0, 2, 4), _z(1, 0, 4), _z(1, 0, 2), ratio=4),
+     ValueError, r"q_idx has an empty dimension \(B=1, T=0"),
+    (lambda: csa_jax.indexer_topk(_z(1, 0, 2, 4), _z(1, 0, 4), _z(1, 0, 2), ratio=4, topk=2),
+     ValueError, "T=0"),
+    (lambda: csa_jax.indexer_scores(_z(1, 8, 0, 4), _z(1, 2, 4), _z(1, 8, 0), ratio=4),
+     ValueError, "Hi=0"),
+    (lambda: csa_jax.indexer_topk(_z(1, 8, 2, 4), _z(1, 2, 4), _z(1, 8, 2), ratio=0, topk=2),
+     ValueError, "ratio=0 is not allowed"),
+    (lambda: csa_jax.window_indices(0, 4), ValueError, "T must be a positive int, got T=0"),
+    (lambda: csa_jax.window_indices(4, 0), ValueError, "window=0"),
+    (lambda: csa_jax.pool_indices(8, 0), ValueError, "ratio=0 is not allowed"),
+    (lambda: csa_jax.build_indices(0, 8), ValueError, "T=0"),
+    (lambda: csa_jax.build_indices(8, 1), ValueError, "ratio=1 is not allowed"),
+    (lambda: csa_jax.build_indices(8, 4), ValueError, "ratio=4 needs pool_topk"),
+    (lambda: csa_jax.sparse_attention(_z(1, 0, 2, 4), _z(1, 4, 4), jnp.zeros((1, 0, 2), int)),
+     ValueError, "empty dimension"),
+    (lambda: csa_jax.sparse_attention(_z(1, 2, 2, 4), _z(1, 4, 4), jnp.zeros((1, 2, 0), int)),
+     ValueError, "empty dimension"),
+    (lambda: csa_jax.validate_indices(jnp.zeros((1, 2, 2), int), 0), ValueError, "num_kv=0"),
+])
+def test_edge_shapes_raise_clear_errors(call, err, match):
+    with pytest.raises(err, match=match):
+        call()
+
+
+def test_shorter_than_ratio_elsewhere_is_empty_not_an_error():
+    """T < ratio: no pool row is visible, so pool lists and indexer outputs are [.., 0]."""
+    assert csa_jax.pool_indices(3, 4).shape == (3, 0)
+    assert csa_jax.build_indices(3, 8, window=2).shape == (3, 2)
+    assert csa_jax.indexer_scores(_z(1, 3, 2, 4), _z(1, 0, 4), _z(1, 3, 2), ratio=4).shape == \
+        (1, 3, 0)
+    assert csa_jax.indexer_topk(_z(1, 3, 2, 4), _z(1, 0, 4), _z(1, 3, 2), ratio=4,
+                                topk=2).shape == (1, 3, 0)
