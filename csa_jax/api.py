@@ -2,6 +2,8 @@
 (csa_jax/vjp.py)."""
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -108,7 +110,9 @@ def sparse_attention(q, kv, idx, sink=None, *, scale=None, impl="auto", interpre
     sink_arr = (jnp.full((H,), -jnp.inf, jnp.float32) if sink is None
                 else sink.astype(jnp.float32))
     try:
-        o, lse = _attention(q, kv, idx, sink_arr, impl, scale, interpret, config)
+        # an eager call lowers here: the impl may silence its dialect's own warnings meanwhile
+        with getattr(impl.mod, "quiet_lowering", contextlib.nullcontext)():
+            o, lse = _attention(q, kv, idx, sink_arr, impl, scale, interpret, config)
     except TypeError as e:
         if "forward-mode autodiff" not in str(e):
             raise
