@@ -14,7 +14,9 @@ Which mesh axes shard batch and heads is read from q:
 - Auto mesh axes (the types carry no spec): the partitioner decides the layout, so the op is a
   `custom_partitioning` call whose partition rule reads the sharding XLA propagated to q and asks
   for the layout above (the partitioner inserts whatever moves the other inputs need).
-- No mesh, one device, or inside a shard_map over every axis: the impl is called directly.
+- No mesh, one device, or inside a shard_map over every axis: the impl is called directly; so
+  it is under jax.vmap with Auto axes (custom_partitioning has no batching rule): correct, but
+  partitioned as XLA sees fit.
 
 A batch (head) sharding that does not divide B (H) is dropped (that dimension is gathered): still
 correct, never silently wrong. Sequence (T) sharding is not used: a token's structured layout
@@ -168,6 +170,23 @@ def _auto_mesh(q):
     return mesh
 
 
+def _partitioned(cp_fn, whole_fn, static, args):
+    """cp_fn(*static, *args), with a vmap rule: custom_partitioning has no batching rule, so
+    under jax.vmap the impl runs whole on the batched arrays (whole_fn vmapped, as without
+    this module: correct, partitioned as XLA sees fit)."""
+    @jax.custom_batching.custom_vmap
+    def op(*args):
+        return tuple(cp_fn(*static, *args))
+
+    @op.def_vmap
+    def _rule(axis_size, in_batched, *args):
+        del axis_size
+        out = jax.vmap(whole_fn, in_axes=[0 if b else None for b in in_batched])(*args)
+        return tuple(out), (True,) * len(out)
+
+    return op(*args)
+
+
 # ----------------------------------------------------------------------------- entry points
 
 def forward(mod, q, kv, idx, sink, *, scale, interpret, config):
@@ -179,7 +198,8 @@ def forward(mod, q, kv, idx, sink, *, scale, interpret, config):
         return _shard_map_call(_local_forward(mod, scale, interpret, config), mesh, names, q,
                                (q, kv, idx, sink), (sq, skv, skv, ss), (sq, slse))
     if _auto_mesh(q) is not None:
-        return tuple(_cp_forward(mod, scale, interpret, config, q, kv, idx, sink))
+        return _partitioned(_cp_forward, _local_forward(mod, scale, interpret, config),
+                            (mod, scale, interpret, config), (q, kv, idx, sink))
     return _local_forward(mod, scale, interpret, config)(q, kv, idx, sink)
 
 
@@ -194,5 +214,7 @@ def backward(mod, q, kv, idx, sink, o, lse, do, dlse, *, scale, interpret, confi
                                names, q, args, (sq, skv, skv, ss, sq, slse, sq, slse),
                                (sq, skv, ss))
     if _auto_mesh(q) is not None:
-        return tuple(_cp_backward(mod, scale, interpret, config, *args))
+        return _partitioned(_cp_backward,
+                            _local_backward(mod, scale, interpret, config, (), ()),
+                            (mod, scale, interpret, config), args)
     return _local_backward(mod, scale, interpret, config, (), ())(*args)
