@@ -8,7 +8,8 @@ shards' dsink (a psum over the batch axes). No impl ever sees a sharded array.
 
 Which mesh axes shard batch and heads is read from q:
 - Explicit mesh axes (sharding in types, `jax.make_mesh`'s default): from `jax.typeof(q).sharding`;
-  the op is a `jax.shard_map` over those axes. Inputs that are laid out otherwise (kv or idx not
+  the op is a `jax.shard_map` over those axes (a mesh that mixes Explicit and Auto axes: over
+  its Explicit ones only; untested). Inputs that are laid out otherwise (kv or idx not
   split like q's batch, sink not split like q's heads, q split over T or D) are resharded to that
   layout first (`jax.sharding.reshard`): correct, at the cost of the collective it implies.
 - Auto mesh axes (the types carry no spec): the partitioner decides the layout, so the op is a
@@ -105,7 +106,7 @@ def _explicit_axes(x):
 
 # ----------------------------------------------------------------------------- Explicit axes
 
-def _shard_map_call(local, mesh, names, q, args, in_specs, out_specs):
+def _shard_map_call(local, mesh, names, args, in_specs, out_specs):
     """reshard every input to its spec, then shard_map `local` over the Explicit axes."""
     args = [jax.sharding.reshard(x, NamedSharding(mesh, s)) for x, s in zip(args, in_specs)]
     fn = jax.shard_map(local, mesh=mesh, in_specs=tuple(in_specs), out_specs=out_specs,
@@ -114,10 +115,6 @@ def _shard_map_call(local, mesh, names, q, args, in_specs, out_specs):
 
 
 # ----------------------------------------------------------------------------- Auto axes
-
-def _named(mesh, spec):
-    return NamedSharding(mesh, spec)
-
 
 def _q_axes(mesh, arg_shapes):
     q = arg_shapes[0]
@@ -129,7 +126,7 @@ def _q_axes(mesh, arg_shapes):
 def _fwd_partition(mod, scale, interpret, config, mesh, arg_shapes, result_shape):
     del result_shape
     b, h = _q_axes(mesh, arg_shapes)
-    sq, skv, slse, ss = (_named(mesh, s) for s in _specs(b, h))
+    sq, skv, slse, ss = (NamedSharding(mesh, s) for s in _specs(b, h))
     return (mesh, _local_forward(mod, scale, interpret, config), (sq, slse),
             (sq, skv, skv, ss))
 
@@ -137,7 +134,7 @@ def _fwd_partition(mod, scale, interpret, config, mesh, arg_shapes, result_shape
 def _bwd_partition(mod, scale, interpret, config, mesh, arg_shapes, result_shape):
     del result_shape
     b, h = _q_axes(mesh, arg_shapes)
-    sq, skv, slse, ss = (_named(mesh, s) for s in _specs(b, h))
+    sq, skv, slse, ss = (NamedSharding(mesh, s) for s in _specs(b, h))
     return (mesh, _local_backward(mod, scale, interpret, config, b, h), (sq, skv, ss),
             (sq, skv, skv, ss, sq, slse, sq, slse))
 
@@ -148,10 +145,8 @@ def _cp_forward(mod, scale, interpret, config, q, kv, idx, sink):
 
 
 @functools.partial(custom_partitioning, static_argnums=(0, 1, 2, 3))
-def _cp_backward(mod, scale, interpret, config, q, kv, idx, sink, o, lse, do, dlse):
-    dq, dkv, dsink = mod.backward(q, kv, idx, sink, o, lse, do, dlse, scale=scale,
-                                  interpret=interpret, config=config)
-    return dq, dkv, dsink
+def _cp_backward(mod, scale, interpret, config, *args):
+    return _local_backward(mod, scale, interpret, config, (), ())(*args)
 
 
 _cp_forward.def_partition(_fwd_partition, sharding_rule=_FWD_RULE,
@@ -195,7 +190,7 @@ def forward(mod, q, kv, idx, sink, *, scale, interpret, config):
     if names:
         b, h = plan_axes(mesh, jax.typeof(q).sharding.spec, q.shape, allowed=names)
         sq, skv, slse, ss = _specs(b, h)
-        return _shard_map_call(_local_forward(mod, scale, interpret, config), mesh, names, q,
+        return _shard_map_call(_local_forward(mod, scale, interpret, config), mesh, names,
                                (q, kv, idx, sink), (sq, skv, skv, ss), (sq, slse))
     if _auto_mesh(q) is not None:
         return _partitioned(_cp_forward, _local_forward(mod, scale, interpret, config),
@@ -211,7 +206,7 @@ def backward(mod, q, kv, idx, sink, o, lse, do, dlse, *, scale, interpret, confi
         b, h = plan_axes(mesh, jax.typeof(q).sharding.spec, q.shape, allowed=names)
         sq, skv, slse, ss = _specs(b, h)
         return _shard_map_call(_local_backward(mod, scale, interpret, config, b, h), mesh,
-                               names, q, args, (sq, skv, skv, ss, sq, slse, sq, slse),
+                               names, args, (sq, skv, skv, ss, sq, slse, sq, slse),
                                (sq, skv, ss))
     if _auto_mesh(q) is not None:
         return _partitioned(_cp_backward,
