@@ -1,6 +1,14 @@
 """Never silently wrong: non-finite inputs (one rule for every impl), edge shapes of every public
-function, forward-mode autodiff, the structured-layout promise under jit."""
+function, forward-mode autodiff, the structured-layout promise under jit, the Triton warning."""
 from __future__ import annotations
+
+import contextlib
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -180,3 +188,46 @@ def test_shorter_than_ratio_elsewhere_is_empty_not_an_error():
         (1, 3, 0)
     assert csa_jax.indexer_topk(_z(1, 3, 2, 4), _z(1, 0, 4), _z(1, 3, 2), ratio=4,
                                 topk=2).shape == (1, 3, 0)
+
+
+# ----------------------------------------------------------------------------- warnings
+
+def test_deprecation_warning_silenced_only_around_own_lowering():
+    """No process-wide filter: the dialect's deprecation warning (and a user's own warning of
+    that text and category) stays visible, except while quiet_lowering() lowers our kernels."""
+    from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
+
+    from csa_jax import pallas_triton as pt
+    hides = lambda f: f[0] == "ignore" and f[1] is not None and f[1].match(
+        "The Pallas Triton backend is deprecated")
+    assert not any(hides(f) for f in warnings.filters), "a process-wide filter hides it"
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.warn("The Pallas Triton backend is deprecated (a user's kernel)",
+                      DeprecationWarning)
+    assert [str(w.message) for w in rec] == [
+        "The Pallas Triton backend is deprecated (a user's kernel)"]
+    # pytest resets the filters per test, so check the process-wide state in a fresh process
+    code = ("import warnings, csa_jax.pallas_triton\n"
+            "with warnings.catch_warnings(record=True) as rec:\n"
+            "    warnings.warn('The Pallas Triton backend is deprecated (user)', DeprecationWarning)\n"
+            "print(len(rec))")
+    env = dict(os.environ, PYTHONPATH=str(pathlib.Path(__file__).resolve().parents[1]))
+    out = subprocess.run([sys.executable, "-W", "always::DeprecationWarning", "-c", code],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.split()[-1] == "1", (out.stdout, out.stderr[-800:])
+    S = jax.ShapeDtypeStruct
+    args = (S((1, 16, 16, 64), jnp.bfloat16), S((1, 20, 64), jnp.bfloat16),
+            S((1, 16, 32), jnp.int32), S((16,), jnp.float32))
+    mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
+        device_kind="NVIDIA H200", num_cores=None, platform="cuda"))
+    cfg = pt.Config(num_stages=2)
+    for quiet in (True, False):        # a fresh jit each time, so each really lowers
+        fwd = jax.jit(lambda *a: pt.forward(*a, scale=0.1, interpret=False,
+                                                       config=cfg))
+        with warnings.catch_warnings(record=True) as rec, use_abstract_mesh(mesh):
+            warnings.simplefilter("always")
+            with pt.quiet_lowering() if quiet else contextlib.nullcontext():
+                fwd.trace(*args).lower(lowering_platforms=("cuda",))
+        seen = [w for w in rec if re.match("The Pallas Triton backend is deprecated",
+                                           str(w.message))]
+        assert bool(seen) != quiet, (quiet, [str(w.message)[:60] for w in rec])
