@@ -197,7 +197,7 @@ def test_deprecation_warning_silenced_only_around_own_lowering():
     that text and category) stays visible, except while quiet_lowering() lowers our kernels."""
     from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 
-    from csa_jax import pallas_triton as pt
+    from csa_jax.kernels import triton as pt
     hides = lambda f: f[0] == "ignore" and f[1] is not None and f[1].match(
         "The Pallas Triton backend is deprecated")
     assert not any(hides(f) for f in warnings.filters), "a process-wide filter hides it"
@@ -207,7 +207,7 @@ def test_deprecation_warning_silenced_only_around_own_lowering():
     assert [str(w.message) for w in rec] == [
         "The Pallas Triton backend is deprecated (a user's kernel)"]
     # pytest resets the filters per test, so check the process-wide state in a fresh process
-    code = ("import warnings, csa_jax.pallas_triton\n"
+    code = ("import warnings, csa_jax.kernels.triton\n"
             "with warnings.catch_warnings(record=True) as rec:\n"
             "    warnings.warn('The Pallas Triton backend is deprecated (user)', DeprecationWarning)\n"
             "print(len(rec))")

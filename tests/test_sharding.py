@@ -138,8 +138,8 @@ def test_fsdp_step_attends_only_local_rows():
     from train.parallel import make_runner
 
     B, T, D, K = 8, 16, 8, 4
-    model = dict(d_model=16, layer_ratios=(0,), n_heads=2, head_dim=D, rope_dim=4, q_rank=16,
-                 o_groups=2, o_rank=8, window=K, topk=4, index_heads=1, index_head_dim=8,
+    model = dict(d_model=16, layer_ratios=(0,), num_heads=2, head_dim=D, rope_dim=4, q_rank=16,
+                 o_groups=2, o_rank=8, window=K, topk=4, index_heads=1, index_dim=8,
                  mlp_hidden=16, impl="pallas_triton")
     cfg = get_preset("tiny", model=model, data=("unused",), batch_size=B, seq_len=T,
                      fsdp="xla", warmup_steps=0)
