@@ -85,8 +85,11 @@ def sparse_attention(q, kv, idx, sink=None, *, scale=None, impl="auto", interpre
     config: the impl's own Config (e.g. csa_jax.reference.Config(dkv="scatter")); None = default.
 
     o [B, T, H, D] in q.dtype; lse [B, T, H] f32, natural log, sink included. A row with no valid
-    slot gives o = 0 and lse = sink[h] (or EMPTY_LSE = -1e30 without a sink). Differentiable
-    w.r.t. q, kv and sink through both outputs.
+    slot gives o = 0 and lse = sink[h] (or EMPTY_LSE = -1e30 without a sink). A NaN or +inf
+    among a token's used scores (NaN / inf in q or a used kv row) makes its o and lse NaN, for
+    every impl. Differentiable w.r.t. q, kv and sink through both outputs in reverse mode
+    (forward mode raises NotImplementedError). Under jit, inputs split over batch (and q / sink
+    over heads) run shard by shard (csa_jax/sharding.py).
     """
     _check_inputs(q, kv, idx, sink)
     B, T, H, D = q.shape
