@@ -2,6 +2,8 @@
 (csa_jax/vjp.py)."""
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -83,8 +85,11 @@ def sparse_attention(q, kv, idx, sink=None, *, scale=None, impl="auto", interpre
     config: the impl's own Config (e.g. csa_jax.reference.Config(dkv="scatter")); None = default.
 
     o [B, T, H, D] in q.dtype; lse [B, T, H] f32, natural log, sink included. A row with no valid
-    slot gives o = 0 and lse = sink[h] (or EMPTY_LSE = -1e30 without a sink). Differentiable
-    w.r.t. q, kv and sink through both outputs.
+    slot gives o = 0 and lse = sink[h] (or EMPTY_LSE = -1e30 without a sink). A NaN or +inf
+    among a token's used scores (NaN / inf in q or a used kv row) makes its o and lse NaN, for
+    every impl. Differentiable w.r.t. q, kv and sink through both outputs in reverse mode
+    (forward mode raises NotImplementedError). Under jit, inputs split over batch (and q / sink
+    over heads) run shard by shard (csa_jax/sharding.py).
     """
     _check_inputs(q, kv, idx, sink)
     B, T, H, D = q.shape
@@ -102,7 +107,20 @@ def sparse_attention(q, kv, idx, sink=None, *, scale=None, impl="auto", interpre
         raise TypeError(f"config for impl={impl.name!r} must be {impl.mod.__name__}.Config, "
                         f"got {type(config).__name__}")
     idx = sanitize_indices(idx, kv.shape[1])
+    check_layout = getattr(impl.mod, "check_layout", None)
+    if check_layout is not None and not isinstance(idx, jax.core.Tracer):
+        check_layout(idx, kv.shape[1], config)      # a layout promise, checked before tracing
     sink_arr = (jnp.full((H,), -jnp.inf, jnp.float32) if sink is None
                 else sink.astype(jnp.float32))
-    o, lse = _attention(q, kv, idx, sink_arr, impl, scale, interpret, config)
+    try:
+        # an eager call lowers here: the impl may silence its dialect's own warnings meanwhile
+        with getattr(impl.mod, "quiet_lowering", contextlib.nullcontext)():
+            o, lse = _attention(q, kv, idx, sink_arr, impl, scale, interpret, config)
+    except TypeError as e:
+        if "forward-mode autodiff" not in str(e):
+            raise
+        raise NotImplementedError(
+            "sparse_attention supports reverse-mode autodiff only (jax.grad, jax.vjp, "
+            "jax.jacrev: a custom_vjp with hand-written backward kernels); forward mode "
+            "(jax.jvp, jax.jacfwd, jax.hessian) is not implemented") from e
     return o, lse

@@ -25,11 +25,15 @@ def finalize_lse(m, l, sink):
     finite NEG_INIT). sink: f32, broadcastable to m; -inf means "no sink".
     Returns lse (natural log, sink included; EMPTY_LSE for an empty row without sink) and the
     factor 1 / (sum incl. sink) * exp(m - m_tot) that turns the unnormalised PV accumulator into o.
+
+    Non-finite inputs (README, semantics): a NaN or +inf among the row's used scores (or a NaN /
+    +inf sink) leaves l (or m) NaN; that is not "empty" (only l_tot == 0 is), so lse and o_scale
+    come out NaN and so does o, as in the IEEE softmax. A -inf score weighs exp(-inf) = 0.
     """
-    m_tot = jnp.maximum(m, sink)  # finite: m >= NEG_INIT
+    m_tot = jnp.maximum(m, sink)  # finite: m >= NEG_INIT (NaN / inf only from non-finite input)
     l_tot = l * jnp.exp(m - m_tot) + jnp.exp(sink - m_tot)
-    nonempty = l_tot > 0
-    safe_l = jnp.where(nonempty, l_tot, 1.0)
-    lse = jnp.where(nonempty, m_tot + jnp.log(safe_l), EMPTY_LSE)
-    o_scale = jnp.where(nonempty, jnp.exp(m - m_tot) / safe_l, 0.0)
+    empty = l_tot == 0
+    safe_l = jnp.where(empty, 1.0, l_tot)
+    lse = jnp.where(empty, EMPTY_LSE, m_tot + jnp.log(safe_l))
+    o_scale = jnp.where(empty, 0.0, jnp.exp(m - m_tot) / safe_l)
     return lse, o_scale

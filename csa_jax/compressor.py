@@ -21,11 +21,12 @@ def compress(x, w_kv, w_gate, ape, norm_scale, *, ratio, eps=1e-6):
     norm_scale [d]. Each pool row is a per-channel softmax-weighted sum over its tokens (gate z,
     value c), then RMSNorm with norm_scale. ratio 4 overlaps: pool row i pools the first halves
     ([:d]) of group i-1 and the second halves ([d:]) of group i (8 slots; none from before row 0).
-    Leftover tokens (T mod ratio) are not pooled.
+    Leftover tokens (T mod ratio) are not pooled: T < ratio gives an empty pool [B, 0, d].
     """
     check_ratio(ratio, allow_zero=False)
     if x.ndim != 3:
         raise ValueError(f"x must be [B, T, C], got shape {tuple(x.shape)}")
+    _check_nonempty("x", x.shape, "BTC")
     B, T, C = x.shape
     coff = 2 if ratio == 4 else 1
     if w_kv.ndim != 2 or w_kv.shape[0] != C or w_kv.shape[1] % coff:
@@ -38,7 +39,11 @@ def compress(x, w_kv, w_gate, ape, norm_scale, *, ratio, eps=1e-6):
         raise _shape_error("ape", ape, (ratio, width))
     if norm_scale.shape != (d,):
         raise _shape_error("norm_scale", norm_scale, (d,))
+    if d == 0:
+        raise ValueError(f"w_kv has width {width}: the pool row width d must be >= 1")
     P = T // ratio
+    if P == 0:
+        return jnp.zeros((B, 0, d), jnp.float32)
     f32 = jnp.float32
     hi = jax.lax.Precision.HIGHEST
     xs = x[:, : P * ratio].astype(f32)
@@ -59,10 +64,17 @@ def compress(x, w_kv, w_gate, ape, norm_scale, *, ratio, eps=1e-6):
     return pooled * rms * norm_scale.astype(f32)
 
 
+def _check_nonempty(name, shape, letters):
+    if 0 in shape:
+        dims = ", ".join(f"{a}={n}" for a, n in zip(letters, shape))
+        raise ValueError(f"{name} has an empty dimension ({dims}): every one must be >= 1")
+
+
 def _check_indexer(q_idx, k_idx, weights, ratio):
     check_ratio(ratio, allow_zero=False)
     if q_idx.ndim != 4:
         raise ValueError(f"q_idx must be [B, T, Hi, Di], got shape {tuple(q_idx.shape)}")
+    _check_nonempty("q_idx", q_idx.shape, ("B", "T", "Hi", "Di"))    # P = T // ratio may be 0
     B, T, Hi, Di = q_idx.shape
     if k_idx.ndim != 3 or k_idx.shape[0] != B or k_idx.shape[2] != Di:
         raise ValueError(f"k_idx must be [B={B}, P, Di={Di}], got shape {tuple(k_idx.shape)}")

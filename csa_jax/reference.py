@@ -76,11 +76,14 @@ def _chunk_size(B, T, H, K, config):
 
 
 def _gather_rows(kv, idx_c):
-    """kv [B, N, D], idx_c [B, C, K] (-1 = empty) -> rows [B, C, K, D] (row 0 for empty), valid."""
+    """kv [B, N, D], idx_c [B, C, K] (-1 = empty) -> rows [B, C, K, D] (zeros for empty), valid."""
     valid = idx_c >= 0
     safe = jnp.where(valid, idx_c, 0)
     # safe ids are in [0, N): promise it, so the gather carries no bounds mask over [C, K, D]
     rows = jax.vmap(lambda kv_b, i_b: kv_b.at[i_b].get(mode="promise_in_bounds"))(kv, safe)
+    # An empty slot reads nothing: zero its row (else 0 * a NaN / inf in kv row 0 poisons the
+    # PV and dS K products). An elementwise select on the gather's output: XLA fuses it there.
+    rows = jnp.where(valid[..., None], rows, jnp.zeros((), rows.dtype))
     return rows, valid
 
 

@@ -1,6 +1,7 @@
 """The one custom_vjp around every impl (the impl-module interface: csa_jax/registry.py).
 
-`impl` is the resolved csa_jax.registry.Impl (hashable, static): no name lookups here.
+`impl` is the resolved csa_jax.registry.Impl (hashable, static): no name lookups here. Under a
+mesh the impl runs shard by shard (csa_jax/sharding.py); it never sees a sharding itself.
 """
 from __future__ import annotations
 
@@ -9,10 +10,13 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from csa_jax import sharding
+
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
 def attention(q, kv, idx, sink, impl, scale, interpret, config):
-    return impl.forward(q, kv, idx, sink, scale=scale, interpret=interpret, config=config)
+    return sharding.forward(impl, q, kv, idx, sink, scale=scale, interpret=interpret,
+                            config=config)
 
 
 def _fwd(q, kv, idx, sink, impl, scale, interpret, config):
@@ -23,8 +27,8 @@ def _fwd(q, kv, idx, sink, impl, scale, interpret, config):
 def _bwd(impl, scale, interpret, config, res, cts):
     q, kv, idx, sink, o, lse = res
     do, dlse = cts
-    dq, dkv, dsink = impl.backward(
-        q, kv, idx, sink, o, lse, do.astype(q.dtype), dlse.astype(jnp.float32),
+    dq, dkv, dsink = sharding.backward(
+        impl, q, kv, idx, sink, o, lse, do.astype(q.dtype), dlse.astype(jnp.float32),
         scale=scale, interpret=interpret, config=config)
     # Without a sink (sink == -inf everywhere) its cotangent is exactly zero.
     dsink = jnp.where(jnp.isneginf(sink), 0.0, dsink)

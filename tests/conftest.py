@@ -106,14 +106,17 @@ def dense_oracle(q, kv, idx, sink, scale, do=None, dlse=None):
     valid = (idx >= 0) & (idx < N)
     safe = np.where(valid, idx, 0)
     rows = np.take_along_axis(kv[:, None, :, :], safe[..., None], axis=2)       # [B,T,K,D]
+    rows = np.where(valid[..., None], rows, 0.0)                # an empty slot reads nothing
     s = scale * np.einsum("bthd,btkd->bthk", q, rows)
     s = np.where(valid[:, :, None, :], s, -np.inf)
     sk = np.full(H, -np.inf) if sink is None else np.asarray(sink, np.float64)
     m = np.maximum(s.max(-1, initial=-np.inf), sk[None, None])
     m_safe = np.where(np.isfinite(m), m, 0.0)
     tot = np.exp(s - m_safe[..., None]).sum(-1) + np.exp(sk[None, None] - m_safe)
-    with np.errstate(divide="ignore"):
-        lse = np.where(tot > 0, m_safe + np.log(tot), -1e30)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        lse = np.where(tot == 0, -1e30, m_safe + np.log(tot))
+    # README's rule for non-finite input: a NaN or +inf among the used scores (or sink) -> NaN
+    lse = np.where(np.isposinf(m), np.nan, lse)
     p = np.where(valid[:, :, None, :], np.exp(s - lse[..., None]), 0.0)
     o = np.einsum("bthk,btkd->bthd", p, rows)
     if do is None:

@@ -11,7 +11,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from csa_jax import blockmath as bm
-from csa_jax.kernels.tpu.config import PLATFORMS
+from csa_jax import layouts
+from csa_jax.kernels.tpu.config import PLATFORMS, layout_broken
 from csa_jax.kernels.tpu.dkv import _dkv_csr, _dkv_struct
 from csa_jax.kernels.tpu.plan import (_dot_nn, _dot_nt, _dot_tn, _flat_tokens, _gather_inputs,
                                       _gathered_idx, _make_plan, _pad_kv)
@@ -181,9 +182,22 @@ def _bwd_launch(q2, kv_p, idx, o2, lse2, do2, dlse2, plan, *, scale, interpret, 
 
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "interpret", "config"))
 def backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, interpret, config):
-    """(dq q.dtype, dkv kv.dtype, dsink [H] f32) (impl-module interface, csa_spec.md s. 3)."""
+    """(dq q.dtype, dkv kv.dtype, dsink [H] f32) (impl-module interface, csa_spec.md s. 3).
+    A broken layout promise (traced idx) gives NaN dq for its tokens, NaN dkv for its batch
+    rows and NaN dsink."""
+    bad = layout_broken(idx, kv.shape[1], config)
+    dq, dkv, dsink = _backward(q, kv, idx, sink, o, lse, do, dlse, scale=scale,
+                               interpret=interpret, config=config)
+    if bad is None:
+        return dq, dkv, dsink
+    (dq,), (dkv,), (dsink,) = (layouts.poison(bad, dq), layouts.poison(bad.any(1), dkv),
+                               layouts.poison(bad.any(), dsink))
+    return dq, dkv, dsink
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "interpret", "config"))
+def _backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, interpret, config):
     bsz, t, h, d = q.shape
     n = kv.shape[1]
     plan = _make_plan(q.shape, n, idx.shape[-1], config)

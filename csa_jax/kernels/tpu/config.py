@@ -7,6 +7,7 @@ import jax
 import numpy as np
 
 from csa_jax import blockmath as bm
+from csa_jax import layouts
 
 LAYOUTS = ("generic", "cr0", "cr4", "cr128")
 # Where the kernels run compiled; elsewhere interpret=None means interpret mode.
@@ -152,6 +153,18 @@ def check_layout(idx, num_kv, config):
                 f"layout={config.layout!r}: idx[{b}, {tk}, {sl.start or 0}:{sl.stop or k}] holds "
                 f"rows {sorted(int(v) for v in got[b, tk] if v >= 0)}, expected {what} "
                 f"{sorted(int(v) for v in want[tk] if v >= 0)}")
+
+
+def layout_broken(idx, n, config):
+    """The structured-layout promise: None if it holds for sure (generic, or a concrete idx,
+    checked here: ValueError naming the token otherwise); for a traced idx, bool [B, T] of the
+    tokens breaking it, whose outputs the caller sets to NaN (csa_jax/layouts.py)."""
+    if config.layout == "generic":
+        return None
+    if not isinstance(idx, jax.core.Tracer):
+        check_layout(idx, n, config)
+        return None
+    return layouts.violations(idx, config.layout, config.window, config.pool_ratio)
 
 
 def _maybe_check_layout(idx, n, config):

@@ -9,7 +9,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from csa_jax import blockmath as bm
-from csa_jax.kernels.tpu.config import PLATFORMS, _maybe_check_layout
+from csa_jax import layouts
+from csa_jax.kernels.tpu.config import PLATFORMS, _maybe_check_layout, layout_broken
 from csa_jax.kernels.tpu.plan import (_dot_nn, _dot_nt, _flat_tokens, _gather_inputs,
                                       _make_plan, _pad_kv)
 from csa_jax.kernels.tpu.ring import _program_stream, _stream, _tile_mask, _when
@@ -136,6 +137,10 @@ def _forward_jit(q, kv, idx, sink, *, scale, interpret, config, broken, count_dm
 
 
 def forward(q, kv, idx, sink, *, scale, interpret, config):
-    """o [B,T,H,D] q.dtype, lse [B,T,H] f32 (impl-module interface, see csa_jax/registry.py)."""
-    return _forward_impl(q, kv, idx, sink, scale=scale, interpret=interpret, config=config)
+    """o [B,T,H,D] q.dtype, lse [B,T,H] f32 (impl-module interface, see csa_jax/registry.py).
+    A broken layout promise: ValueError for a concrete idx, NaN o / lse at the breaking tokens
+    for a traced one (config.layout_broken)."""
+    bad = layout_broken(idx, kv.shape[1], config)
+    o, lse = _forward_impl(q, kv, idx, sink, scale=scale, interpret=interpret, config=config)
+    return (o, lse) if bad is None else layouts.poison(bad, o, lse)
 

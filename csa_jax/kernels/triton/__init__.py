@@ -46,15 +46,10 @@ Files: config.py (Config, default_config, unsupported), plan.py (padded dims, ga
 forward.py, backward.py (dq, per-slot intermediate, dkv reduce). This package is the impl module
 (interface: csa_jax/registry.py); csa_jax/kernels/triton/testing.py is the entry point for benchmarks.
 """
-import warnings
-
-# Exactly the dialect's own deprecation message; nothing else is filtered.
-warnings.filterwarnings(
-    "ignore", message=r"The Pallas Triton backend is deprecated", category=DeprecationWarning)
-
-from csa_jax.kernels.triton.backward import backward  # noqa: E402
-from csa_jax.kernels.triton.config import (PLATFORMS, Config, default_config,  # noqa: E402
+from csa_jax.kernels.triton.backward import backward
+from csa_jax.kernels.triton.config import (PLATFORMS, Config, default_config, quiet_lowering,
                                            unsupported)
-from csa_jax.kernels.triton.forward import forward  # noqa: E402
+from csa_jax.kernels.triton.forward import forward
 
-__all__ = ["Config", "default_config", "unsupported", "forward", "backward", "PLATFORMS"]
+__all__ = ["Config", "default_config", "unsupported", "forward", "backward", "PLATFORMS",
+           "quiet_lowering"]

@@ -11,7 +11,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from csa_jax import blockmath
-from csa_jax.kernels.triton.config import PLATFORMS, _params
+from csa_jax.kernels.triton.config import PLATFORMS, _params, quiet_lowering
 from csa_jax.kernels.triton.plan import (_dims, _gather_rows, _gather_tile, _head_block,
                                          _ntiles, _pad_to, _prep_idx, _scores,
                                          _token_head_grid)
@@ -264,5 +264,7 @@ def _reduce_call(d, config, interpret, idx_p, interm, dtype):
 
 def backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, interpret, config):
     """(dq, dkv, dsink) of csa_spec.md section 3 with the dlse terms; dkv is deterministic."""
-    return _backward(q, kv, idx, sink, o, lse, do, dlse, scale=float(scale),
-                     interpret=blockmath.resolve_interpret(interpret, PLATFORMS), config=config)
+    with quiet_lowering():
+        return _backward(q, kv, idx, sink, o, lse, do, dlse, scale=float(scale),
+                         interpret=blockmath.resolve_interpret(interpret, PLATFORMS),
+                         config=config)

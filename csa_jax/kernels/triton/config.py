@@ -1,7 +1,9 @@
 """Triton kernel config: the tuning knobs, defaults by device kind, and where auto may pick it."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -9,6 +11,25 @@ from jax.experimental.pallas import triton as pltriton
 
 # Where the kernels run compiled; elsewhere interpret=None means interpret mode.
 PLATFORMS = ("gpu", "cuda", "rocm")
+
+
+# The dialect warns (DeprecationWarning) each time a Triton pallas_call is lowered. Silenced only
+# inside quiet_lowering(): around this package's own entry points and sparse_attention's call,
+# where eager calls lower; never process-wide (a user's own Triton kernels keep the warning).
+_DEPRECATION = r"The Pallas Triton backend is deprecated"
+
+
+@contextlib.contextmanager
+def quiet_lowering():
+    """Ignore exactly the dialect's deprecation warning while lowering inside this block.
+
+    Lowering happens where a program is compiled: within sparse_attention / forward / backward
+    when called eagerly (covered), but inside the caller's jit it happens when the caller's
+    program is lowered; wrap that (e.g. `with quiet_lowering(): step.lower(...)` or the first
+    call) to silence it there too. Like warnings.catch_warnings, not thread-safe."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_DEPRECATION, category=DeprecationWarning)
+        yield
 
 
 def _is_pow2(x):

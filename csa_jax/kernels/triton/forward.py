@@ -10,7 +10,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from csa_jax import blockmath
-from csa_jax.kernels.triton.config import PLATFORMS, _params
+from csa_jax.kernels.triton.config import PLATFORMS, _params, quiet_lowering
 from csa_jax.kernels.triton.plan import (_dims, _gather_tile, _head_block, _ntiles, _pad_to,
                                          _prep_idx, _scores, _token_head_grid)
 
@@ -96,5 +96,7 @@ def _forward(q, kv, idx, sink, *, scale, interpret, config, kernel=None):
 
 def forward(q, kv, idx, sink, *, scale, interpret, config):
     """o [B, T, H, D] (q.dtype), lse [B, T, H] f32; see the impl-module interface in csa_jax/registry.py."""
-    return _forward(q, kv, idx, sink, scale=float(scale),
-                    interpret=blockmath.resolve_interpret(interpret, PLATFORMS), config=config)
+    with quiet_lowering():
+        return _forward(q, kv, idx, sink, scale=float(scale),
+                        interpret=blockmath.resolve_interpret(interpret, PLATFORMS),
+                        config=config)
