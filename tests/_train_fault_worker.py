@@ -62,12 +62,16 @@ def two_sigints():
 
 def main(mode, argv):
     """mode "step": both signals during step 3. mode "save": the first during step 3, the second
-    during the save of step 3 that the first one asked for."""
+    during the save of step 3 that the first one asked for. The step or save then takes 20 s
+    more (a long one on a GPU), which the second signal must cut short."""
     from train import checkpoint
     from train.cli import main as cli_main
 
     if mode == "step":
-        on_step = lambda step: two_sigints() if step == 3 else None  # noqa: E731
+        def on_step(step):
+            if step == 3:
+                two_sigints()
+                time.sleep(20)
     else:
         on_step = lambda step: os.kill(os.getpid(), signal.SIGINT) if step == 3 else None  # noqa: E731
         real_save = checkpoint.Checkpointer.save
@@ -75,6 +79,7 @@ def main(mode, argv):
         def save(self, step, state, meta):
             if step == 3:
                 os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(20)
             return real_save(self, step, state, meta)
 
         checkpoint.Checkpointer.save = save

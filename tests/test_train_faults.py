@@ -271,6 +271,7 @@ def test_second_ctrl_c_exits_at_once_saying_what_is_saved(capsys, tmp_path, text
     else:
         assert last.startswith("SIGINT again: stopped at once; the save of step 3 was cut "
                                "short and will not be used") and done in last, proc.stderr
+    # not 3: the step / save that the second signal hit would have gone on for 20 s more
     assert sorted(p.name for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()) \
         == ["1", "2"]
     code, err = run_main(capsys, argv[:-len(SMALL) - 2] + ["--steps", "2", *SMALL])
