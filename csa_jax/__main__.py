@@ -63,7 +63,9 @@ def parse_args(argv=None):
         ap.error(f"--seq-len must be positive, got {args.seq_len}")
     if args.check_seq < 0:
         ap.error(f"--check-seq must be >= 0, got {args.check_seq}")
-    impls = [s.strip() for s in args.impl.split(",") if s.strip()]
+    impls = [s.strip() for s in args.impl.split(",")]
+    if not all(impls):
+        ap.error(f"--impl {args.impl!r}: empty name in the list; give e.g. xla or xla,pallas_triton")
     for impl in impls:
         if impl == "auto":
             continue
@@ -72,7 +74,43 @@ def parse_args(argv=None):
         except (ValueError, NotImplementedError) as e:
             ap.error(f"{e}; available: {', '.join(registry.available_impls())}")
     args.impls = impls
+    if args.json is not None:
+        problem = _unwritable(args.json)
+        if problem:
+            ap.error(f"--json {args.json!r}: {problem}")
     return args
+
+
+def _unwritable(path) -> str | None:
+    """Why `path` cannot be written (checked before the benchmark runs), or None. Leaves no
+    file behind."""
+    import os
+
+    if not str(path).strip():
+        return "empty path"
+    if os.path.isdir(path):
+        return "is a directory"
+    existed = os.path.exists(path)
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as e:
+        return e.strerror or str(e)
+    if not existed:
+        os.remove(path)
+    return None
+
+
+def _write_json(path, rows) -> bool:
+    try:
+        with open(path, "w") as f:
+            json.dump({"jax": jax.__version__, "device": jax.devices()[0].device_kind,
+                       "argv": sys.argv[1:], "rows": rows}, f, indent=1)
+    except OSError as e:
+        print(f"error: cannot write --json {path!r}: {e.strerror or e} (the table below has "
+              f"the results)", file=sys.stderr)
+        return False
+    return True
 
 
 def _attn(impl, args, scale, config=None):
@@ -185,6 +223,7 @@ def main(argv=None):
     checks = {}
     rows = []
     failed = False
+    json_ok = True
     for cfg, T in shapes:
         for mode in (modes if cfg.ratio == 4 else modes[:1]):
             for impl in args.impls:
@@ -203,16 +242,14 @@ def main(argv=None):
                                            f"ms, compile {row['compile_s']:.0f} s")
                 print(f"[{len(rows)}] {row['shape']} {impl} idx={row['indices']}: {msg}",
                       flush=True)
-                if args.json:  # after every row, so a cut-off run keeps what it measured
-                    with open(args.json, "w") as f:
-                        json.dump({"jax": jax.__version__, "device": jax.devices()[0].device_kind,
-                                   "argv": sys.argv[1:], "rows": rows}, f, indent=1)
+                if args.json and json_ok:  # after every row: a cut-off run keeps what it measured
+                    json_ok = _write_json(args.json, rows)
     print()
     print(format_table(rows))
     if failed:
         print("\ncorrectness check FAILED (see the check lines above)", file=sys.stderr)
         return 1
-    if any("error" in r for r in rows):
+    if any("error" in r for r in rows) or not json_ok:
         return 2
     return 0
 

@@ -19,6 +19,17 @@ from hypothesis import HealthCheck, settings  # noqa: E402
 
 from csa_jax.problems import rel_err  # noqa: E402,F401  (the one rel_err; tests import it here)
 
+# hypothesis's pytest plugin imports hypothesis lazily, in pytest_terminal_summary. Under xdist a
+# worker runs that hook after it has told the controller it is finished; the controller then
+# shuts the worker down, and execnet SIGINTs a worker still busy 5 s later. On 2 loaded cores
+# that import (assertion-rewritten, with full gc passes over the jax heap) takes longer, so the
+# SIGINT lands in jax's gc callback: "PytestUnraisableExceptionWarning ... _xla_gc_callback ...
+# KeyboardInterrupt" at the end of a passing run. Importing it now makes that hook instant.
+try:
+    import hypothesis  # noqa: E402, F401
+except ImportError:  # not installed: its plugin is not loaded either
+    pass
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 GOLDEN_DIR = REPO / "tests" / "golden"   # copies of ../shared/golden (README there)
 GOLDEN_FILES = {

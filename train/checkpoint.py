@@ -1,18 +1,61 @@
 """Checkpoints with orbax: atomic (orbax writes a temporary directory and renames it), the last
-few kept, the train state as a pytree plus a JSON record (config, data position, fingerprint)."""
+few kept, the train state as a pytree plus a JSON record (config, data position, fingerprint).
+
+Integrity: every save records a SHA-256 of each array (dtype, shape and bytes) in the JSON
+record, and every restore recomputes them, so a checkpoint whose bytes changed after it was
+written (bit rot, a bad copy, a truncated file) is refused instead of silently resumed.
+`restore_newest` walks the checkpoints newest first and resumes from the first that reads and
+verifies; nothing is ever deleted (refused checkpoints that a resumed run would overwrite are
+moved to `corrupt_checkpoints/` beside `checkpoints/`).
+"""
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import shutil
 from pathlib import Path
 
+import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
-__all__ = ["CheckpointError", "Checkpointer"]
+__all__ = ["CheckpointError", "Checkpointer", "checksums"]
+
+CORRUPT_DIR = "corrupt_checkpoints"
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be read or does not fit this run (shown without a traceback)."""
+
+
+def checksums(state) -> dict[str, str]:
+    """{tree path: sha256 of dtype, shape and bytes} of every array of `state` (gathered to the
+    host, so the value does not depend on the sharding it lives in). Arrays that this process
+    cannot see whole (a multi-process run's shards) are not covered."""
+    out = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+        if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+            continue
+        a = np.ascontiguousarray(jax.device_get(leaf))
+        h = hashlib.sha256(f"{a.dtype.str}{a.shape}".encode())
+        h.update(a.view(np.uint8).reshape(-1) if a.size else b"")
+        out[jax.tree_util.keystr(path)] = h.hexdigest()
+    return out
+
+
+def _reason(e: BaseException) -> str:
+    """A one-line cause of a read failure: the innermost exception's first line (TensorStore
+    wraps its error in an outer one whose text dumps a pybind repr of the whole spec)."""
+    inner, seen = e, set()
+    while (inner.__cause__ or inner.__context__) is not None and id(inner) not in seen:
+        seen.add(id(inner))
+        inner = inner.__cause__ or inner.__context__
+    for x in (inner, e):
+        text = str(x).split(" See full TensorStore details", 1)[0].strip()
+        if text:
+            return f"{type(x).__name__}: {text.splitlines()[0][:300]}"
+    return type(e).__name__
 
 
 class Checkpointer:
@@ -28,39 +71,107 @@ class Checkpointer:
             self._mgr = ocp.CheckpointManager(self.directory, options=options)
         except Exception as e:  # e.g. the path exists and is a file, or is not writable
             raise CheckpointError(f"cannot use checkpoint directory {str(self.directory)!r}: "
-                                  f"{type(e).__name__}: {e}") from None
+                                  f"{_reason(e)}") from None
+
+    def path(self, step: int) -> Path:
+        return self.directory / str(step)
 
     def latest_step(self) -> int | None:
         return self._mgr.latest_step()
 
     def save(self, step: int, state, meta: dict) -> None:
-        self._mgr.save(step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
-        self._mgr.wait_until_finished()
+        """Save `state` and `meta` (plus the arrays' checksums) as checkpoint `step`."""
+        meta = {**meta, "checksums": checksums(state)}
+        try:
+            self._mgr.save(step, args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
+            self._mgr.wait_until_finished()
+        except Exception as e:  # disk full, directory gone, ...
+            raise CheckpointError(f"cannot save checkpoint {str(self.path(step))!r}: "
+                                  f"{_reason(e)}") from None
 
     def read_meta(self, step: int) -> dict:
         """The JSON record of checkpoint `step` alone (cheap; checked before the state loads)."""
         try:
             out = self._mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
-            return dict(out["meta"])
+            meta = dict(out["meta"])
         except Exception as e:
-            raise self._error(step, e) from None
+            raise self._error(step, _reason(e)) from None
+        if not isinstance(meta.get("checksums", {}), dict):
+            raise self._error(step, "its record of checksums is malformed")
+        return meta
 
-    def _error(self, step, e):
-        msg = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
-        return CheckpointError(
-            f"checkpoint {str(self.directory / str(step))!r} cannot be restored "
-            f"({type(e).__name__}: {msg}). Nothing was deleted. To resume from an earlier "
-            f"checkpoint, move that directory away; to start over, pick a new --workdir.")
+    def _error(self, step, reason):
+        return CheckpointError(f"checkpoint {str(self.path(step))!r} cannot be restored "
+                               f"({reason})")
 
     def restore(self, step: int, abstract_state):
-        """(state, meta) of checkpoint `step`; abstract_state gives the tree, shapes and dtypes."""
+        """(state, meta) of checkpoint `step`; abstract_state gives the tree, shapes and dtypes.
+        Raises CheckpointError if it cannot be read or an array differs from its checksum."""
         try:
             out = self._mgr.restore(step, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
-            return out["state"], dict(out["meta"])
+            state, meta = out["state"], dict(out["meta"])
         except Exception as e:
-            raise self._error(step, e) from None
+            raise self._error(step, _reason(e)) from None
+        saved = meta.get("checksums")
+        if saved is not None:  # checkpoints written before checksums existed have none
+            now = checksums(state)
+            bad = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
+            if bad:
+                raise self._error(step, f"checksum mismatch in {len(bad)} of {len(saved)} "
+                                        f"arrays, first {bad[0]}: the data changed after it "
+                                        f"was saved")
+        return state, meta
+
+    def restore_newest(self, abstract_state, *, check_meta=None, log=print):
+        """Resume point: (step, state, meta) of the newest checkpoint that reads and verifies,
+        or None when there are no checkpoints.
+
+        check_meta(step, meta) may raise (e.g. ConfigError for a run with other settings: that
+        propagates; CheckpointError: that checkpoint is refused). Each refused checkpoint gets
+        one log line. Refused checkpoints newer than the one returned are moved to
+        `corrupt_checkpoints/` (the run will save those steps again); if none verifies, a
+        CheckpointError lists them and nothing is moved.
+        """
+        refused = []
+        for step in sorted(self._mgr.all_steps(), reverse=True):
+            try:
+                meta = self.read_meta(step)
+                if check_meta is not None:
+                    check_meta(step, meta)
+                state, meta = self.restore(step, abstract_state)
+            except CheckpointError as e:
+                log(f"refused: {e}")
+                refused.append((step, e))
+                continue
+            if "checksums" not in meta:
+                log(f"note: checkpoint {str(self.path(step))!r} has no checksums (saved by an "
+                    f"older version): restored unverified")
+            for bad, _ in refused:
+                log(f"moved the refused checkpoint {str(self.path(bad))!r} to "
+                    f"{str(self._quarantine(bad))!r} (nothing deleted)")
+            if refused:
+                log(f"resuming from step {step}, the newest checkpoint that verifies")
+            return step, state, meta
+        if refused:
+            raise CheckpointError(
+                f"no checkpoint in {str(self.directory)!r} can be restored: "
+                + "; ".join(str(e) for _, e in refused)
+                + ". Nothing was deleted; to start over, pick a new --workdir.")
+        return None
+
+    def _quarantine(self, step: int) -> Path:
+        """Move checkpoint `step` out of orbax's sight (beside `checkpoints/`, never deleted)."""
+        root = self.directory.parent / CORRUPT_DIR
+        root.mkdir(exist_ok=True)
+        dest, n = root / str(step), 0
+        while dest.exists():
+            n += 1
+            dest = root / f"{step}.{n}"
+        shutil.move(str(self.path(step)), str(dest))
+        self._mgr.reload()
+        return dest
 
     def close(self) -> None:
         self._mgr.close()

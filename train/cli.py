@@ -1,18 +1,30 @@
 """`python -m train`: train a byte-level LM whose attention layers are CSA / HCA / SWA.
 
-Every user mistake (bad flag value, missing data, unusable sequence length, corrupt or
-mismatched checkpoint) ends with one `error:` line on stderr and exit code 2; a diverged loss
-with exit code 1; an interrupted run (SIGINT / SIGTERM) saves a checkpoint and exits with
-128 + the signal number.
+Every user mistake and environment fault (bad or empty flag value, missing data, unusable
+sequence length, an uncreatable or unwritable workdir, mismatched checkpoints, no checkpoint
+that verifies, a diverged loss) ends with one `error:` line on stderr and exit code 2; an
+interrupted run (SIGINT / SIGTERM) saves a checkpoint and exits with 128 + the signal number
+(a second signal exits at once).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
-from train.config import PRESETS, ConfigError, get_preset, parse_schedule
+from train.config import PRESETS, ConfigError, TrainConfig, get_preset, parse_schedule
+
+
+def preset_defaults(field: str) -> str:
+    """'Default: tiny 200, small 2000, ...': each preset's value of a TrainConfig field."""
+    base = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+    values = {name: p.get(field, base[field]) for name, p in PRESETS.items()}
+    if len(set(values.values())) == 1:
+        return f"Default: {next(iter(values.values()))} (every preset)"
+    return "Default: " + ", ".join(f"{name} {v}" for name, v in values.items())
+
 
 EPILOG = """\
 examples:
@@ -39,7 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "v4-flash-layer / v4-pro-layer (real V4 widths, 4 layers, benchmarking). "
                         "Default: tiny")
     g.add_argument("--steps", type=int, help="total optimizer steps of the run (also the length "
-                   "of the LR schedule); a resumed run continues up to this step")
+                   "of the LR schedule); a resumed run continues up to this step. "
+                   + preset_defaults("steps"))
     g.add_argument("--workdir", help="where checkpoints, metrics and plots go; an existing "
                    "workdir is resumed. Default: runs/<preset>")
     g.add_argument("--seed", type=int, help="seed of the init, data order and RNG. Default: 0")
@@ -47,36 +60,46 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--data", nargs="+", metavar="PATH",
                    help="text files, directories or globs ('docs/**/*.md') to train on, as raw "
                         "bytes. Default: this Python's standard library sources")
-    g.add_argument("--batch-size", type=int, help="sequences per step (preset default)")
+    g.add_argument("--batch-size", type=int, help="sequences per step. "
+                   + preset_defaults("batch_size"))
     g.add_argument("--seq-len", type=int, help="tokens (bytes) per sequence; must be a multiple "
-                   "of every compress ratio in the layer schedule (preset default)")
+                   "of every compress ratio in the layer schedule. " + preset_defaults("seq_len"))
     g.add_argument("--max-corpus-mb", type=float, help="read at most this many MB of text "
                    "(default 16)")
     g = p.add_argument_group("model")
     g.add_argument("--layers", metavar="SCHEDULE",
                    help="layer schedule: 'flash:N' / 'pro:N' (released pattern, N layers) or a "
                         "comma list of compress ratios, e.g. '0,0,4,128' (0 = sliding window, "
-                        "4 = CSA, other m = HCA). Default: the preset's")
+                        "4 = CSA, other m = HCA). Default: " + "; ".join(
+                            f"{n} {','.join(map(str, p['model'].layer_ratios))}"
+                            for n, p in PRESETS.items()))
     g.add_argument("--impl", choices=registry.choices(), default="auto",
                    help="sparse_attention implementation; auto = the best one for this platform. "
-                        f"Runnable in this install: auto, {', '.join(registry.available_impls())}")
+                        f"Runnable in this install: auto, {', '.join(registry.available_impls())}. "
+                        "Default: auto")
     g.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                    help="compute dtype (weights stay float32); auto = bfloat16 on GPU/TPU, "
                         "float32 on CPU")
     g.add_argument("--indexer-loss-coef", type=float,
                    help="weight of the auxiliary indexer KL loss on CSA layers (default 0)")
     g = p.add_argument_group("optimization")
-    g.add_argument("--lr", type=float, help="peak learning rate of the warmup + cosine schedule")
-    g.add_argument("--warmup-steps", type=int, help="linear warmup steps before the cosine decay (preset default)")
+    g.add_argument("--lr", type=float, help="peak learning rate of the warmup + cosine "
+                   "schedule. " + preset_defaults("lr"))
+    g.add_argument("--warmup-steps", type=int, help="linear warmup steps before the cosine "
+                   "decay. " + preset_defaults("warmup_steps"))
     g.add_argument("--fsdp", choices=("off", "xla", "explicit"), default="off",
                    help="shard params and optimizer state over all devices: xla (sharding "
                         "annotations, XLA schedules the collectives) or explicit (comm's "
                         "shard_map FSDP). Default: off")
     g = p.add_argument_group("logging and checkpoints")
-    g.add_argument("--log-every", type=int, help="steps between metrics lines")
-    g.add_argument("--eval-every", type=int, help="steps between held-out eval losses")
-    g.add_argument("--eval-batches", type=int, help="held-out batches per eval (preset default)")
-    g.add_argument("--ckpt-every", type=int, help="steps between checkpoints (preset default)")
+    g.add_argument("--log-every", type=int, help="steps between metrics lines. "
+                   + preset_defaults("log_every"))
+    g.add_argument("--eval-every", type=int, help="steps between held-out eval losses. "
+                   + preset_defaults("eval_every"))
+    g.add_argument("--eval-batches", type=int, help="held-out batches per eval. "
+                   + preset_defaults("eval_batches"))
+    g.add_argument("--ckpt-every", type=int, help="steps between checkpoints. "
+                   + preset_defaults("ckpt_every"))
     g.add_argument("--keep", type=int, dest="keep_checkpoints",
                    help="checkpoints to keep (default 3)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar (plain log lines only)")
@@ -93,7 +116,7 @@ def config_from_args(args):
         raise ConfigError(f"--impl {args.impl}: {registry.get(args.impl).unavailable()}; "
                           f"available: auto, {', '.join(registry.available_impls())}")
     model = {"impl": args.impl}
-    if args.layers:
+    if args.layers is not None:
         model["layer_ratios"] = parse_schedule(args.layers)
     if args.indexer_loss_coef is not None:
         model["indexer_loss_coef"] = args.indexer_loss_coef
@@ -104,8 +127,12 @@ def config_from_args(args):
     over = {k: getattr(args, k) for k in (
         "steps", "batch_size", "seq_len", "seed", "lr", "warmup_steps", "log_every",
         "eval_every", "eval_batches", "ckpt_every", "keep_checkpoints", "fsdp")}
-    if args.data:
-        over["data"] = tuple(args.data)
+    if args.data is not None:
+        for spec in args.data:
+            if not spec.strip():
+                raise ConfigError(f"--data {spec!r}: empty path")
+        # Saved with the run as absolute paths, so a resume from another directory matches.
+        over["data"] = tuple(os.path.abspath(os.path.expanduser(s)) for s in args.data)
     if args.max_corpus_mb is not None:
         if not args.max_corpus_mb > 0:
             raise ConfigError(f"--max-corpus-mb {args.max_corpus_mb} must be > 0")
@@ -118,23 +145,20 @@ def main(argv=None) -> int:
     # Imported after parsing so that --help and flag errors do not load the training stack.
     from train.checkpoint import CheckpointError
     from train.data import DataError
+    from train.loop import DivergedError, train_and_evaluate
 
     try:
         cfg = config_from_args(args)
+        if args.workdir is not None and not args.workdir.strip():
+            raise ConfigError("--workdir '': empty path")
         workdir = args.workdir or os.path.join("runs", args.preset)
-        from train.loop import DivergedError, train_and_evaluate
-
-        try:
-            result = train_and_evaluate(cfg, workdir, progress=not args.no_progress,
-                                        log=lambda s: print(s, file=sys.stderr, flush=True))
-        except DivergedError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 1
-    except (ConfigError, DataError, CheckpointError) as e:
+        result = train_and_evaluate(cfg, workdir, progress=not args.no_progress,
+                                    log=lambda s: print(s, file=sys.stderr, flush=True))
+    except (ConfigError, DataError, CheckpointError, DivergedError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:  # a second Ctrl-C during a save or before the loop started
-        print("interrupted", file=sys.stderr)
+    except KeyboardInterrupt:  # before the training loop (which handles signals) started
+        print("interrupted before training started: nothing new was saved", file=sys.stderr)
         return 130
     if result.status == "interrupted":
         return 128 + (result.signal or 2)

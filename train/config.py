@@ -47,6 +47,8 @@ def parse_schedule(text: str, hca_ratio: int = 128) -> tuple[int, ...]:
     """'flash:6' / 'pro:8' (released schedule with that many layers) or a comma list of ratios
     ('0,0,4,128'); 'cr4' style names are accepted too."""
     text = text.strip()
+    if not text:
+        raise ConfigError("schedule '': empty; give e.g. 'flash:4' or '0,0,4,128'")
     if ":" in text:
         family, _, n = text.partition(":")
         try:

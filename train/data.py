@@ -2,7 +2,9 @@
 
 Tokens are the bytes of the text (vocab 256); byte 0 ends every document. The default corpus is
 the Python standard library's own source files, found at run time (every machine with Python has
-them); `--data` takes the user's files, directories or globs instead.
+them); `--data` takes the user's files, directories or globs instead: directories and globs skip hidden
+folders and files (.git, .venv, ...), and binary files (NUL bytes, or not UTF-8) are skipped;
+`ByteDataset.summary()` says what was taken and skipped.
 
 Determinism: the file list is sorted, the document order is a permutation seeded by `seed`, the
 stream is packed into fixed windows of seq_len + 1 bytes, the last `eval_fraction` of the windows
@@ -21,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["ByteDataset", "DataError", "default_corpus_files", "resolve_files"]
+__all__ = ["ByteDataset", "DataError", "default_corpus_files", "is_text", "resolve_files", "scan"]
 
 EOS = 0  # document separator byte
 
@@ -40,26 +42,70 @@ def default_corpus_files() -> list[Path]:
     return sorted(files)
 
 
-def resolve_files(specs) -> list[Path]:
-    """Files named by `specs`: files, directories (every file below them) or glob patterns.
-    Raises DataError naming the first spec that matches nothing."""
+def _walk(root: Path, hidden: list[Path]) -> list[Path]:
+    """Files below `root`, not entering hidden folders nor taking hidden files (names starting
+    with '.': .git, .venv, .cache, ...), which are appended to `hidden`. Links to folders are
+    not followed."""
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        here = Path(dirpath)
+        for d in sorted(dirnames):
+            if d.startswith("."):
+                hidden.append(here / d)
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        for f in sorted(filenames):
+            (hidden if f.startswith(".") else out).append(here / f)
+    return [p for p in out if p.is_file()]
+
+
+def scan(specs) -> tuple[list[Path], list[Path]]:
+    """(files, hidden): the files named by `specs` (files, directories, glob patterns) and the
+    hidden folders and files that directories passed over. A file named explicitly is taken
+    even if hidden. Raises DataError naming the first spec that matches nothing."""
     out: set[Path] = set()
+    hidden: list[Path] = []
     for spec in specs:
+        if not str(spec).strip():
+            raise DataError(f"--data {spec!r}: empty path")
         path = Path(os.path.expanduser(spec))
         if path.is_file():
             out.add(path)
         elif path.is_dir():
-            found = [p for p in path.rglob("*") if p.is_file()]
+            found = _walk(path, hidden)
             if not found:
-                raise DataError(f"--data {spec!r}: directory has no files")
+                raise DataError(f"--data {spec!r}: directory has no files"
+                                + (f" (only hidden ones: {len(hidden)})" if hidden else ""))
             out.update(found)
         else:
+            # glob's wildcards do not match names starting with '.' (only a pattern that
+            # spells the dot does), so globs skip hidden folders and files by themselves.
             found = [Path(p) for p in glob.glob(os.path.expanduser(spec), recursive=True)]
             found = [p for p in found if p.is_file()]
             if not found:
                 raise DataError(f"--data {spec!r}: no such file, directory or matching glob")
             out.update(found)
-    return sorted(out)
+    return sorted(out), sorted(set(hidden))
+
+
+def resolve_files(specs) -> list[Path]:
+    """Files named by `specs` (see scan)."""
+    return scan(specs)[0]
+
+
+def is_text(data: bytes) -> bool:
+    """UTF-8 text without NUL bytes (binary files: objects, images, .so, .pyc, ...)."""
+    if b"\0" in data:
+        return False
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def _names(paths, n=3) -> str:
+    shown = ", ".join(p.name for p in paths[:n])
+    return shown + (f", ... ({len(paths) - n} more)" if len(paths) > n else "")
 
 
 class ByteDataset:
@@ -71,12 +117,18 @@ class ByteDataset:
 
     def __init__(self, specs=(), *, seq_len: int, batch_size: int, seed: int = 0,
                  max_bytes: int = 16 * 2**20, eval_fraction: float = 0.02):
-        files = resolve_files(specs) if specs else default_corpus_files()
+        if specs:
+            files, self.hidden = scan(specs)
+        else:
+            files, self.hidden = default_corpus_files(), []
+        self.binary: list[Path] = []  # files of --data that are not text, skipped
         self.seq_len, self.batch_size, self.seed = seq_len, batch_size, seed
         order = np.random.default_rng([seed, 0x5EED]).permutation(len(files))
         chunks, total, digest = [], 0, hashlib.sha256()
-        for i in order:
+        self.n_unread = 0
+        for n_seen, i in enumerate(order):
             if total >= max_bytes:
+                self.n_unread = len(order) - n_seen
                 break
             try:
                 data = files[i].read_bytes()
@@ -84,10 +136,17 @@ class ByteDataset:
                 if specs:
                     raise DataError(f"--data file {str(files[i])!r} is unreadable: {e}") from None
                 continue  # the default corpus is best effort
+            if specs and not is_text(data):
+                self.binary.append(files[i])
+                continue
             data = data[: max_bytes - total] + bytes([EOS])
             chunks.append(data)
             total += len(data)
             digest.update(len(data).to_bytes(8, "little") + data)
+        self.binary.sort()
+        if not chunks:
+            raise DataError(f"--data {' '.join(map(str, specs))!r}: no text files (skipped "
+                            f"{len(self.binary)} binary files: {_names(self.binary)})")
         stream = np.frombuffer(b"".join(chunks), dtype=np.uint8)
         window = seq_len + 1
         n = (len(stream) - 1) // seq_len  # windows overlap by one byte (last target = next input)
@@ -104,6 +163,20 @@ class ByteDataset:
         digest.update(f"{seq_len}:{seed}:{n}".encode())
         self.fingerprint = digest.hexdigest()[:16]
         self._perm_epoch, self._perm = -1, None
+
+    def summary(self) -> str:
+        """What was taken and what was skipped, in one line."""
+        out = f"took {self.n_files} files, {self.n_bytes / 1e6:.1f} MB"
+        skipped = []
+        if self.hidden:
+            skipped.append(f"{len(self.hidden)} hidden ({_names(self.hidden)})")
+        if self.binary:
+            skipped.append(f"{len(self.binary)} binary ({_names(self.binary)})")
+        if skipped:
+            out += "; skipped " + " and ".join(skipped)
+        if self.n_unread:
+            out += f"; {self.n_unread} more files not read (the --max-corpus-mb limit)"
+        return out
 
     def _order(self, epoch: int) -> np.ndarray:
         if epoch != self._perm_epoch:

@@ -14,7 +14,9 @@ through the cast. Norm scales, sinks and the compressor's position biases stay f
 from __future__ import annotations
 
 import dataclasses
+import os
 import signal
+import tempfile
 import time
 from pathlib import Path
 
@@ -27,6 +29,7 @@ from flax import nnx
 from train.checkpoint import CheckpointError, Checkpointer
 from train.config import ConfigError, TrainConfig
 from train.data import ByteDataset
+from train.interrupt import StopFlag
 from train.metrics import MetricsWriter, plot_losses
 from train.model import DecoderLM, count_params
 from train.parallel import check_parallel, make_runner
@@ -91,29 +94,11 @@ class RunResult:
     signal: int | None = None
 
 
-class _StopFlag:
-    """SIGINT / SIGTERM set a flag; the loop saves at the next step boundary and stops.
-    A second signal gets the default behaviour (a hard stop)."""
-
-    def __init__(self):
-        self.signum = None
-        self._old = {}
-
-    def __enter__(self):
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            try:
-                self._old[sig] = signal.signal(sig, self._handle)
-            except ValueError:  # not the main thread: no handlers
-                pass
-        return self
-
-    def _handle(self, signum, frame):
-        self.signum = signum
-        signal.signal(signum, self._old.get(signum, signal.SIG_DFL))
-
-    def __exit__(self, *exc):
-        for sig, old in self._old.items():
-            signal.signal(sig, old)
+def _same_paths(a, b) -> bool:
+    """Two `data` lists name the same paths (a relative path and its absolute form are equal;
+    a relative path saved by an older version is taken relative to the current directory)."""
+    norm = lambda specs: [os.path.realpath(os.path.expanduser(s)) for s in specs]  # noqa: E731
+    return norm(a or ()) == norm(b or ())
 
 
 def _config_diff(saved: dict, now: dict, prefix="") -> list[str]:
@@ -123,32 +108,56 @@ def _config_diff(saved: dict, now: dict, prefix="") -> list[str]:
         name = f"{prefix}{k}"
         if isinstance(a, dict) and isinstance(b, dict):
             out += _config_diff(a, b, prefix=name + ".")
+        elif name == "data" and _same_paths(a, b):
+            continue
         elif (list(a) if isinstance(a, (list, tuple)) else a) != \
                 (list(b) if isinstance(b, (list, tuple)) else b) and name not in _RESUMABLE_CHANGES:
             out.append(f"{name}: saved {a!r}, now {b!r}")
     return out
 
 
-def train_and_evaluate(cfg: TrainConfig, workdir, *, progress: bool = True,
-                       log=print) -> RunResult:
-    """Train `cfg` in `workdir`, resuming from its latest checkpoint if there is one.
-
-    Returns a RunResult; on SIGINT / SIGTERM the run saves a checkpoint of the current step and
-    returns status "interrupted" (the CLI then exits with 128 + the signal number).
-    """
+def prepare_workdir(workdir) -> Path:
+    """Create `workdir` and check that it is writable, before any work (ConfigError if not)."""
     workdir = Path(workdir)
     if workdir.exists() and not workdir.is_dir():
         raise ConfigError(f"--workdir {str(workdir)!r} exists and is not a directory")
+    try:
+        workdir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"--workdir {str(workdir)!r} cannot be created: "
+                          f"{e.strerror or e}") from None
+    try:
+        with tempfile.TemporaryFile(dir=workdir, prefix=".write-test-"):
+            pass
+    except OSError as e:
+        raise ConfigError(f"--workdir {str(workdir)!r} is not writable: {e.strerror or e}") from None
+    return workdir
+
+
+def train_and_evaluate(cfg: TrainConfig, workdir, *, progress: bool = True,
+                       log=print) -> RunResult:
+    """Train `cfg` in `workdir`, resuming from its newest checkpoint that verifies.
+
+    Returns a RunResult; on SIGINT / SIGTERM the run saves a checkpoint of the current step and
+    returns status "interrupted" (the CLI then exits with 128 + the signal number); a second
+    signal exits at once (train.interrupt). A NaN / infinite loss raises DivergedError after
+    metrics.jsonl and loss.png are written.
+    """
     check_parallel(cfg)
-    workdir.mkdir(parents=True, exist_ok=True)
+    workdir = prepare_workdir(workdir)
     data = ByteDataset(cfg.data, seq_len=cfg.seq_len, batch_size=cfg.batch_size, seed=cfg.seed,
                        max_bytes=cfg.max_corpus_bytes, eval_fraction=cfg.eval_fraction)
+    log(f"data: {data.summary()}")
     graphdef, state, tx, schedule = init_state(cfg)
     ckpt = Checkpointer(workdir / "checkpoints", keep=cfg.keep_checkpoints)
-    meta_now = {"config": cfg.to_json(), "data_fingerprint": data.fingerprint}
-    start = ckpt.latest_step()
-    if start is not None:
-        meta = ckpt.read_meta(start)
+    try:
+        return _run(cfg, workdir, data, graphdef, state, tx, schedule, ckpt, progress, log)
+    finally:
+        ckpt.close()  # on every path: an unclosed manager spews asyncio errors at exit
+
+
+def _check_meta(cfg, workdir, data):
+    def check(step, meta):
         diff = _config_diff(meta.get("config", {}), cfg.to_json())
         if diff:
             raise ConfigError(f"--workdir {str(workdir)!r} holds a run with other settings ("
@@ -156,23 +165,26 @@ def train_and_evaluate(cfg: TrainConfig, workdir, *, progress: bool = True,
         if meta.get("data_fingerprint") != data.fingerprint:
             raise ConfigError(f"the training data differs from the data of the run saved in "
                               f"{str(workdir)!r}; rerun with the same --data or use a new --workdir")
-        if meta.get("batches_consumed", start) != start:
-            raise CheckpointError(f"checkpoint {start} records data position "
-                                  f"{meta.get('batches_consumed')} != its step {start}")
-    start = start or 0
-    if start >= cfg.steps:
-        ckpt.close()
-        plot_losses(workdir)
-        log(f"nothing to do: {workdir} already holds step {start} >= --steps {cfg.steps}")
-        return RunResult("already_done", start, {}, {})
+        if meta.get("batches_consumed", step) != step:
+            raise CheckpointError(f"checkpoint {step} records data position "
+                                  f"{meta.get('batches_consumed')} != its step {step}")
+    return check
 
+
+def _run(cfg, workdir, data, graphdef, state, tx, schedule, ckpt, progress, log):
     runner = make_runner(cfg, graphdef, state["params"], tx, schedule)
     n_params = count_params(state["params"])
-    if start:
-        # Restore straight into this run's layout (whatever layout the checkpoint was saved from).
-        abstract = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
-                                state, runner.shardings(state))
-        state, _ = ckpt.restore(start, abstract)
+    # Restore straight into this run's layout (whatever layout the checkpoint was saved from).
+    abstract = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+                            state, runner.shardings(state))
+    resume = ckpt.restore_newest(abstract, check_meta=_check_meta(cfg, workdir, data), log=log)
+    start = 0
+    if resume is not None:
+        start, state, _ = resume
+        if start >= cfg.steps:
+            plot_losses(workdir)
+            log(f"nothing to do: {workdir} already holds step {start} >= --steps {cfg.steps}")
+            return RunResult("already_done", start, {}, {})
         log(f"resuming from step {start} in {workdir}")
     state = runner.put(state)  # the device layout from here on
     eval_batches = [runner.batch(b) for b in data.eval_batches(cfg.eval_batches)]
@@ -180,21 +192,24 @@ def train_and_evaluate(cfg: TrainConfig, workdir, *, progress: bool = True,
     flops_per_token = cfg.model.flops_per_token(cfg.seq_len)
     if start == 0:
         log(f"model: {n_params / 1e6:.2f}M parameters, layers "
-            f"{['cr%d' % r for r in cfg.model.layer_ratios]}; data: {data.n_files} files, "
-            f"{data.n_bytes / 1e6:.1f} MB, {data.n_train} train / {data.n_eval} eval sequences; "
-            f"workdir {workdir}")
+            f"{['cr%d' % r for r in cfg.model.layer_ratios]}; {data.n_train} train / "
+            f"{data.n_eval} eval sequences; workdir {workdir}")
+    meta_now = {"config": cfg.to_json(), "data_fingerprint": data.fingerprint}
+    stop = StopFlag(where=f" in {ckpt.directory}")
+    stop.last_saved = resume[0] if resume is not None else None
 
     def save(step):
+        stop.saving = step
         ckpt.save(step, runner.get(state), {**meta_now, "batches_consumed": step, "step": step})
+        stop.saving, stop.last_saved = None, step
 
     writer = MetricsWriter(workdir, start_step=start, total_steps=cfg.steps, progress=progress)
     losses, eval_losses = {}, {}
     status, signum = "done", None
     step = start
-    saved_at = start
     t_last, step_last = time.perf_counter(), start
     try:
-        with _StopFlag() as stop:
+        with stop:
             while step < cfg.steps:
                 state, metrics = runner.step(state, runner.batch(data.batch(step)))
                 step += 1
@@ -208,9 +223,12 @@ def train_and_evaluate(cfg: TrainConfig, workdir, *, progress: bool = True,
                     writer.write({"step": step, **m, "tokens_per_sec": tps,
                                   "model_tflops_per_sec": tps * flops_per_token / 1e12})
                     if not np.isfinite(m["loss"]):
-                        raise DivergedError(
-                            f"the loss became {m['loss']} at step {step}; the last checkpoint "
-                            f"is step {saved_at} in {workdir} (try a lower --lr)")
+                        last = (f"the last checkpoint is step {stop.last_saved} "
+                                f"({str(ckpt.path(stop.last_saved))!r})"
+                                if stop.last_saved is not None else
+                                "no checkpoint was saved, so a rerun starts over")
+                        raise DivergedError(f"the loss became {m['loss']} at step {step}; "
+                                            f"{last} (try a lower --lr)")
                 if step % cfg.eval_every == 0 or step == cfg.steps:
                     ev = float(np.mean([float(runner.eval(state, b)) for b in eval_batches]))
                     eval_losses[step] = ev
@@ -218,17 +236,19 @@ def train_and_evaluate(cfg: TrainConfig, workdir, *, progress: bool = True,
                     t_last = time.perf_counter()  # eval time is not training throughput
                 if step % cfg.ckpt_every == 0 or step == cfg.steps:
                     save(step)
-                    saved_at = step
                     t_last = time.perf_counter()
                 if stop.signum is not None:
                     signum = stop.signum
                     status = "interrupted"
                     break
-        if saved_at != step:
-            save(step)
+            if stop.last_saved != step:
+                save(step)
+    except DivergedError:
+        writer.close()
+        plot_losses(workdir)
+        raise
     finally:
         writer.close()
-        ckpt.close()
     plot_losses(workdir)
     if status == "interrupted":
         name = signal.Signals(signum).name

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -23,6 +24,15 @@ def read_metrics(path) -> list[dict]:
     return out
 
 
+def _finite_or_null(v):
+    return None if isinstance(v, float) and not math.isfinite(v) else v
+
+
+def to_json_line(record: dict) -> str:
+    """One strict JSON line: NaN and infinities (a diverged step) become null."""
+    return json.dumps({k: _finite_or_null(v) for k, v in record.items()}, allow_nan=False) + "\n"
+
+
 class MetricsWriter:
     """metrics.jsonl + TensorBoard (`{workdir}/tb`) + tqdm progress bar.
 
@@ -39,7 +49,7 @@ class MetricsWriter:
         self.path = self.workdir / "metrics.jsonl"
         kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= start_step]
         tmp = self.path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        tmp.write_text("".join(to_json_line(r) for r in kept))
         os.replace(tmp, self.path)  # atomic
         self._file = open(self.path, "a")
         self._tb = SummaryWriter(str(self.workdir / "tb"), purge_step=start_step + 1)
@@ -48,11 +58,11 @@ class MetricsWriter:
                          disable=not progress, file=sys.stderr)
 
     def write(self, record: dict) -> None:
-        self._file.write(json.dumps(record) + "\n")
+        self._file.write(to_json_line(record))
         self._file.flush()
         step = record["step"]
         for k, v in record.items():
-            if k != "step" and isinstance(v, (int, float)):
+            if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
                 self._tb.add_scalar(k, v, step)
         self._post.update({k: f"{record[k]:.4g}" for k in ("loss", "eval_loss") if k in record})
         if "tokens_per_sec" in record:
@@ -66,6 +76,8 @@ class MetricsWriter:
         self._bar.write(text, file=sys.stderr)
 
     def close(self) -> None:
+        if self._file.closed:
+            return
         self._bar.close()
         self._tb.close()
         self._file.close()
@@ -79,15 +91,19 @@ def plot_losses(workdir) -> Path | None:
     import matplotlib.pyplot as plt
 
     rows = read_metrics(Path(workdir) / "metrics.jsonl")
-    train = [(r["step"], r["loss"]) for r in rows if "loss" in r]
-    evals = [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r]
-    if not train and not evals:
+    ok = lambda v: isinstance(v, (int, float)) and math.isfinite(v)  # noqa: E731 (null = diverged)
+    train = [(r["step"], r["loss"]) for r in rows if ok(r.get("loss"))]
+    evals = [(r["step"], r["eval_loss"]) for r in rows if ok(r.get("eval_loss"))]
+    if not rows:
         return None
     fig, ax = plt.subplots(figsize=(7, 4))
     if train:
         ax.plot(*zip(*train), label="train loss", lw=1)
     if evals:
         ax.plot(*zip(*evals), "o-", label="eval loss (held out)")
+    bad = [r["step"] for r in rows if "loss" in r and not ok(r["loss"])]
+    if bad:
+        ax.axvline(bad[0], color="red", ls="--", label=f"loss not finite (step {bad[0]})")
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy (nats / byte)")
     ax.grid(alpha=0.3)
