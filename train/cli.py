@@ -31,7 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
     from csa_jax import registry      # the impl names (imports jax: --help takes a few seconds)
 
     p = argparse.ArgumentParser(
-        prog="python -m train", description=__doc__.splitlines()[0].split(": ", 1)[1],
+        prog="csa-train" if sys.argv[0].endswith("csa-train") else "python -m train",
+        description=__doc__.splitlines()[0].split(": ", 1)[1],
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("run")
     g.add_argument("--preset", default="tiny", choices=list(PRESETS),
