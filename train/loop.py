@@ -24,6 +24,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from train import distributed
 from train.checkpoint import CheckpointError, Checkpointer
 from train.config import ConfigError, TrainConfig
 from train.data import ByteDataset
@@ -136,6 +137,8 @@ def train_and_evaluate(cfg: TrainConfig, workdir, *, progress: bool = True,
     Returns a RunResult; on SIGINT / SIGTERM the run saves a checkpoint of the current step and
     returns status "interrupted" (the CLI then exits with 128 + the signal number).
     """
+    log = distributed.main_only(log)  # processes other than 0 write no logs, metrics or plots
+    plot = distributed.main_only(plot_losses)
     workdir = Path(workdir)
     if workdir.exists() and not workdir.is_dir():
         raise ConfigError(f"--workdir {str(workdir)!r} exists and is not a directory")
@@ -162,11 +165,12 @@ def train_and_evaluate(cfg: TrainConfig, workdir, *, progress: bool = True,
     start = start or 0
     if start >= cfg.steps:
         ckpt.close()
-        plot_losses(workdir)
+        plot(workdir)
         log(f"nothing to do: {workdir} already holds step {start} >= --steps {cfg.steps}")
         return RunResult("already_done", start, {}, {})
 
     runner = make_runner(cfg, graphdef, state["params"], tx, schedule)
+    data = distributed.process_share(data, runner)  # several processes: each reads its rows
     n_params = count_params(state["params"])
     if start:
         # Restore straight into this run's layout (whatever layout the checkpoint was saved from).
@@ -187,7 +191,8 @@ def train_and_evaluate(cfg: TrainConfig, workdir, *, progress: bool = True,
     def save(step):
         ckpt.save(step, runner.get(state), {**meta_now, "batches_consumed": step, "step": step})
 
-    writer = MetricsWriter(workdir, start_step=start, total_steps=cfg.steps, progress=progress)
+    writer = (MetricsWriter if distributed.is_main() else distributed.NullWriter)(
+        workdir, start_step=start, total_steps=cfg.steps, progress=progress)
     losses, eval_losses = {}, {}
     status, signum = "done", None
     step = start
@@ -229,7 +234,7 @@ def train_and_evaluate(cfg: TrainConfig, workdir, *, progress: bool = True,
     finally:
         writer.close()
         ckpt.close()
-    plot_losses(workdir)
+    plot(workdir)
     if status == "interrupted":
         name = signal.Signals(signum).name
         log(f"{name}: saved a checkpoint at step {step} in {workdir}; rerun the same command "

@@ -127,8 +127,12 @@ class FSDPRunner:
                                  f"{treedef.num_leaves}")
             leaves = [jax.device_put(x, s) for x, s in zip(leaves, shardings)]
             parts.append(jax.tree.unflatten(treedef, leaves))
-        return {"step": jnp.asarray(state["step"]), "fsdp": self._state_type(*parts, self._rest),
-                "rng": jnp.asarray(state["rng"])}
+        # step and rng replicated over the mesh: global arrays, as orbax wants them when the
+        # run spans several processes
+        replicated = NamedSharding(self.mesh, PartitionSpec())
+        return {"step": jax.device_put(state["step"], replicated),
+                "fsdp": self._state_type(*parts, self._rest),
+                "rng": jax.device_put(state["rng"], replicated)}
 
     def shardings(self, state):
         """Where each leaf of the portable state goes (checkpoint restore target)."""
@@ -145,6 +149,10 @@ class FSDPRunner:
         return {"step": dstate["step"], "params": params,
                 "opt_state": jax.tree.unflatten(opt_def, jax.tree.leaves(fs.opt_state)),
                 "rng": dstate["rng"]}
+
+    def batch_sharding(self, shape):
+        """The sharding of a batch array of this shape (rows split over the devices)."""
+        return self._step.batch_sharding(jax.ShapeDtypeStruct(shape, jnp.int32))
 
     def batch(self, batch):
         try:
@@ -185,6 +193,9 @@ def make_runner(cfg, graphdef, params, tx, schedule):
 def check_parallel(cfg):
     """Cheap checks of cfg against the devices, before any model is built."""
     n = jax.device_count()
+    if cfg.fsdp == "off" and jax.process_count() > 1:
+        raise ConfigError(f"this run spans {jax.process_count()} processes: --fsdp off trains "
+                          f"on one device; pass --fsdp xla or --fsdp explicit")
     if cfg.fsdp != "off" and cfg.batch_size % n:
         raise ConfigError(f"--fsdp {cfg.fsdp}: batch_size={cfg.batch_size} must divide by the "
                           f"{n} devices")
