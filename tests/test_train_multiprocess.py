@@ -4,9 +4,12 @@
 from __future__ import annotations
 
 import os
+import re
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -101,12 +104,15 @@ def _free_port() -> int:
 
 
 @pytest.mark.slow
-def test_two_processes_train_like_one(corpus, tmp_path, rng, eight_devices):
+def test_two_processes_train_like_one_and_stop_together(corpus, tmp_path, rng, eight_devices):
+    """2 processes x 4 devices = 1 process x 8 devices, loss for loss; SIGTERM to process 1
+    alone (a preemption notice) stops both at one agreed step, which both save."""
     seed = int(rng.integers(1 << 20))
+    steps = 60
     argv = ["--preset", "tiny", "--layers", "4", "--seq-len", "32", "--batch-size", "8",
-            "--steps", "2", "--fsdp", "xla", "--data", str(corpus), "--seed", str(seed),
-            "--log-every", "1", "--eval-every", "2", "--eval-batches", "1", "--ckpt-every", "2",
-            "--no-progress"]
+            "--steps", str(steps), "--fsdp", "xla", "--data", str(corpus), "--seed", str(seed),
+            "--log-every", "1", "--eval-every", "5", "--eval-batches", "1",
+            "--ckpt-every", str(steps), "--no-progress"]
     work2 = tmp_path / "two"
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4",
                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
@@ -116,27 +122,36 @@ def test_two_processes_train_like_one(corpus, tmp_path, rng, eight_devices):
          f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)],
         env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for i in range(2)]
-    logs = []
     try:
-        for p in procs:
-            logs.append(p.communicate(timeout=TIMEOUT_S))
-    except subprocess.TimeoutExpired:
+        deadline = time.monotonic() + TIMEOUT_S
+        while not read_metrics(work2 / "metrics.jsonl"):  # step 1 done: compiled, training
+            assert time.monotonic() < deadline and procs[0].poll() is None, "no step 1"
+            time.sleep(0.05)
+        procs[1].send_signal(signal.SIGTERM)
+        logs = [p.communicate(timeout=TIMEOUT_S) for p in procs]
+    except (subprocess.TimeoutExpired, AssertionError) as e:
         for p in procs:
             p.kill()
-        pytest.fail(f"the 2-process run did not finish within {TIMEOUT_S}s")
+        pytest.fail(f"the 2-process run did not finish: {e}\n"
+                    + "\n".join(p.communicate()[1][-3000:] for p in procs))
     for i, (p, (out, err)) in enumerate(zip(procs, logs)):
-        assert p.returncode == 0, f"process {i} exited with {p.returncode}:\n{err[-4000:]}"
-    assert "done: step 2" in logs[0][1]
-    assert "done:" not in logs[1][1] and "model:" not in logs[1][1]  # process 1 logs nothing
+        assert p.returncode == 128 + signal.SIGTERM, f"process {i}: {p.returncode}\n{err[-4000:]}"
+    m = re.search(r"SIGTERM: saved a checkpoint at step (\d+)", logs[0][1])
+    assert m, logs[0][1][-3000:]
+    stop = int(m.group(1))
+    assert 1 < stop < steps
+    assert "saved a checkpoint" not in logs[1][1] and "model:" not in logs[1][1]  # only 0 logs
+    ckpts = sorted(int(c.name) for c in (work2 / "checkpoints").iterdir() if c.name.isdigit())
+    assert ckpts == [stop]
     rows = read_metrics(work2 / "metrics.jsonl")
-    assert [r["step"] for r in rows] == [1, 2, 2], rows  # written once (by process 0)
-    assert (work2 / "loss.png").exists() and (work2 / "checkpoints" / "2").is_dir()
+    two = {r["step"]: r["loss"] for r in rows if "loss" in r}
+    assert sorted(two) == list(range(1, stop + 1))  # each step written once, by process 0
+    two_eval = {r["step"]: r["eval_loss"] for r in rows if "eval_loss" in r}
+    assert (work2 / "loss.png").exists()
 
     cfg = config_from_args(build_parser().parse_args(argv))  # the same run, 1 process x 8 devices
     one = train_and_evaluate(cfg, tmp_path / "one", progress=False, log=lambda s: None)
-    two = {r["step"]: r["loss"] for r in rows if "loss" in r}
-    assert one.losses.keys() == two.keys()
-    for step in two:
-        assert two[step] == pytest.approx(one.losses[step], rel=1e-6), (step, two, one.losses)
-    ev = [r["eval_loss"] for r in rows if "eval_loss" in r]
-    assert ev == [pytest.approx(one.eval_losses[2], rel=1e-6)]
+    for step, loss in two.items():
+        assert loss == pytest.approx(one.losses[step], rel=1e-6), (step, loss, one.losses[step])
+    assert two_eval and all(v == pytest.approx(one.eval_losses[k], rel=1e-6)
+                            for k, v in two_eval.items())

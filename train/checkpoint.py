@@ -1,5 +1,11 @@
 """Checkpoints with orbax: atomic (orbax writes a temporary directory and renames it), the last
-few kept, the train state as a pytree plus a JSON record (config, data position, fingerprint)."""
+few kept, the train state as a pytree plus a JSON record (config, data position, fingerprint).
+
+Saves are asynchronous: `save` returns once the arrays are copied to host memory and orbax
+writes them in a background thread while training goes on; the next save, any restore and
+`close` wait for it. In a multi-process run every process calls save / restore (orbax writes
+each process's shards, process 0 the metadata) and `reached_preemption` is orbax's preemption
+check: once any process got SIGTERM, every process reaches the same agreed step to save at."""
 
 from __future__ import annotations
 
@@ -23,7 +29,7 @@ class Checkpointer:
         # orbax logs every save at INFO/WARNING through absl; the progress bar is enough.
         logging.getLogger("absl").setLevel(logging.ERROR)
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
-                                               enable_async_checkpointing=False)
+                                               enable_async_checkpointing=True)
         try:
             self._mgr = ocp.CheckpointManager(self.directory, options=options)
         except Exception as e:  # e.g. the path exists and is a file, or is not writable
@@ -36,10 +42,19 @@ class Checkpointer:
     def save(self, step: int, state, meta: dict) -> None:
         self._mgr.save(step, args=ocp.args.Composite(
             state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
+
+    def wait(self) -> None:
+        """Block until the last save is on disk."""
         self._mgr.wait_until_finished()
+
+    def reached_preemption(self, step: int) -> bool:
+        """True at the step where every process of a multi-process run saves for a preemption
+        (jax.distributed's preemption sync point); always False in a single process."""
+        return self._mgr.reached_preemption(step)
 
     def read_meta(self, step: int) -> dict:
         """The JSON record of checkpoint `step` alone (cheap; checked before the state loads)."""
+        self.wait()
         try:
             out = self._mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
             return dict(out["meta"])
@@ -55,6 +70,7 @@ class Checkpointer:
 
     def restore(self, step: int, abstract_state):
         """(state, meta) of checkpoint `step`; abstract_state gives the tree, shapes and dtypes."""
+        self.wait()
         try:
             out = self._mgr.restore(step, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))

@@ -94,14 +94,17 @@ class RunResult:
 
 class _StopFlag:
     """SIGINT / SIGTERM set a flag; the loop saves at the next step boundary and stops.
-    A second signal gets the default behaviour (a hard stop)."""
+    A second signal gets the default behaviour (a hard stop). In a multi-process run SIGTERM is
+    left to jax.distributed's preemption notifier (the loop asks Checkpointer.reached_preemption,
+    so every process stops at the same step)."""
 
     def __init__(self):
         self.signum = None
         self._old = {}
 
     def __enter__(self):
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        multi = jax.process_count() > 1
+        for sig in (signal.SIGINT,) if multi else (signal.SIGINT, signal.SIGTERM):
             try:
                 self._old[sig] = signal.signal(sig, self._handle)
             except ValueError:  # not the main thread: no handlers
@@ -225,6 +228,8 @@ def train_and_evaluate(cfg: TrainConfig, workdir, *, progress: bool = True,
                     save(step)
                     saved_at = step
                     t_last = time.perf_counter()
+                if stop.signum is None and ckpt.reached_preemption(step):
+                    stop.signum = signal.SIGTERM  # every process: save this step, then stop
                 if stop.signum is not None:
                     signum = stop.signum
                     status = "interrupted"
