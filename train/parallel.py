@@ -18,6 +18,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from csa_jax.layers import LOGICAL_AXIS_RULES
 from train.config import ConfigError
 
 __all__ = ["FSDPRunner", "SingleDeviceRunner", "check_parallel", "make_runner"]
@@ -103,11 +104,12 @@ class FSDPRunner:
         self.n = self.mesh.size
         model = nnx.merge(graphdef, params)
         self._step = fsdp.make_train_step(model, loss_fn, tx, self.mesh, mode=mode,
-                                          layers_attr="blocks")
+                                          layers_attr="blocks", rules=LOGICAL_AXIS_RULES)
         t = self._step.init(model)  # FSDPState: its tree and the params' shardings
         self._defs = tuple(jax.tree.structure(x) for x in (t.params, t.opt_state))
-        # comm's sharding rule depends only on a leaf's shape, so the optimizer state follows it
-        # too: Adam's moments are sharded like their params, scalars (the count) replicated.
+        # comm's sharding rule reads each param's partition metadata, which Adam's moments carry
+        # too (optax maps over the params' Variables): they are sharded like their params,
+        # scalars (the count) replicated.
         self._shardings = tuple(jax.tree.leaves(self._step.param_sharding(x))
                                 for x in (t.params, t.opt_state))
         self._state_type, self._rest = type(t), t.rest
