@@ -400,6 +400,9 @@ class TrainStep:
         updates, opt_state = self.tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         params = jax.lax.with_sharding_constraint(params, self.param_sharding(params))
+        # the optimizer state keeps its params' layout (else XLA may split the moments of a
+        # replicated param)
+        opt_state = jax.lax.with_sharding_constraint(opt_state, self.param_sharding(opt_state))
         return FSDPState(params, opt_state, rest), loss
 
     def _xla_grads(self, params, rest, batch):
