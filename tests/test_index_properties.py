@@ -15,8 +15,8 @@ from hypothesis.extra import numpy as hnp
 
 import csa_jax
 
-# Fixed number of examples per property (the builders are eager jnp: each new T compiles a few
-# small ops), whatever the global profile says.
+# The "ci" profile of tests/conftest.py (fresh examples, no database, blob printed on failure)
+# with more examples: the builders are cheap (eager jnp, a few small ops per new T).
 PROPERTY = settings(max_examples=25, deadline=None)
 
 ratios = st.one_of(st.sampled_from([0, 4, 8, 16, 128]), st.integers(2, 40))
