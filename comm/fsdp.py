@@ -14,10 +14,14 @@ by the axis size. The same step on one device gives the same numbers within f32 
 The step donates the state it is given (pass donate=False to keep using it); state mutations
 made inside the model during the step (RNG counters, running statistics) are discarded.
 
-Sharding rule (`shard_dim`): each nnx.Param is split along its largest dimension that the axis
-size divides (the first such when tied); a param with no such dimension stays replicated and
-its gradient is summed with a psum. Other state (non-Param variables) is replicated, passed
-through unchanged and gets no gradient.
+Sharding rule, from the params' partition metadata: a model whose params carry logical axis
+names (`nnx.with_partitioning`, as csa_jax.layers and train.model do) has each nnx.Param split
+along the first of its dims whose name maps to the FSDP axis through `rules` ((logical name,
+mesh axis) pairs; the alias "fsdp" stands for a hierarchical axis pair) and whose size the axis
+size divides (`logical_to_mesh`); a param without such a dim, or without names, stays
+replicated and its gradient is summed with a psum. A model with no partition metadata at all
+falls back to the shape rule `shard_dim` (the largest dimension the axis size divides). Other
+state (non-Param variables) is replicated, passed through unchanged and gets no gradient.
 
 Modes (`mode=`, what the training CLI exposes as `--fsdp xla|explicit`):
 
@@ -66,8 +70,11 @@ __all__ = [
     "TrainStep",
     "apply_layers",
     "make_mesh",
+    "has_partition_metadata",
+    "logical_to_mesh",
     "make_train_step",
     "shard_dim",
+    "shardings_from_metadata",
 ]
 
 MODES = ("xla", "explicit")
@@ -86,11 +93,80 @@ def shard_dim(shape: Sequence[int], n: int) -> int | None:
     return best
 
 
-def _spec(shape, n, axis) -> P:
-    d = shard_dim(shape, n)
-    if d is None:
-        return P()
-    return P(*([None] * d + [axis]))
+def _is_var(x) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def _names(x) -> tuple | None:
+    """The logical axis names in a Variable's partition metadata, or None."""
+    names = x.get_metadata().get("out_sharding") if _is_var(x) else None
+    return tuple(names) if names else None
+
+
+def _shape(x) -> tuple:
+    return tuple(jnp.shape(x[...] if _is_var(x) else x))
+
+
+def _resolve(names, shape, sizes, rules) -> list:
+    """Per dim: the mesh axis it is split over, or None (see logical_to_mesh)."""
+    rules = dict(rules or {})
+    used, out = set(), []
+    for name, size in zip(names, shape):
+        axis = rules.get(name, name) if name is not None else None
+        if axis is None or axis not in sizes or axis in used or size % sizes[axis]:
+            out.append(None)
+        else:
+            out.append(axis)
+            used.add(axis)
+    return out
+
+
+def logical_to_mesh(names, shape, mesh: Mesh, rules=None) -> P:
+    """The PartitionSpec of a param of this shape whose dims carry logical axis `names`
+    (nnx.with_partitioning metadata, read with nnx.get_partition_spec). Each name maps to a mesh
+    axis through `rules` (a dict or (logical, mesh axis) pairs; a name without a rule is taken as
+    a mesh axis itself, None as unsplit); a dim keeps that axis only if the mesh has it, no
+    earlier dim of the param took it, and its size divides the dim."""
+    return P(*_resolve(names, shape, dict(mesh.shape), rules))
+
+
+def _map_params(f, tree):
+    """f(x) for every param of tree, x being the nnx.Variable (so that its metadata is seen) or a
+    plain array; the result keeps tree's structure (a Variable holds f's value)."""
+    return jax.tree.map(lambda x: x.replace(f(x)) if _is_var(x) else f(x), tree, is_leaf=_is_var)
+
+
+def shardings_from_metadata(tree, mesh: Mesh, rules=None):
+    """NamedShardings for every param of an nnx.State from its partition metadata (for jit /
+    device_put, e.g. FSDP x tensor parallelism on a ("fsdp", "tensor") mesh); params without
+    metadata and plain arrays are replicated."""
+    def sharding(x):
+        names = _names(x)
+        spec = logical_to_mesh(names, _shape(x), mesh, rules) if names else P()
+        return NamedSharding(mesh, spec)
+    return _map_params(sharding, tree)
+
+
+def has_partition_metadata(tree) -> bool:
+    """Whether any Variable of the tree carries logical axis names."""
+    return any(_names(x) for x in jax.tree.leaves(tree, is_leaf=_is_var) if _is_var(x))
+
+
+def _fsdp_dim(x, n: int, axis, rules, annotated: bool) -> int:
+    """The dim of param x split over the FSDP axis of size n, or -1 (replicated)."""
+    if not annotated:
+        d = shard_dim(_shape(x), n)
+        return -1 if d is None else d
+    names = _names(x)
+    if not names:
+        return -1
+    target = axis if isinstance(axis, str) else "fsdp"
+    resolved = _resolve(names, _shape(x), {target: n}, rules)
+    return resolved.index(target) if target in resolved else -1
+
+
+def _dim_spec(d: int, axis) -> P:
+    return P() if d < 0 else P(*([None] * d + [axis]))
 
 
 def make_mesh(num_devices: int | None = None, axis: str = "fsdp", *, devices=None) -> Mesh:
@@ -264,6 +340,8 @@ class TrainStep:
     n: int
     num_layers: int
     donate: bool = True
+    rules: Any = None  # logical axis name -> mesh axis (see logical_to_mesh)
+    annotated: bool = False  # the model's params carry partition metadata
     _jitted: Callable = dataclasses.field(init=False, repr=False)
 
     def __post_init__(self):
@@ -271,8 +349,12 @@ class TrainStep:
         self._jitted = jax.jit(self._step, compiler_options=opts, donate_argnums=(0,) if self.donate else ())
 
     # ---- placement
+    def dims(self, tree):
+        """Per param of tree (params, or optimizer state mirroring them): the sharded dim or -1."""
+        return _map_params(lambda x: _fsdp_dim(x, self.n, self.axis, self.rules, self.annotated), tree)
+
     def param_sharding(self, params):
-        return jax.tree.map(lambda p: NamedSharding(self.mesh, _spec(p.shape, self.n, self.axis)), params)
+        return jax.tree.map(lambda d: NamedSharding(self.mesh, _dim_spec(d, self.axis)), self.dims(params))
 
     def batch_sharding(self, batch):
         return jax.tree.map(lambda _: NamedSharding(self.mesh, P(self.axis)), batch)
@@ -318,6 +400,9 @@ class TrainStep:
         updates, opt_state = self.tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         params = jax.lax.with_sharding_constraint(params, self.param_sharding(params))
+        # the optimizer state keeps its params' layout (else XLA may split the moments of a
+        # replicated param)
+        opt_state = jax.lax.with_sharding_constraint(opt_state, self.param_sharding(opt_state))
         return FSDPState(params, opt_state, rest), loss
 
     def _xla_grads(self, params, rest, batch):
@@ -331,19 +416,15 @@ class TrainStep:
     def _layer_dims(self, params):
         if self.layers_attr is None or self.layers_attr not in params:
             return None
-        stack = params[self.layers_attr]
-
-        def dim(path, leaf):
-            d = shard_dim(leaf.shape, self.n)
-            return -1 if d is None else d
-
+        stack = self.dims(params)[self.layers_attr]
         # a layer without params (an activation, say) has no entry in the state
-        return [dict(_flat_dims(stack[i], dim)) if i in stack else {} for i in range(self.num_layers)]
+        return [dict(_flat_dims(stack[i], lambda p, d: d)) if i in stack else {}
+                for i in range(self.num_layers)]
 
     def _explicit_grads(self, params, rest, batch):
         axis, n = self.axis, self.n
-        specs = jax.tree.map(lambda p: _spec(p.shape, n, axis), params)
-        dims = jax.tree.map(lambda p: -1 if shard_dim(p.shape, n) is None else shard_dim(p.shape, n), params)
+        dims = self.dims(params)
+        specs = jax.tree.map(lambda d: _dim_spec(d, axis), dims)
         layer_dims = self._layer_dims(params)
         in_layers = self._in_layers_mask(params) if layer_dims is not None else jax.tree.map(lambda _: False, params)
 
@@ -383,13 +464,15 @@ class TrainStep:
 
 def make_train_step(model, loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh, *,
                     mode: str = "xla", axis="fsdp", layers_attr: str | None = "layers",
-                    donate: bool = True) -> TrainStep:
+                    donate: bool = True, rules=None) -> TrainStep:
     """An FSDP train step for this NNX model's structure (see the module docstring).
 
     axis: the mesh axis to shard over, or a pair ("node", "local") for hierarchical collectives
     (explicit mode) / a 2-D split (xla mode). layers_attr: the model attribute holding the layer
     stack that explicit mode gathers layer by layer, or None to gather everything up front.
-    donate: the step donates the state passed in (its buffers are reused for the new state)."""
+    donate: the step donates the state passed in (its buffers are reused for the new state).
+    rules: (logical axis name, mesh axis) pairs for params with partition metadata, e.g.
+    csa_jax.layers.LOGICAL_AXIS_RULES; the FSDP axis is `axis` (or "fsdp" for a pair)."""
     if mode not in MODES:
         raise ValueError(f"{mode=} must be one of {MODES}")
     if not isinstance(mesh, Mesh):
@@ -410,4 +493,5 @@ def make_train_step(model, loss_fn: Callable, tx: optax.GradientTransformation, 
             raise ValueError(f"model.{layers_attr} must be a sequence of nnx.Module (e.g. nnx.List), "
                              f"got {type(stack).__name__}; or pass layers_attr=None")
         num_layers = len(stack)
-    return TrainStep(graphdef, loss_fn, tx, mesh, mode, axis, layers_attr, n, num_layers, donate)
+    return TrainStep(graphdef, loss_fn, tx, mesh, mode, axis, layers_attr, n, num_layers, donate,
+                     rules=rules, annotated=has_partition_metadata(params))

@@ -27,7 +27,8 @@ CHECK_TOL = {"bf16": (2e-2, 5e-2), "f32": (1e-4, 1e-4)}        # (o, grads) rela
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(
-        prog="python -m csa_jax", description=__doc__,
+        prog="csa-bench" if sys.argv[0].endswith("csa-bench") else "python -m csa_jax",
+        description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--family", default="flash", choices=FAMILIES,
                     help="V4 family: flash (64 heads) or pro (128 heads). Default: flash")

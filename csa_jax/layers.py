@@ -20,8 +20,16 @@ The layer takes one csa_jax.CSAConfig: a preset (`csa_jax.preset(family, ratio)`
 base config with the layer's ratio (train/config.py). RoPE is interleaved (channel pairs (2i, 2i+1)) on the last `rope_dim` channels. The compressor,
 the indexer's scoring and the attention core are the functional pieces of `csa_jax`; this module
 owns only parameters and wiring. Norms and the compressor run in float32; everything else runs
-in the dtype of the parameters and inputs it is given (the trainer casts its f32 master weights
-to the compute dtype before calling the model).
+in `dtype` (None: the input's dtype; the trainer casts its f32 master weights to the compute
+dtype before calling the model).
+
+Flax NNX conventions: `dtype` (compute) and `param_dtype` (storage, f32 by default);
+`kernel_init` for every projection matrix and `out_kernel_init` for the last one (defaults:
+`truncated_lecun`, the initializer the layer always had); `nnx.RMSNorm` for the weighted norms
+(the spec's RMSNorm: x * rsqrt(mean(x^2) + eps) * scale, f32 statistics, eps = cfg.norm_eps);
+every matrix carries logical axis names (`nnx.with_partitioning`, read back with
+`nnx.get_partition_spec`) that `LOGICAL_AXIS_RULES` maps to the mesh axes "fsdp" and "tensor"
+(comm.fsdp.logical_to_mesh).
 """
 
 from __future__ import annotations
@@ -36,12 +44,15 @@ import csa_jax
 from csa_jax.config import CSAConfig
 
 __all__ = [
+    "LOGICAL_AXIS_RULES",
     "CSAAttention",
     "Compressor",
     "Indexer",
-    "RMSNorm",
     "apply_rope",
+    "kernel",
     "rms_norm",
+    "rms_norm_layer",
+    "truncated_lecun",
 ]
 
 _INDEXER_RATIO = 4  # the lightning indexer exists only on cr4 layers (csa_spec.md section 5)
@@ -82,24 +93,52 @@ def apply_rope(x, positions, *, base, rope_dim, inverse=False):
     return jnp.concatenate([keep, out.astype(x.dtype)], axis=-1)
 
 
-def _param(rngs, shape, fan_in, scale=1.0):
-    """Truncated-normal weight with std scale / sqrt(fan_in)."""
-    init = jax.nn.initializers.truncated_normal(stddev=scale / math.sqrt(fan_in))
-    return nnx.Param(init(rngs.params(), shape, jnp.float32))
+# Logical axis names of the parameters -> mesh axes: "fsdp" shards storage (FSDP), "tensor"
+# splits heads / hidden units (tensor parallelism). A dim whose mesh axis is absent, already taken
+# by an earlier dim of the same param, or does not divide it stays whole (comm.fsdp.logical_to_mesh).
+LOGICAL_AXIS_RULES = (
+    ("embed", "fsdp"),        # model width C
+    ("q_lora", "fsdp"),       # query latent (q_rank)
+    ("o_lora", "fsdp"),       # output latent per group (o_rank)
+    ("heads", "tensor"),      # attention heads (H, or H * D flattened head-major)
+    ("o_groups", "tensor"),   # output projection groups (G, or G * o_rank flattened)
+    ("index_heads", "tensor"),
+    ("mlp", "tensor"),        # feed-forward hidden units
+    ("vocab", "tensor"),
+    ("kv", None),             # the shared K = V row width D (and pool / indexer key widths)
+)
+
+
+def truncated_lecun(scale: float = 1.0):
+    """Initializer: truncated normal (+-2 std) with std = scale / sqrt(fan_in), fan_in =
+    shape[-2] (leading dims, like wo_a's groups, are batch dims). The layer's default."""
+    def init(key, shape, dtype=jnp.float32):
+        std = scale / math.sqrt(shape[-2])
+        return jax.nn.initializers.truncated_normal(stddev=std)(key, shape, dtype)
+    return init
+
+
+def kernel(init, rngs, shape, names, param_dtype=jnp.float32):
+    """An nnx.Param from `init` with logical axis names `names` as partition metadata (no mesh
+    needed: the names are only recorded, comm.fsdp / a jit's shardings apply them)."""
+    init = nnx.with_partitioning(init, tuple(names), eager_sharding=False)
+    return nnx.Param(init(rngs.params(), shape, param_dtype))
+
+
+def _vector(value, names):
+    """A constant-initialised parameter (sink, ape, norm scales of the compressor) with names."""
+    return nnx.Param(value, out_sharding=tuple(names), eager_sharding=False)
 
 
 # ----------------------------------------------------------------------------- modules
 
 
-class RMSNorm(nnx.Module):
-    """RMSNorm with a learned scale (initialised to 1), computed in float32."""
-
-    def __init__(self, dim: int, *, eps: float = 1e-6):
-        self.scale = nnx.Param(jnp.ones((dim,), jnp.float32))
-        self.eps = eps
-
-    def __call__(self, x):
-        return rms_norm(x, self.scale[...], eps=self.eps)
+def rms_norm_layer(dim: int, *, eps: float = 1e-6, param_dtype=jnp.float32, use_scale=True):
+    """nnx.RMSNorm as the spec defines it: f32 statistics, a scale initialised to 1 (ones need no
+    randomness: its own Rngs keeps the caller's key stream, and so every other init, unchanged).
+    Its output is f32 for a low-precision input; callers cast it to their compute dtype."""
+    return nnx.RMSNorm(dim, epsilon=eps, param_dtype=param_dtype, use_scale=use_scale,
+                       rngs=nnx.Rngs(0))
 
 
 class Compressor(nnx.Module):
@@ -109,15 +148,16 @@ class Compressor(nnx.Module):
     ratio 4), ape [ratio, coff*d], norm_scale [d]. Returns [B, T//ratio, d] float32.
     """
 
-    def __init__(self, in_dim: int, dim: int, ratio: int, *, eps: float = 1e-6, rngs: nnx.Rngs):
+    def __init__(self, in_dim: int, dim: int, ratio: int, *, eps: float = 1e-6,
+                 param_dtype=jnp.float32, kernel_init=truncated_lecun(), rngs: nnx.Rngs):
         if ratio <= 0:
             raise ValueError(f"Compressor needs ratio > 0, got {ratio=}")
         coff = 2 if ratio == 4 else 1
         self.ratio, self.eps = ratio, eps
-        self.w_kv = _param(rngs, (in_dim, coff * dim), in_dim)
-        self.w_gate = _param(rngs, (in_dim, coff * dim), in_dim)
-        self.ape = nnx.Param(jnp.zeros((ratio, coff * dim), jnp.float32))
-        self.norm_scale = nnx.Param(jnp.ones((dim,), jnp.float32))
+        self.w_kv = kernel(kernel_init, rngs, (in_dim, coff * dim), ("embed", "kv"), param_dtype)
+        self.w_gate = kernel(kernel_init, rngs, (in_dim, coff * dim), ("embed", "kv"), param_dtype)
+        self.ape = _vector(jnp.zeros((ratio, coff * dim), param_dtype), (None, "kv"))
+        self.norm_scale = _vector(jnp.ones((dim,), param_dtype), ("kv",))
 
     def __call__(self, x):
         f32 = lambda p: p[...].astype(jnp.float32)  # noqa: E731  (compressor math is f32)
@@ -129,12 +169,15 @@ class Indexer(nnx.Module):
     """The lightning indexer of a cr4 layer: per-head queries from the query latent, one key per
     pool row from its own ratio-4 compressor, per-head weights from x (every scale folded in)."""
 
-    def __init__(self, cfg: CSAConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: CSAConfig, *, param_dtype=jnp.float32, kernel_init=truncated_lecun(),
+                 rngs: nnx.Rngs):
         hi, di = cfg.index_heads, cfg.index_dim
         self.cfg = cfg
-        self.wq = _param(rngs, (cfg.q_rank, hi * di), cfg.q_rank)
-        self.ww = _param(rngs, (cfg.d_model, hi), cfg.d_model)
-        self.compressor = Compressor(cfg.d_model, di, _INDEXER_RATIO, eps=cfg.norm_eps, rngs=rngs)
+        self.wq = kernel(kernel_init, rngs, (cfg.q_rank, hi * di), ("q_lora", "index_heads"),
+                         param_dtype)
+        self.ww = kernel(kernel_init, rngs, (cfg.d_model, hi), ("embed", "index_heads"), param_dtype)
+        self.compressor = Compressor(cfg.d_model, di, _INDEXER_RATIO, eps=cfg.norm_eps,
+                                     param_dtype=param_dtype, kernel_init=kernel_init, rngs=rngs)
 
     def __call__(self, x, q_lat):
         """x [B,T,C], q_lat [B,T,q_rank] -> q_idx [B,T,Hi,Di], k_idx [B,P,Di], weights [B,T,Hi]."""
@@ -156,35 +199,50 @@ class CSAAttention(nnx.Module):
 
     __call__(x [B,T,C]) -> (y [B,T,C], aux_loss scalar f32). aux_loss is the auxiliary indexer
     loss already multiplied by cfg.indexer_loss_coef (0 when off or on non-cr4 layers).
+
+    dtype: compute dtype of the projections and the attention (None: x's dtype); param_dtype:
+    the parameters' storage dtype; kernel_init: initializer of every projection matrix
+    (`init(key, shape, dtype)`), out_kernel_init the output projection's (default
+    truncated_lecun(cfg.out_init_scale)).
     """
 
-    def __init__(self, cfg: CSAConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: CSAConfig, *, dtype=None, param_dtype=jnp.float32,
+                 kernel_init=truncated_lecun(), out_kernel_init=None, rngs: nnx.Rngs):
         self.cfg = cfg
+        self.dtype = None if dtype is None else jnp.dtype(dtype)
+        if out_kernel_init is None:
+            out_kernel_init = truncated_lecun(cfg.out_init_scale)
         C, H, D, G = cfg.d_model, cfg.num_heads, cfg.head_dim, cfg.o_groups
-        self.wq_a = _param(rngs, (C, cfg.q_rank), C)
-        self.q_norm = RMSNorm(cfg.q_rank, eps=cfg.norm_eps)
-        self.wq_b = _param(rngs, (cfg.q_rank, H * D), cfg.q_rank)
-        self.wkv = _param(rngs, (C, D), C)
-        self.kv_norm = RMSNorm(D, eps=cfg.norm_eps)
-        self.sink = nnx.Param(jnp.zeros((H,), jnp.float32))
-        self.wo_a = _param(rngs, (G, (H // G) * D, cfg.o_rank), (H // G) * D)
-        self.wo_b = _param(rngs, (G * cfg.o_rank, C), G * cfg.o_rank, cfg.out_init_scale)
-        self.compressor = (Compressor(C, D, cfg.ratio, eps=cfg.norm_eps, rngs=rngs)
+        pd = param_dtype
+        self.wq_a = kernel(kernel_init, rngs, (C, cfg.q_rank), ("embed", "q_lora"), pd)
+        self.q_norm = rms_norm_layer(cfg.q_rank, eps=cfg.norm_eps, param_dtype=pd)
+        self.wq_b = kernel(kernel_init, rngs, (cfg.q_rank, H * D), ("q_lora", "heads"), pd)
+        self.head_norm = rms_norm_layer(D, eps=cfg.norm_eps, use_scale=False)  # per head
+        self.wkv = kernel(kernel_init, rngs, (C, D), ("embed", "kv"), pd)
+        self.kv_norm = rms_norm_layer(D, eps=cfg.norm_eps, param_dtype=pd)
+        self.sink = _vector(jnp.zeros((H,), pd), ("heads",))
+        self.wo_a = kernel(kernel_init, rngs, (G, (H // G) * D, cfg.o_rank),
+                           ("o_groups", None, "o_lora"), pd)
+        self.wo_b = kernel(out_kernel_init, rngs, (G * cfg.o_rank, C), ("o_groups", "embed"), pd)
+        self.compressor = (Compressor(C, D, cfg.ratio, eps=cfg.norm_eps, param_dtype=pd,
+                                      kernel_init=kernel_init, rngs=rngs)
                            if cfg.ratio > 0 else None)
-        self.indexer = Indexer(cfg, rngs=rngs) if cfg.ratio == _INDEXER_RATIO else None
+        self.indexer = (Indexer(cfg, param_dtype=pd, kernel_init=kernel_init, rngs=rngs)
+                        if cfg.ratio == _INDEXER_RATIO else None)
 
     def __call__(self, x):
         cfg = self.cfg
         B, T, _ = x.shape
         H, D, m = cfg.num_heads, cfg.head_dim, cfg.ratio
-        dt = x.dtype
+        dt = self.dtype or x.dtype
+        x = x.astype(dt)
         pos = jnp.arange(T)
         rope = dict(base=cfg.rope_base, rope_dim=cfg.rope_dim)
 
-        q_lat = self.q_norm(x @ self.wq_a[...].astype(dt))  # [B, T, q_rank]
+        q_lat = self.q_norm(x @ self.wq_a[...].astype(dt)).astype(dt)  # [B, T, q_rank]
         q = (q_lat @ self.wq_b[...].astype(dt)).reshape(B, T, H, D)
-        q = apply_rope(rms_norm(q, eps=cfg.norm_eps), pos[:, None], **rope)  # [B, T, H, D]
-        kv = apply_rope(self.kv_norm(x @ self.wkv[...].astype(dt)), pos, **rope)  # [B, T, D]
+        q = apply_rope(self.head_norm(q), pos[:, None], **rope)  # [B, T, H, D]
+        kv = apply_rope(self.kv_norm(x @ self.wkv[...].astype(dt)).astype(dt), pos, **rope)  # [B,T,D]
 
         aux = jnp.zeros((), jnp.float32)
         topk = None

@@ -1,8 +1,19 @@
 #!/usr/bin/env bash
 # Create .venv with Python 3.12 and install csa_jax with the pinned (CI) versions.
-# Usage: bash scripts/setup.sh        (idempotent; re-running only re-checks the install)
+# Usage: bash scripts/setup.sh [BACKEND...]   (idempotent; re-running only re-checks the install)
+#   no BACKEND: CPU (what CI runs). BACKEND: one or more of the pyproject extras
+#   cuda12 | cuda13 | rocm7 | tpu | gluon, e.g. `bash scripts/setup.sh cuda12 gluon`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+EXTRAS=dev
+for b in "$@"; do
+  case "$b" in
+    cuda12|cuda13|rocm7|tpu|gluon) EXTRAS="$EXTRAS,$b" ;;
+    *) echo "setup: error: unknown backend '$b'; choose from cuda12, cuda13, rocm7, tpu, gluon (none = CPU)" >&2
+       exit 2 ;;
+  esac
+done
 
 find_python() {
   if command -v python3.12 >/dev/null 2>&1 && python3.12 -c 'import sys' >/dev/null 2>&1; then
@@ -30,5 +41,5 @@ if [ ! -x .venv/bin/python ]; then
   echo "setup: creating .venv with $PY"
   "$PY" -m venv .venv
 fi
-.venv/bin/python -m pip install -q --disable-pip-version-check -c constraints.txt -e ".[dev]"
-.venv/bin/python -c 'import jax, flax, optax; print(f"setup: ok: jax {jax.__version__}, flax {flax.__version__}, optax {optax.__version__}")'
+.venv/bin/python -m pip install -q --disable-pip-version-check -c constraints.txt -e ".[$EXTRAS]"
+.venv/bin/python -c 'import jax, flax, optax; print(f"setup: ok: jax {jax.__version__}, flax {flax.__version__}, optax {optax.__version__}, backend {jax.default_backend()}")'

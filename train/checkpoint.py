@@ -7,6 +7,12 @@ written (bit rot, a bad copy, a truncated file) is refused instead of silently r
 `restore_newest` walks the checkpoints newest first and resumes from the first that reads and
 verifies; nothing is ever deleted (refused checkpoints that a resumed run would overwrite are
 moved to `corrupt_checkpoints/` beside `checkpoints/`).
+
+Saves are asynchronous: `save` returns once the arrays are copied to host memory and orbax
+writes them in a background thread while training goes on; the next save, any restore and
+`close` wait for it. In a multi-process run every process calls save / restore (orbax writes
+each process's shards, process 0 the metadata) and `reached_preemption` is orbax's preemption
+check: once any process got SIGTERM, every process reaches the same agreed step to save at.
 """
 
 from __future__ import annotations
@@ -66,7 +72,7 @@ class Checkpointer:
         # orbax logs every save at INFO/WARNING through absl; the progress bar is enough.
         logging.getLogger("absl").setLevel(logging.ERROR)
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
-                                               enable_async_checkpointing=False)
+                                               enable_async_checkpointing=True)
         try:
             self._mgr = ocp.CheckpointManager(self.directory, options=options)
         except Exception as e:  # e.g. the path exists and is a file, or is not writable
@@ -80,18 +86,37 @@ class Checkpointer:
         return self._mgr.latest_step()
 
     def save(self, step: int, state, meta: dict) -> None:
-        """Save `state` and `meta` (plus the arrays' checksums) as checkpoint `step`."""
+        """Start saving `state` and `meta` (plus the arrays' checksums, computed now from the
+        values being saved) as checkpoint `step`; orbax finishes the write in the background."""
         meta = {**meta, "checksums": checksums(state)}
+        self._saving = step
         try:
+            self.wait()  # the previous save, so its failure is reported before a new one starts
             self._mgr.save(step, args=ocp.args.Composite(
                 state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
-            self._mgr.wait_until_finished()
+        except CheckpointError:
+            raise
         except Exception as e:  # disk full, directory gone, ...
             raise CheckpointError(f"cannot save checkpoint {str(self.path(step))!r}: "
                                   f"{_reason(e)}") from None
 
+    def wait(self) -> None:
+        """Block until the last save is on disk (CheckpointError if it failed)."""
+        try:
+            self._mgr.wait_until_finished()
+        except Exception as e:  # disk full, directory gone, ...
+            step = getattr(self, "_saving", None)
+            where = str(self.path(step)) if step is not None else str(self.directory)
+            raise CheckpointError(f"cannot save checkpoint {where!r}: {_reason(e)}") from None
+
+    def reached_preemption(self, step: int) -> bool:
+        """True at the step where every process of a multi-process run saves for a preemption
+        (jax.distributed's preemption sync point); always False in a single process."""
+        return self._mgr.reached_preemption(step)
+
     def read_meta(self, step: int) -> dict:
         """The JSON record of checkpoint `step` alone (cheap; checked before the state loads)."""
+        self.wait()
         try:
             out = self._mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
             meta = dict(out["meta"])
@@ -108,6 +133,7 @@ class Checkpointer:
     def restore(self, step: int, abstract_state):
         """(state, meta) of checkpoint `step`; abstract_state gives the tree, shapes and dtypes.
         Raises CheckpointError if it cannot be read or an array differs from its checksum."""
+        self.wait()
         try:
             out = self._mgr.restore(step, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))

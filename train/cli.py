@@ -43,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     from csa_jax import registry      # the impl names (imports jax: --help takes a few seconds)
 
     p = argparse.ArgumentParser(
-        prog="python -m train", description=__doc__.splitlines()[0].split(": ", 1)[1],
+        prog="csa-train" if sys.argv[0].endswith("csa-train") else "python -m train",
+        description=__doc__.splitlines()[0].split(": ", 1)[1],
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("run")
     g.add_argument("--preset", default="tiny", choices=list(PRESETS),
@@ -103,6 +104,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--keep", type=int, dest="keep_checkpoints",
                    help="checkpoints to keep (default 3)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar (plain log lines only)")
+    g = p.add_argument_group(
+        "multi-process (jax.distributed; see train/distributed.py)",
+        "Run the same command once per host (or per local process) with --fsdp xla|explicit. "
+        "Flags override JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID; under "
+        "Slurm, mpirun or on a multi-host TPU slice none is needed. Only process 0 writes "
+        "metrics, plots and logs.")
+    g.add_argument("--coordinator", metavar="HOST:PORT",
+                   help="address of process 0's coordination service")
+    g.add_argument("--num-processes", type=int, help="number of processes in the run")
+    g.add_argument("--process-id", type=int, help="this process's index, 0 .. N-1")
     return p
 
 
@@ -148,6 +159,9 @@ def main(argv=None) -> int:
     from train.loop import DivergedError, train_and_evaluate
 
     try:
+        from train import distributed  # joins the other processes before jax picks a backend
+
+        distributed.initialize(args.coordinator, args.num_processes, args.process_id)
         cfg = config_from_args(args)
         if args.workdir is not None and not args.workdir.strip():
             raise ConfigError("--workdir '': empty path")

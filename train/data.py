@@ -184,19 +184,21 @@ class ByteDataset:
             self._perm_epoch = epoch
         return self._perm
 
-    def batch(self, step: int):
-        """The batch of update number `step` (0-based)."""
+    def batch(self, step: int, part: slice = slice(None)):
+        """The batch of update number `step` (0-based); `part`: only these of its rows (one
+        process's share of a multi-process run, train.distributed), read alone."""
         rows = []
-        for p in range(step * self.batch_size, (step + 1) * self.batch_size):
+        for p in range(step * self.batch_size, (step + 1) * self.batch_size)[part]:
             epoch, within = divmod(p, self.n_train)
             rows.append(self._order(epoch)[within])
         return self._split(self._windows[np.asarray(rows)])
 
-    def eval_batches(self, count: int):
-        """`count` fixed held-out batches (the held-out windows, cycled if there are few)."""
+    def eval_batches(self, count: int, part: slice = slice(None)):
+        """`count` fixed held-out batches (the held-out windows, cycled if there are few);
+        `part`: only these rows of each."""
         out = []
         for b in range(count):
-            rows = (np.arange(self.batch_size) + b * self.batch_size) % self.n_eval + self.n_train
+            rows = (np.arange(self.batch_size)[part] + b * self.batch_size) % self.n_eval + self.n_train
             out.append(self._split(self._windows[rows]))
         return out
 

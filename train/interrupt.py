@@ -15,6 +15,8 @@ import signal
 import socket
 import threading
 
+import jax
+
 __all__ = ["StopFlag"]
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -50,7 +52,10 @@ class StopFlag:
         self._r, self._w = socket.socketpair()
         self._w.setblocking(False)
         self._old_fd = signal.set_wakeup_fd(self._w.fileno(), warn_on_full_buffer=False)
-        for sig in _SIGNALS:
+        # In a multi-process run SIGTERM is left to jax.distributed's preemption notifier: the
+        # loop asks Checkpointer.reached_preemption, so every process stops at the same step.
+        sigs = (signal.SIGINT,) if jax.process_count() > 1 else _SIGNALS
+        for sig in sigs:
             self._old[sig] = signal.signal(sig, self._handle)
         self._thread = threading.Thread(target=self._watch, name="train-stop-watch",
                                         daemon=True)

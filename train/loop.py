@@ -27,6 +27,7 @@ import optax
 from flax import nnx
 
 from train.checkpoint import CheckpointError, Checkpointer
+from train import distributed
 from train.config import ConfigError, TrainConfig
 from train.data import ByteDataset
 from train.interrupt import StopFlag
@@ -143,6 +144,7 @@ def train_and_evaluate(cfg: TrainConfig, workdir, *, progress: bool = True,
     signal exits at once (train.interrupt). A NaN / infinite loss raises DivergedError after
     metrics.jsonl and loss.png are written.
     """
+    log = distributed.main_only(log)  # processes other than 0 write no logs, metrics or plots
     check_parallel(cfg)
     workdir = prepare_workdir(workdir)
     data = ByteDataset(cfg.data, seq_len=cfg.seq_len, batch_size=cfg.batch_size, seed=cfg.seed,
@@ -173,6 +175,8 @@ def _check_meta(cfg, workdir, data):
 
 def _run(cfg, workdir, data, graphdef, state, tx, schedule, ckpt, progress, log):
     runner = make_runner(cfg, graphdef, state["params"], tx, schedule)
+    data = distributed.process_share(data, runner)  # several processes: each reads its rows
+    plot = distributed.main_only(plot_losses)
     n_params = count_params(state["params"])
     # Restore straight into this run's layout (whatever layout the checkpoint was saved from).
     abstract = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
@@ -182,7 +186,7 @@ def _run(cfg, workdir, data, graphdef, state, tx, schedule, ckpt, progress, log)
     if resume is not None:
         start, state, _ = resume
         if start >= cfg.steps:
-            plot_losses(workdir)
+            plot(workdir)
             log(f"nothing to do: {workdir} already holds step {start} >= --steps {cfg.steps}")
             return RunResult("already_done", start, {}, {})
         log(f"resuming from step {start} in {workdir}")
@@ -198,12 +202,24 @@ def _run(cfg, workdir, data, graphdef, state, tx, schedule, ckpt, progress, log)
     stop = StopFlag(where=f" in {ckpt.directory}")
     stop.last_saved = resume[0] if resume is not None else None
 
-    def save(step):
-        stop.saving = step
-        ckpt.save(step, runner.get(state), {**meta_now, "batches_consumed": step, "step": step})
-        stop.saving, stop.last_saved = None, step
+    started = [stop.last_saved]
 
-    writer = MetricsWriter(workdir, start_step=start, total_steps=cfg.steps, progress=progress)
+    def save(step):
+        # Checkpointer.save first waits for the previous background write, then starts this one:
+        # `stop.saving` is the step being written (train.interrupt reports it as cut short),
+        # `stop.last_saved` the newest complete one.
+        ckpt.save(step, runner.get(state), {**meta_now, "batches_consumed": step, "step": step})
+        if stop.saving is not None:
+            stop.last_saved = stop.saving
+        stop.saving = started[0] = step
+
+    def finish_saves():
+        ckpt.wait()
+        if stop.saving is not None:
+            stop.saving, stop.last_saved = None, stop.saving
+
+    writer = (MetricsWriter if distributed.is_main() else distributed.NullWriter)(
+        workdir, start_step=start, total_steps=cfg.steps, progress=progress)
     losses, eval_losses = {}, {}
     status, signum = "done", None
     step = start
@@ -223,6 +239,7 @@ def _run(cfg, workdir, data, graphdef, state, tx, schedule, ckpt, progress, log)
                     writer.write({"step": step, **m, "tokens_per_sec": tps,
                                   "model_tflops_per_sec": tps * flops_per_token / 1e12})
                     if not np.isfinite(m["loss"]):
+                        finish_saves()
                         last = (f"the last checkpoint is step {stop.last_saved} "
                                 f"({str(ckpt.path(stop.last_saved))!r})"
                                 if stop.last_saved is not None else
@@ -237,19 +254,22 @@ def _run(cfg, workdir, data, graphdef, state, tx, schedule, ckpt, progress, log)
                 if step % cfg.ckpt_every == 0 or step == cfg.steps:
                     save(step)
                     t_last = time.perf_counter()
+                if stop.signum is None and ckpt.reached_preemption(step):
+                    stop.signum = signal.SIGTERM  # every process: save this step, then stop
                 if stop.signum is not None:
                     signum = stop.signum
                     status = "interrupted"
                     break
-            if stop.last_saved != step:
+            if started[0] != step:
                 save(step)
+            finish_saves()
     except DivergedError:
         writer.close()
-        plot_losses(workdir)
+        plot(workdir)
         raise
     finally:
         writer.close()
-    plot_losses(workdir)
+    plot(workdir)
     if status == "interrupted":
         name = signal.Signals(signum).name
         log(f"{name}: saved a checkpoint at step {step} in {workdir}; rerun the same command "

@@ -1,4 +1,6 @@
-"""The decoder LM: embedding, blocks (RMSNorm, CSAAttention, RMSNorm, SwiGLU), final norm, head."""
+"""The decoder LM: embedding, blocks (RMSNorm, CSAAttention, RMSNorm, SwiGLU), final norm, head
+(Flax NNX conventions as in csa_jax.layers: dtype / param_dtype, kernel_init, nnx.RMSNorm,
+logical partition metadata)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from csa_jax.layers import CSAAttention, RMSNorm
+from csa_jax.layers import CSAAttention, kernel, rms_norm_layer, truncated_lecun
 from train.config import ModelConfig
 
 # Explicit FSDP gathers the blocks' weights layer by layer through this call; outside an FSDP
@@ -18,54 +20,64 @@ from comm.fsdp import apply_layers
 __all__ = ["Block", "DecoderLM", "SwiGLU", "count_params"]
 
 
-def _weight(rngs, shape, fan_in, scale=1.0):
-    init = jax.nn.initializers.truncated_normal(stddev=scale / math.sqrt(fan_in))
-    return nnx.Param(init(rngs.params(), shape, jnp.float32))
-
-
 class SwiGLU(nnx.Module):
-    def __init__(self, d_model: int, hidden: int, *, out_init_scale: float = 1.0, rngs: nnx.Rngs):
-        self.w_gate = _weight(rngs, (d_model, hidden), d_model)
-        self.w_up = _weight(rngs, (d_model, hidden), d_model)
-        self.w_down = _weight(rngs, (hidden, d_model), hidden, out_init_scale)
+    def __init__(self, d_model: int, hidden: int, *, out_init_scale: float = 1.0, dtype=None,
+                 param_dtype=jnp.float32, kernel_init=truncated_lecun(), out_kernel_init=None,
+                 rngs: nnx.Rngs):
+        self.dtype = dtype
+        out_init = out_kernel_init or truncated_lecun(out_init_scale)
+        self.w_gate = kernel(kernel_init, rngs, (d_model, hidden), ("embed", "mlp"), param_dtype)
+        self.w_up = kernel(kernel_init, rngs, (d_model, hidden), ("embed", "mlp"), param_dtype)
+        self.w_down = kernel(out_init, rngs, (hidden, d_model), ("mlp", "embed"), param_dtype)
 
     def __call__(self, x):
-        dt = x.dtype
+        dt = self.dtype or x.dtype
+        x = x.astype(dt)
         h = jax.nn.silu(x @ self.w_gate[...].astype(dt)) * (x @ self.w_up[...].astype(dt))
         return h @ self.w_down[...].astype(dt)
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg: ModelConfig, ratio: int, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, ratio: int, *, param_dtype=jnp.float32, rngs: nnx.Rngs):
         out_scale = 1.0 / math.sqrt(2 * cfg.n_layers)  # residual branches start small
-        self.attn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
-        self.attn = CSAAttention(cfg.layer(ratio, out_init_scale=out_scale), rngs=rngs)
-        self.mlp_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
-        self.mlp = SwiGLU(cfg.d_model, cfg.mlp_hidden, out_init_scale=out_scale, rngs=rngs)
+        dt = jnp.dtype(cfg.compute_dtype)
+        self.attn_norm = rms_norm_layer(cfg.d_model, eps=cfg.norm_eps, param_dtype=param_dtype)
+        self.attn = CSAAttention(cfg.layer(ratio, out_init_scale=out_scale), dtype=dt,
+                                 param_dtype=param_dtype, rngs=rngs)
+        self.mlp_norm = rms_norm_layer(cfg.d_model, eps=cfg.norm_eps, param_dtype=param_dtype)
+        self.mlp = SwiGLU(cfg.d_model, cfg.mlp_hidden, out_init_scale=out_scale, dtype=dt,
+                          param_dtype=param_dtype, rngs=rngs)
 
     def __call__(self, carry):
         """(x [B,T,C], aux loss so far) -> the same after this block."""
         x, aux = carry
-        h, a = self.attn(self.attn_norm(x))
+        h, a = self.attn(self.attn_norm(x).astype(x.dtype))
         x = x + h
-        return x + self.mlp(self.mlp_norm(x)), aux + a
+        return x + self.mlp(self.mlp_norm(x).astype(x.dtype)), aux + a
 
 
 class DecoderLM(nnx.Module):
-    """tokens [B, T] int -> (logits [B, T, vocab] f32, aux_loss scalar f32)."""
+    """tokens [B, T] int -> (logits [B, T, vocab] f32, aux_loss scalar f32).
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    Computes in cfg.compute_dtype; parameters are stored in param_dtype (f32 masters) and carry
+    logical axis names (csa_jax.layers.LOGICAL_AXIS_RULES) that FSDP reads."""
+
+    def __init__(self, cfg: ModelConfig, *, param_dtype=jnp.float32, rngs: nnx.Rngs):
         self.cfg = cfg
-        self.embed = nnx.Param(jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.d_model)))
-        self.blocks = nnx.List([Block(cfg, r, rngs=rngs) for r in cfg.layer_ratios])
-        self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
-        self.head = _weight(rngs, (cfg.d_model, cfg.vocab_size), cfg.d_model)
+        embed = nnx.with_partitioning(nnx.initializers.normal(1.0), ("vocab", "embed"),
+                                      eager_sharding=False)
+        self.embed = nnx.Param(embed(rngs.params(), (cfg.vocab_size, cfg.d_model), param_dtype))
+        self.blocks = nnx.List([Block(cfg, r, param_dtype=param_dtype, rngs=rngs)
+                                for r in cfg.layer_ratios])
+        self.final_norm = rms_norm_layer(cfg.d_model, eps=cfg.norm_eps, param_dtype=param_dtype)
+        self.head = kernel(truncated_lecun(), rngs, (cfg.d_model, cfg.vocab_size),
+                           ("embed", "vocab"), param_dtype)
 
     def __call__(self, tokens):
         dt = jnp.dtype(self.cfg.compute_dtype)
         x = jnp.take(self.embed[...], tokens, axis=0).astype(dt)  # [B, T, C]
         x, aux = apply_layers(self.blocks, (x, jnp.zeros((), jnp.float32)))
-        x = self.final_norm(x)
+        x = self.final_norm(x).astype(dt)
         logits = (x @ self.head[...].astype(dt)).astype(jnp.float32)
         return logits, aux
 

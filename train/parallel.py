@@ -18,6 +18,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from csa_jax.layers import LOGICAL_AXIS_RULES
 from train.config import ConfigError
 
 __all__ = ["FSDPRunner", "SingleDeviceRunner", "check_parallel", "make_runner"]
@@ -103,11 +104,12 @@ class FSDPRunner:
         self.n = self.mesh.size
         model = nnx.merge(graphdef, params)
         self._step = fsdp.make_train_step(model, loss_fn, tx, self.mesh, mode=mode,
-                                          layers_attr="blocks")
+                                          layers_attr="blocks", rules=LOGICAL_AXIS_RULES)
         t = self._step.init(model)  # FSDPState: its tree and the params' shardings
         self._defs = tuple(jax.tree.structure(x) for x in (t.params, t.opt_state))
-        # comm's sharding rule depends only on a leaf's shape, so the optimizer state follows it
-        # too: Adam's moments are sharded like their params, scalars (the count) replicated.
+        # comm's sharding rule reads each param's partition metadata, which Adam's moments carry
+        # too (optax maps over the params' Variables): they are sharded like their params,
+        # scalars (the count) replicated.
         self._shardings = tuple(jax.tree.leaves(self._step.param_sharding(x))
                                 for x in (t.params, t.opt_state))
         self._state_type, self._rest = type(t), t.rest
@@ -127,8 +129,12 @@ class FSDPRunner:
                                  f"{treedef.num_leaves}")
             leaves = [jax.device_put(x, s) for x, s in zip(leaves, shardings)]
             parts.append(jax.tree.unflatten(treedef, leaves))
-        return {"step": jnp.asarray(state["step"]), "fsdp": self._state_type(*parts, self._rest),
-                "rng": jnp.asarray(state["rng"])}
+        # step and rng replicated over the mesh: global arrays, as orbax wants them when the
+        # run spans several processes
+        replicated = NamedSharding(self.mesh, PartitionSpec())
+        return {"step": jax.device_put(state["step"], replicated),
+                "fsdp": self._state_type(*parts, self._rest),
+                "rng": jax.device_put(state["rng"], replicated)}
 
     def shardings(self, state):
         """Where each leaf of the portable state goes (checkpoint restore target)."""
@@ -145,6 +151,10 @@ class FSDPRunner:
         return {"step": dstate["step"], "params": params,
                 "opt_state": jax.tree.unflatten(opt_def, jax.tree.leaves(fs.opt_state)),
                 "rng": dstate["rng"]}
+
+    def batch_sharding(self, shape):
+        """The sharding of a batch array of this shape (rows split over the devices)."""
+        return self._step.batch_sharding(jax.ShapeDtypeStruct(shape, jnp.int32))
 
     def batch(self, batch):
         try:
@@ -185,6 +195,9 @@ def make_runner(cfg, graphdef, params, tx, schedule):
 def check_parallel(cfg):
     """Cheap checks of cfg against the devices, before any model is built."""
     n = jax.device_count()
+    if cfg.fsdp == "off" and jax.process_count() > 1:
+        raise ConfigError(f"this run spans {jax.process_count()} processes: --fsdp off trains "
+                          f"on one device; pass --fsdp xla or --fsdp explicit")
     if cfg.fsdp != "off" and cfg.batch_size % n:
         raise ConfigError(f"--fsdp {cfg.fsdp}: batch_size={cfg.batch_size} must divide by the "
                           f"{n} devices")
