@@ -38,11 +38,12 @@ class StopFlag:
         self._old, self._old_fd, self._thread, self._count = {}, None, None, 0
 
     def describe(self) -> str:
-        last = (f"the last complete checkpoint is step {self.last_saved}{self.where}; rerun "
-                f"the same command to resume from it" if self.last_saved is not None else
+        saving, last_saved = self.saving, self.last_saved
+        last = (f"the last complete checkpoint is step {last_saved}{self.where}; rerun "
+                f"the same command to resume from it" if last_saved is not None else
                 "no checkpoint was saved by this run or an earlier one")
-        if self.saving is not None:
-            return (f"the save of step {self.saving} was cut short and will not be used "
+        if saving is not None:
+            return (f"the save of step {saving} was cut short and will not be used "
                     f"(orbax commits a checkpoint only once it is complete); {last}")
         return f"nothing more was saved; {last}"
 

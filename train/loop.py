@@ -205,13 +205,16 @@ def _run(cfg, workdir, data, graphdef, state, tx, schedule, ckpt, progress, log)
     started = [stop.last_saved]
 
     def save(step):
-        # Checkpointer.save first waits for the previous background write, then starts this one:
         # `stop.saving` is the step being written (train.interrupt reports it as cut short),
         # `stop.last_saved` the newest complete one.
-        ckpt.save(step, runner.get(state), {**meta_now, "batches_consumed": step, "step": step})
-        if stop.saving is not None:
-            stop.last_saved = stop.saving
+        if stop.saving is not None:  # the previous background write must finish first
+            finish_saves()
         stop.saving = started[0] = step
+        ckpt.save(step, runner.get(state), {**meta_now, "batches_consumed": step, "step": step})
+        if jax.process_count() == 1:
+            # One process: wait, so that a second Ctrl-C can say exactly what is on disk.
+            # Several processes: the write goes on in the background (orbax's async save).
+            finish_saves()
 
     def finish_saves():
         ckpt.wait()
