@@ -14,8 +14,8 @@ Parts:
           max-abs reference, lse by the same on non-empty rows, and empty rows exactly
           (o == 0, lse == sink or EMPTY_LSE);
   golden  the three golden cases (tests/golden, cast to bf16) through sparse_attention;
-  grad    jax.grad through sparse_attention(impl="gluon") (forward Gluon, backward
-          pallas_triton) vs impl="xla";
+  grad    jax.grad through sparse_attention(impl="gluon") (forward Gluon, backward per
+          Config.bwd: the Gluon dq kernel by default, gluon_bwd_check.py) vs impl="xla";
   time    forward ms of xla, pallas_triton, gluon at a few V4 shapes (checked vs xla).
 Every check prints one JSON line; the script exits non-zero if any check fails.
 """

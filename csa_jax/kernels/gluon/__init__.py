@@ -5,9 +5,10 @@ unsupported. The forward is the warp-specialized kernel of fwd.py (a producer pa
 gathering kv rows with cp.async into an mbarrier ring, two consumer warpgroups on wgmma), launched
 through jax-triton's primitive by adapter.py.
 
-BACKWARD: there is no Gluon backward yet (issue 14). `backward` runs the Pallas Triton-dialect
-backward (impl "pallas_triton", its default config) on the forward's (o, lse), which follow the
-same contract, so gradients are exact to the same tolerances; its speed is pallas_triton's.
+BACKWARD (Config.bwd): "gluon" (default) = the warp-specialized dq kernel of bwd.py (it also
+stores scale*dS and P) + the Pallas Triton impl's deterministic per-slot GEMM and inverse-map
+reduce for dkv; "pallas_triton" = the whole Pallas Triton-dialect backward (its default config)
+on the forward's (o, lse), which follow the same contract.
 
 Needs the optional extra `csa_jax[gluon]` (triton==3.6.0, jax-triton==0.3.1) and an NVIDIA GPU of
 compute capability 9.0 (sm_90a: wgmma, setmaxnreg). Gluon has no CPU interpreter: on a CPU the
@@ -43,6 +44,13 @@ class Config:
     ablate: BENCHMARK ONLY, wrong results: 1 = no PV product, 2 = no QK^T product, 3 = neither,
         4 = no compute at all (the consumers only wait for and release the ring: the producer's
         pace). Used to place the time inside the kernel (docs/perf/gluon_h200.md).
+    bwd: "gluon" (the dq kernel of bwd.py, dkv by the Pallas Triton GEMM + reduce) or
+        "pallas_triton" (its whole backward); bwd_block_k (16, 32, 64) and bwd_stages: the dq
+        kernel's ring tile rows and depth (32 x 2 at D = 512: [q; dO] 128 KiB + 2 x 32 KiB).
+    bwd_prefetch: the dq kernel loads the next tile's row ids ahead (producer and consumers, as
+        `prefetch` in the forward); off by default: not yet timed in the dq kernel.
+    bwd_ablate: BENCHMARK ONLY, wrong results: 1 = no scale*dS / P stores, 2 = no dq product,
+        3 = no score product, 4 = no compute (the dq kernel's consumers only wait and release).
     """
 
     block_k: int = 64
@@ -52,8 +60,24 @@ class Config:
     smem_epilogue: bool = False
     prefetch: bool = True
     ablate: int = 0
+    bwd: str = "gluon"
+    bwd_block_k: int = 32
+    bwd_stages: int = 2
+    bwd_prefetch: bool = False
+    bwd_ablate: int = 0
 
     def __post_init__(self):
+        if self.bwd not in ("gluon", "pallas_triton"):
+            raise ValueError(f"bwd={self.bwd!r} must be 'gluon' or 'pallas_triton'")
+        if self.bwd_block_k not in (16, 32, 64):
+            raise ValueError(f"bwd_block_k={self.bwd_block_k!r} must be 16, 32 or 64")
+        if isinstance(self.bwd_stages, bool) or self.bwd_stages not in (1, 2, 3, 4):
+            raise ValueError(f"bwd_stages={self.bwd_stages!r} must be an int in 1..4")
+        if not isinstance(self.bwd_prefetch, bool):
+            raise ValueError(f"bwd_prefetch={self.bwd_prefetch!r} must be a bool")
+        if isinstance(self.bwd_ablate, bool) or self.bwd_ablate not in (0, 1, 2, 3, 4):
+            raise ValueError(f"bwd_ablate={self.bwd_ablate!r} must be 0 (off) or 1..4 "
+                             f"(benchmark only)")
         if self.block_k not in (32, 64):
             raise ValueError(f"block_k={self.block_k!r} must be 32 or 64")
         if isinstance(self.stages, bool) or not isinstance(self.stages, int) or not (
@@ -86,12 +110,22 @@ def default_config(q_shape, kv_shape, idx_shape, dtype) -> Config:
     smaller D while they fit; block_k 32 if even 2 stages of 64 rows would not fit."""
     del kv_shape, idx_shape
     D = q_shape[3]
-    cfg = Config()
+    cfg = _bwd_default(D, Config())
     for stages in (4, 3, 2):
         c = dataclasses.replace(cfg, stages=stages)
         if shared_bytes(D, c) <= _SMEM_BUDGET:
             return c
     return dataclasses.replace(cfg, block_k=32, stages=2)
+
+
+def _bwd_default(D, cfg):
+    """The dq kernel's tiles: the largest (rows, stages) of 64x3, 64x2, 32x3, 32x2, 16x4 whose
+    buffers fit (32 x 2 at D = 512); dims.dq_shared_bytes counts every buffer and barrier."""
+    from csa_jax.kernels.gluon.dims import SMEM_LIMIT, dq_shared_bytes as bwd_bytes
+    for bk, st in ((64, 3), (64, 2), (32, 3), (32, 2), (16, 4)):
+        if bwd_bytes(D, bk, st) <= SMEM_LIMIT - 8192:
+            return dataclasses.replace(cfg, bwd_block_k=bk, bwd_stages=st)
+    return cfg
 
 
 def _device():
@@ -154,9 +188,14 @@ def forward(q, kv, idx, sink, *, scale, interpret, config):
 
 
 def backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, interpret, config):
-    """(dq, dkv, dsink) by the pallas_triton backward (no Gluon backward yet; module docstring)."""
-    del config
+    """(dq, dkv, dsink): Config.bwd picks the Gluon dq kernel or the pallas_triton backward."""
     _check(q, kv, idx, interpret)
+    if config.bwd == "gluon":
+        from csa_jax.kernels.gluon import bwd as _bwd
+        return _bwd.backward(q, kv, idx, sink, o, lse, do, dlse, scale=float(scale),
+                             block_k=config.bwd_block_k, stages=config.bwd_stages,
+                             producer_regs=config.producer_regs, prefetch=config.bwd_prefetch,
+                             ablate=config.bwd_ablate)
     from csa_jax.kernels import triton as pt      # the pallas_triton impl module
     cfg = pt.default_config(q.shape, kv.shape, idx.shape, q.dtype)
     return pt.backward(q, kv, idx, sink, o, lse, do, dlse, scale=scale, interpret=False,

@@ -1,0 +1,241 @@
+"""GPU check and timing of the Gluon backward (impl="gluon", Config.bwd="gluon").
+
+    python -m benchmarks.gluon_bwd_check [--parts grad,det,time] [--out f.json]
+        [--shapes pro:4:4096,pro:4:16384] [--variants 'bk16:bwd_block_k=16,bwd_stages=4']
+
+Parts:
+  grad  the backward alone on fresh random inputs (-1 slots anywhere, out-of-range ids made
+        empty by sanitize_indices, duplicate rows, all-empty tokens, with and without sink,
+        H in {16, 64, 128}, D in {64, 512}, K not a multiple of the tile, bf16 and f16), both
+        cotangents (dO and dlse), against impl="xla"'s backward on the same (o, lse): dq, dkv,
+        dsink by max-abs error over max-abs reference; then jax.grad through
+        sparse_attention(impl="gluon") vs impl="xla" (forward and backward Gluon);
+  det   dkv (and dq) bit-identical across two runs of the Gluon backward on the same inputs;
+  time  backward ms (and the dq kernel alone: only dq is kept, XLA drops the dkv work) of
+        pallas_triton and gluon (+ variants) at V4 shapes, each checked against pallas_triton
+        in the same call (except benchmark-only bwd_ablate variants); the step (value and grad
+        of the loss) of both.
+One JSON line per check (helpers from gluon_check.py); exits non-zero if any check fails.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks.common import parse_variants, time_fn
+from benchmarks.gluon_check import RESULTS, TOL, random_case, rel, report
+
+
+def time_ms(fn, args, reps):
+    """Median ms of `reps` timed runs after the compile and a warm run (no time cap)."""
+    return time_fn(fn, args, reps, float("inf"))[0]
+
+
+def _mods():
+    from csa_jax import registry
+    return registry.get("gluon"), registry.get("xla")
+
+
+def _bwd_inputs(key, B, T, H, D, N, K, dt, sink):
+    from csa_jax.common import sanitize_indices
+    q, kv, idx, s = random_case(key, B, T, H, D, N, K, dt, sink)
+    idx = sanitize_indices(idx, N)
+    s = jnp.full((H,), -jnp.inf, jnp.float32) if s is None else s
+    kd, kl = jax.random.split(jax.random.fold_in(key, 7))
+    do = jax.random.normal(kd, q.shape, dt)
+    dlse = jax.random.normal(kl, q.shape[:3], jnp.float32) * 0.3
+    return q, kv, idx, s, do, dlse
+
+
+def _run_bwd(mod, cfg, args, scale):
+    q, kv, idx, s, o, lse, do, dlse = args
+    f = jax.jit(lambda *a: mod.backward(*a, scale=scale, interpret=False, config=cfg))
+    return jax.block_until_ready(f(q, kv, idx, s, o, lse, do, dlse))
+
+
+CASES = [
+    ("h64_d512_bf16_sink", 1, 192, 64, 512, 320, 192, jnp.bfloat16, True),
+    ("h128_d512_bf16_nosink_k130", 2, 96, 128, 512, 200, 130, jnp.bfloat16, False),
+    ("h16_d64_bf16_sink_pad", 1, 64, 16, 64, 100, 40, jnp.bfloat16, True),
+    ("h64_d512_f16_sink", 1, 64, 64, 512, 150, 100, jnp.float16, True),
+    ("h128_d512_bf16_k1152", 1, 48, 128, 512, 2000, 1152, jnp.bfloat16, True),
+]
+
+
+def part_grad(seed, variants):
+    import csa_jax
+    from csa_jax import problems
+    g, x = _mods()
+    key = jax.random.PRNGKey(seed + 11)
+    for name, B, T, H, D, N, K, dt, sink in CASES:
+        key, k = jax.random.split(key)
+        q, kv, idx, s, do, dlse = _bwd_inputs(k, B, T, H, D, N, K, dt, sink)
+        scale = D ** -0.5
+        o, lse = x.forward(q, kv, idx, s, scale=scale, interpret=False, config=x.Config())
+        ref = _run_bwd(x, x.Config(), (q, kv, idx, s, o, lse, do, dlse), scale)
+        for vname, cfg in variants(q.shape):
+            try:
+                got = _run_bwd(g, cfg, (q, kv, idx, s, o, lse, do, dlse), scale)
+            except Exception as e:  # noqa: BLE001
+                traceback.print_exc(limit=4)
+                report(part="grad", case=name, variant=vname, ok=False,
+                       error=f"{type(e).__name__}: {e}"[:500])
+                continue
+            errs = {n: rel(a, b) for n, a, b in zip(("dq", "dkv", "dsink"), got, ref)}
+            if not sink:
+                errs.pop("dsink")      # no sink: the vjp zeroes it (vjp._bwd)
+            tol = TOL[jnp.dtype(dt).name]
+            report(part="grad", case=name, variant=vname, shape=[B, T, H, D], K=K,
+                   dtype=jnp.dtype(dt).name, sink=sink, errs=errs,
+                   ok=all(e <= tol for e in errs.values()))
+    # End to end: jax.grad through sparse_attention, forward and backward Gluon.
+    q, kv, idx, s, do, dlse = _bwd_inputs(key, 1, 128, 64, 512, 256, 160, jnp.bfloat16, True)
+    grads = {}
+    for impl in ("gluon", "xla"):
+        loss = problems.loss_fn(lambda q, kv, idx, s, impl=impl: csa_jax.sparse_attention(
+            q, kv, idx, s, impl=impl))
+        grads[impl] = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, kv, s, idx, do, dlse)
+    errs = {n: rel(a, b) for n, a, b in zip(("dq", "dkv", "dsink"), grads["gluon"], grads["xla"])}
+    report(part="grad_e2e", errs=errs, ok=all(e <= 2e-2 for e in errs.values()))
+
+
+def part_det(seed):
+    g, x = _mods()
+    key = jax.random.PRNGKey(seed + 13)
+    q, kv, idx, s, do, dlse = _bwd_inputs(key, 1, 256, 128, 512, 400, 320, jnp.bfloat16, True)
+    o, lse = g.forward(q, kv, idx, s, scale=512 ** -0.5, interpret=False,
+                       config=g.default_config(q.shape, kv.shape, idx.shape, q.dtype))
+    cfg = g.default_config(q.shape, kv.shape, idx.shape, q.dtype)
+    a = _run_bwd(g, cfg, (q, kv, idx, s, o, lse, do, dlse), 512 ** -0.5)
+    b = _run_bwd(g, cfg, (q, kv, idx, s, o, lse, do, dlse), 512 ** -0.5)
+    same = {n: bool(jnp.array_equal(u, v)) for n, u, v in zip(("dq", "dkv", "dsink"), a, b)}
+    report(part="det", bit_identical=same, ok=same["dkv"] and same["dq"])
+
+
+def part_time(seed, shapes, variants):
+    from csa_jax import problems
+    import csa_jax
+    from csa_jax import registry
+    from csa_jax.config import preset
+    for family, ratio, T in shapes:
+        c = preset(family, ratio)
+        pr = problems.make_problem(c, T, B=1, seed=seed,
+                                   index_mode="random" if ratio == 4 else "causal")
+        nominal, valid = pr.flops()
+        bwd_flops = 2.5 * nominal
+        g = registry.get("gluon")
+        gcfg = g.default_config(pr.q.shape, pr.kv.shape, pr.idx.shape, pr.q.dtype)
+        o, lse = g.forward(pr.q, pr.kv, pr.idx, pr.sink, scale=c.scale, interpret=False,
+                           config=gcfg)
+        args = (pr.q, pr.kv, pr.idx, pr.sink, o, lse, pr.do, pr.dlse)
+        runs = [("pallas_triton", registry.get("pallas_triton"), None)]
+        runs += [("gluon:" + v, g, cfg) for v, cfg in variants(pr.q.shape)]
+        ref = None
+        for name, mod, cfg in runs:
+            try:
+                cfg = cfg or mod.default_config(pr.q.shape, pr.kv.shape, pr.idx.shape,
+                                                pr.q.dtype)
+                f = jax.jit(lambda *a, mod=mod, cfg=cfg: mod.backward(
+                    *a, scale=c.scale, interpret=False, config=cfg))
+                fdq = jax.jit(lambda *a, mod=mod, cfg=cfg: mod.backward(
+                    *a, scale=c.scale, interpret=False, config=cfg)[0])
+                reps = 5 if T > 8192 else 10
+                ms = time_ms(f, args, reps=reps)
+                dq_ms = time_ms(fdq, args, reps=reps)
+                out = f(*args)
+                row = dict(part="time", family=family, ratio=ratio, T=T, impl=name, bwd_ms=ms,
+                           dq_ms=dq_ms, bwd_tflops_nominal=bwd_flops / ms / 1e9,
+                           bwd_tflops_valid=2.5 * valid / ms / 1e9)
+                if ref is None:
+                    ref = out
+                elif getattr(cfg, "bwd_ablate", 0):
+                    row["ablated"] = cfg.bwd_ablate          # wrong results by design: no check
+                else:
+                    row["err_vs_pallas_triton"] = {
+                        n: rel(a, b) for n, a, b in zip(("dq", "dkv", "dsink"), out, ref)}
+                    row["ok"] = all(e <= 2e-2 for e in row["err_vs_pallas_triton"].values())
+                report(**row)
+                del out
+            except Exception as e:  # noqa: BLE001
+                traceback.print_exc(limit=4)
+                report(part="time", family=family, ratio=ratio, T=T, impl=name, ok=False,
+                       error=f"{type(e).__name__}: {e}"[:400])
+        del ref, args, o, lse
+        for impl in ("pallas_triton", "gluon"):
+            try:
+                loss = problems.loss_fn(lambda q, kv, idx, s, impl=impl: csa_jax.sparse_attention(
+                    q, kv, idx, s, scale=c.scale, impl=impl))
+                step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+                ms = time_ms(step, (pr.q, pr.kv, pr.sink, pr.idx, pr.do, pr.dlse),
+                             reps=5 if T > 8192 else 10)
+                report(part="step", family=family, ratio=ratio, T=T, impl=impl, step_ms=ms,
+                       step_tflops_nominal=3.5 * nominal / ms / 1e9)
+            except Exception as e:  # noqa: BLE001
+                traceback.print_exc(limit=4)
+                report(part="step", family=family, ratio=ratio, T=T, impl=impl, ok=False,
+                       error=f"{type(e).__name__}: {e}"[:400])
+        del pr
+
+
+def make_variants(spec):
+    """'name:key=val,key=val;...' -> f(q_shape) -> [(name, gluon Config)], default first."""
+    from csa_jax import registry
+    g = registry.get("gluon")
+    parsed = parse_variants(spec or "")[1:]          # common.parse_variants' "default" first
+
+    def variants(q_shape):
+        base = g.default_config(q_shape, None, (0, 0, 0), jnp.bfloat16)
+        out = [("default", base)]
+        for name, kw in parsed:
+            try:
+                out.append((name, dataclasses.replace(base, **kw)))
+            except (TypeError, ValueError) as e:
+                report(part="variant", variant=name, ok=False, error=str(e)[:300])
+        return out
+
+    return variants
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--parts", default="grad,det,time")
+    ap.add_argument("--shapes", default="pro:4:4096,pro:4:16384")
+    ap.add_argument("--variants", default="")
+    ap.add_argument("--grad-variants", default="")
+    ap.add_argument("--seed", type=int, default=int(time.time()) % 100000)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    print(f"# device {jax.devices()[0].device_kind}, jax {jax.__version__}, seed {args.seed}",
+          flush=True)
+    for part in args.parts.split(","):
+        try:
+            if part == "grad":
+                part_grad(args.seed, make_variants(args.grad_variants))
+            elif part == "det":
+                part_det(args.seed)
+            elif part == "time":
+                shapes = [(f, int(r), int(t)) for f, r, t in
+                          (s.split(":") for s in args.shapes.split(","))]
+                part_time(args.seed, shapes, make_variants(args.variants))
+            else:
+                raise ValueError(f"unknown part {part!r}")
+        except Exception as e:  # noqa: BLE001
+            traceback.print_exc(limit=6)
+            report(part=part, ok=False, error=f"{type(e).__name__}: {e}"[:500])
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(dict(seed=args.seed, results=RESULTS), f, indent=1)
+    bad = [r for r in RESULTS if r.get("ok") is False]
+    print(f"# {len(RESULTS)} checks, {len(bad)} failed", flush=True)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

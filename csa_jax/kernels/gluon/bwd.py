@@ -1,0 +1,250 @@
+"""The warp-specialized CSA backward's dq kernel in Gluon (NVIDIA Hopper), and the backward.
+
+dq kernel, one program (CTA) = 64 heads of one token (as the forward, fwd.py):
+
+- producer partition (4 warps): copies dO [64, D] into rows 64..127 of a [128, D] shared buffer,
+  then runs the forward's producer (fwd._producer: q into rows 0..63, then the token's kv tiles
+  of BK rows gathered with cp.async into the STAGES-deep mbarrier ring, -1 slots zero-filled).
+- default partition, 8 warps = 2 consumer warpgroups, per tile:
+  1. one wgmma [q; dO] kv^T -> [128, BK] f32 (warps_per_cta [8, 1]: warpgroup 0 computes the
+     scores S of its 64 heads, warpgroup 1 dP = dO kv^T, each with the full N = BK, so the
+     resident operand is read once per tile, not once per column half);
+  2. S and dP meet through a small f32 shared buffer and are read back in one blocked layout
+     over all 8 warps: p = exp2(S * scale * log2e - lse * log2e) on valid slots (0 on empty),
+     dS = p * (dP + dlse - delta) (csa_spec.md section 3 with the lse cotangent);
+  3. scale * dS and p go to dsp [B*T, 2, Hp, Kp] (q's dtype, 16-byte coalesced stores) for the
+     per-slot intermediate GEMM; dS (q's dtype) goes to shared memory;
+  4. dq[:, half] += dS kv[:, half] on wgmma (warps_per_cta [4, 2]: each warpgroup owns half of
+     dq's columns, 64 x 256 f32 at D = 512), A = dS from shared memory, B = the ring tile;
+  5. the stage is released (fwd._release). Tiles past the token's last non-empty one are not
+     walked; their dsp columns are written as zeros. dq = scale * acc in q's dtype.
+
+dkv stays the deterministic path of the Pallas Triton impl: interm[t] = [scale*dS; P]^T [q; dO],
+one batched GEMM per token in XLA, then the CSR inverse-map gather-reduce kernel (no atomics;
+empty slots have no inverse-map entry). delta = sum(o * dO) and dsink = sum_t exp(sink - lse)
+(dlse - delta) are XLA reductions.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared, mbarrier, warpgroup_mma)
+
+from csa_jax.kernels.gluon.dims import HB, SMEM_LIMIT, padded_dims
+from csa_jax.kernels.gluon.dims import dq_shared_bytes as shared_bytes
+from csa_jax.kernels.gluon.fwd import (
+    CONSUMER_WARPS, LOG2E, PRODUCER_WARPS, _next_ids, _producer, _release)
+
+__all__ = ["csa_dq_kernel", "arg_types", "constexprs", "backward", "shared_bytes", "SMEM_LIMIT"]
+_LOG2E = gl.constexpr(LOG2E)
+
+
+@gluon.jit
+def _dq_producer(q_ptr, do_ptr, kv_ptr, idx_ptr, qdo_smem, ring, full, consumed, q_bar, do_bar,
+                 row, b, ntiles, N: gl.constexpr, D: gl.constexpr, K: gl.constexpr,
+                 BK: gl.constexpr, STAGES: gl.constexpr, HBC: gl.constexpr,
+                 PREFETCH: gl.constexpr):
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [PRODUCER_WARPS, 1], [1, 0])
+    cols = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
+    hrows = gl.arange(0, HBC, layout=gl.SliceLayout(1, layout))
+    do_ptrs = do_ptr + (row * HBC + hrows).to(gl.int64)[:, None] * D + cols[None, :]
+    async_copy.async_copy_global_to_shared(qdo_smem.slice(HBC, HBC), do_ptrs)
+    async_copy.mbarrier_arrive(do_bar, increment_count=False)
+    # q into rows 0..HBC-1, then the kv ring: exactly the forward's producer (its row-id prefetch
+    # is Config.bwd_prefetch here, off by default: the dq kernel was timed without it).
+    _producer(q_ptr, kv_ptr, idx_ptr, qdo_smem.slice(0, HBC), ring, full, consumed, q_bar, row,
+              b, ntiles, N, D, K, BK, STAGES, HBC, PREFETCH)
+
+
+@gluon.jit
+def _dq_consumer(idx_ptr, lse_ptr, dc_ptr, dq_ptr, dsp_ptr, qdo_smem, ring, full, consumed,
+                 q_bar, do_bar, sd_smem, ds_smem, row, tok, hb, ntiles,
+                 D: gl.constexpr, K: gl.constexpr, HP: gl.constexpr, BK: gl.constexpr,
+                 STAGES: gl.constexpr, HBC: gl.constexpr, EW_C: gl.constexpr,
+                 QK_SCALE: gl.constexpr, SCALE: gl.constexpr, PREFETCH: gl.constexpr,
+                 ABLATE: gl.constexpr):
+    sd_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, BK, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, D // 2, 16])
+    # Element-wise layout of one [HBC, BK] tile over the 8 warps: EW_C consecutive slots per
+    # thread (16-byte stores of the bf16 dsp rows).
+    ew: gl.constexpr = gl.BlockedLayout([1, EW_C], [32 // (BK // EW_C), BK // EW_C],
+                                        [gl.num_warps(), 1], [1, 0])
+    erow: gl.constexpr = gl.SliceLayout(1, ew)
+    ecol: gl.constexpr = gl.SliceLayout(0, ew)
+    dt: gl.constexpr = dsp_ptr.dtype.element_ty
+
+    hrows = gl.arange(0, HBC, layout=erow)
+    kcols = gl.arange(0, BK, layout=ecol)
+    lse2 = gl.load(lse_ptr + row * HBC + hrows) * _LOG2E       # exp2 domain
+    dc = gl.load(dc_ptr + row * HBC + hrows)                   # dlse - delta
+    # dsp [B*T, 2, HP, K]: this program's heads hb*HBC.., plane 0 = scale*dS, plane 1 = P.
+    ds_ptrs = (dsp_ptr + tok.to(gl.int64) * (2 * HP * K)
+               + (hb * HBC + hrows).to(gl.int64)[:, None] * K + kcols[None, :])
+    p_ptrs = ds_ptrs + HP * K
+    sd_zero = gl.zeros([2 * HBC, BK], gl.float32, sd_layout)
+    acc = gl.zeros([HBC, D], gl.float32, acc_layout)
+    ids_next = gl.load(idx_ptr + kcols)                 # tile 0's ids (K >= BK), PREFETCH only
+    mbarrier.wait(q_bar, 0)
+    mbarrier.wait(do_bar, 0)
+    for i in range(ntiles):
+        s = i % STAGES
+        mbarrier.wait(full.index(s), (i // STAGES) & 1)
+        fence_async_shared()          # cp.async (generic proxy) -> wgmma (async proxy)
+        tile = ring.index(s)
+        if ABLATE == 4:               # benchmark only: no compute, the producer's pace
+            _release(consumed.index(s))
+        else:
+            if ABLATE == 3:
+                sd = sd_zero
+            else:
+                sd = warpgroup_mma(qdo_smem, tile.permute((1, 0)), sd_zero, use_acc=False)
+            sd_smem.store(sd)
+            gl.thread_barrier()
+            sc = sd_smem.slice(0, HBC).load(ew)
+            dp = sd_smem.slice(HBC, HBC).load(ew)
+            ids, ids_next = _next_ids(idx_ptr, ids_next, i, kcols, K, BK, PREFETCH)
+            valid = (ids >= 0)[None, :]
+            p = gl.where(valid, gl.exp2(sc * QK_SCALE - lse2[:, None]), 0.0)
+            ds = p * (dp + dc[:, None])
+            if ABLATE != 1:
+                gl.store(ds_ptrs + i * BK, (ds * SCALE).to(dt))
+                gl.store(p_ptrs + i * BK, p.to(dt))
+            ds_smem.store(ds.to(dt))
+            fence_async_shared()      # generic-proxy stores -> wgmma reads
+            gl.thread_barrier()
+            if ABLATE != 2:
+                acc = warpgroup_mma(ds_smem, tile, acc)
+            _release(consumed.index(s))
+    if ABLATE != 1:
+        zero = gl.zeros([HBC, BK], dt, ew)
+        for i in range(ntiles, K // BK):  # past the last non-empty tile: exact zeros
+            gl.store(ds_ptrs + i * BK, zero)
+            gl.store(p_ptrs + i * BK, zero)
+    orows = gl.arange(0, HBC, layout=gl.SliceLayout(1, acc_layout))
+    ocols = gl.arange(0, D, layout=gl.SliceLayout(0, acc_layout))
+    dq_ptrs = dq_ptr + (row * HBC + orows).to(gl.int64)[:, None] * D + ocols[None, :]
+    gl.store(dq_ptrs, (acc * SCALE).to(dq_ptr.dtype.element_ty))
+
+
+@gluon.jit
+def csa_dq_kernel(q_ptr, do_ptr, kv_ptr, idx_ptr, ntiles_ptr, lse_ptr, dc_ptr, dq_ptr, dsp_ptr,
+                  T: gl.constexpr, N: gl.constexpr, NHB: gl.constexpr, D: gl.constexpr,
+                  K: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, EW_C: gl.constexpr,
+                  QK_SCALE: gl.constexpr, SCALE: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                  PREFETCH: gl.constexpr, ABLATE: gl.constexpr):
+    # program = (b, t, head block), head block fastest; `row` indexes [B*T*NHB] head blocks.
+    row = gl.program_id(0)
+    tok = row // NHB
+    hb = row % NHB
+    b = tok // T
+    ntiles = gl.load(ntiles_ptr + tok)
+    idx_tok = idx_ptr + tok.to(gl.int64) * K
+    dtype: gl.constexpr = q_ptr.dtype.element_ty
+    HBC: gl.constexpr = 64
+    qdo_smem = gl.allocate_shared_memory(
+        dtype, [2 * HBC, D], gl.NVMMASharedLayout.get_default_for([2 * HBC, D], dtype))
+    ring = gl.allocate_shared_memory(
+        dtype, [STAGES, BK, D], gl.NVMMASharedLayout.get_default_for([BK, D], dtype))
+    # 16-byte units XOR-swizzled by row: gl.bank_conflicts gives 1 for the accumulator-layout
+    # stores and 0 (BK = 32) / 1 (BK = 64) for the element-wise loads (3 and 1 unswizzled).
+    sd_smem = gl.allocate_shared_memory(gl.float32, [2 * HBC, BK],
+                                        gl.SwizzledSharedLayout(4, 1, 8, [1, 0]))
+    ds_smem = gl.allocate_shared_memory(
+        dtype, [HBC, BK], gl.NVMMASharedLayout.get_default_for([HBC, BK], dtype))
+    full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    consumed = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    do_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=PRODUCER_WARPS * 32)
+    mbarrier.init(do_bar, count=PRODUCER_WARPS * 32)
+    for s in gl.static_range(STAGES):
+        mbarrier.init(full.index(s), count=PRODUCER_WARPS * 32)
+        mbarrier.init(consumed.index(s), count=1)
+    gl.warp_specialize([
+        (_dq_consumer, (idx_tok, lse_ptr, dc_ptr, dq_ptr, dsp_ptr, qdo_smem, ring, full,
+                        consumed, q_bar, do_bar, sd_smem, ds_smem, row, tok, hb, ntiles, D, K,
+                        NHB * HBC, BK, STAGES, HBC, EW_C, QK_SCALE, SCALE, PREFETCH, ABLATE)),
+        (_dq_producer, (q_ptr, do_ptr, kv_ptr, idx_tok, qdo_smem, ring, full, consumed, q_bar,
+                        do_bar, row, b, ntiles, N, D, K, BK, STAGES, HBC, PREFETCH)),
+    ], [PRODUCER_WARPS], [PRODUCER_REGS])
+
+
+# ----------------------------------------------------------------------------- host side
+
+ARG_TYPES = ("*{dt}", "*{dt}", "*{dt}", "*i32", "*i32", "*fp32", "*fp32", "*{dt}", "*{dt}")
+
+
+def arg_types(dt="bf16"):
+    return [a.format(dt=dt) for a in ARG_TYPES]
+
+
+def ew_cols(bk):
+    """Slots per thread in the element-wise layout (the 8 warps cover 64 rows x bk exactly)."""
+    return 8 if bk >= 32 else 4
+
+
+def constexprs(*, T, N, NHB, D, K, BK, stages, scale, producer_regs, prefetch=False, ablate=0):
+    """The dq kernel's compile-time parameters (also used by the CPU compile checks)."""
+    return dict(T=T, N=N, NHB=NHB, D=D, K=K, BK=BK, STAGES=stages, EW_C=ew_cols(BK),
+                QK_SCALE=float(scale) * LOG2E, SCALE=float(scale), PRODUCER_REGS=producer_regs,
+                PREFETCH=bool(prefetch), ABLATE=int(ablate))
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "block_k", "stages", "producer_regs",
+                                             "prefetch", "ablate", "interpret_reduce"))
+def backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, block_k, stages, producer_regs,
+             prefetch=False, ablate=0, interpret_reduce=False):
+    """(dq, dkv, dsink): dq by csa_dq_kernel, dkv by the deterministic interm GEMM + inverse-map
+    reduce of the Pallas Triton impl, dsink and delta in XLA (CUDA only). idx must already be
+    sanitized (-1 for every empty or out-of-range slot). interpret_reduce runs the reduce kernel
+    in the Pallas interpreter (the CPU test of this wrapper, with the dq kernel emulated)."""
+    import jax.numpy as jnp
+    from csa_jax.kernels.gluon.adapter import gluon_call
+    # The Pallas Triton impl's padding helpers and its dkv path (kernels/triton: plan.py,
+    # backward.py), shared rather than copied.
+    from csa_jax.kernels.triton import default_config as pt_default_config
+    from csa_jax.kernels.triton.backward import _interm_gemm, _reduce_call
+    from csa_jax.kernels.triton.plan import _Dims, _ntiles, _pad_to, _prep_idx
+    f32 = jnp.float32
+    B, T, H, D = q.shape
+    N, K = kv.shape[1], idx.shape[2]
+    Hp, Dp, Kp = padded_dims(H, D, K, block_k)
+    need = shared_bytes(D, block_k, stages)
+    if need > SMEM_LIMIT:
+        raise ValueError(f"dq kernel tiles bwd_block_k={block_k}, bwd_stages={stages} at D={D} "
+                         f"need {need} B of shared memory; the H200 has {SMEM_LIMIT} per block")
+    d = _Dims(B, T, H, D, N, K, Hp, Dp, Kp)
+    pad = _pad_to
+    idx_p, used = _prep_idx(idx, d)                 # -1 padding; slots up to the last non-empty
+    ntiles = _ntiles(used, block_k).reshape(B * T)
+    delta = jnp.sum(o.astype(f32) * do.astype(f32), axis=-1)                 # [B, T, H]
+    # Padded heads: q = dO = 0 and lse = dc = 0, so p = 1 on valid slots but dS = 0, p dO = 0.
+    q_p = pad(pad(q, 3, Dp), 2, Hp)
+    do_p = pad(pad(do, 3, Dp), 2, Hp)
+    kv_p = pad(kv, 2, Dp)
+    lse_p = pad(lse.astype(f32), 2, Hp).reshape(-1)
+    dc_p = pad(dlse.astype(f32) - delta, 2, Hp).reshape(-1)
+    nhb = Hp // HB
+    dq, dsp = gluon_call(
+        q_p.reshape(B * T * Hp, Dp), do_p.reshape(B * T * Hp, Dp), kv_p.reshape(B * N, Dp),
+        idx_p.reshape(B * T, Kp), ntiles, lse_p, dc_p,
+        kernel=csa_dq_kernel,
+        out_shape=[jax.ShapeDtypeStruct((B * T * Hp, Dp), q.dtype),
+                   jax.ShapeDtypeStruct((B * T, 2, Hp, Kp), q.dtype)],
+        grid=(B * T * nhb,), num_warps=CONSUMER_WARPS, name="csa_gluon_dq",
+        **constexprs(T=T, N=N, NHB=nhb, D=Dp, K=Kp, BK=block_k, stages=stages, scale=scale,
+                     producer_regs=producer_regs, prefetch=prefetch, ablate=ablate))
+    # dkv: the Pallas Triton impl's deterministic per-slot GEMM + inverse-map gather-reduce.
+    ptc = pt_default_config(q.shape, kv.shape, idx.shape, q.dtype)
+    interm = _interm_gemm(dsp.reshape(B, T, 2, Hp, Kp), q_p, do_p, None, q.dtype)
+    dkv = _reduce_call(d, ptc, interpret_reduce, idx_p, interm, kv.dtype)
+    w = jnp.exp(sink[None, None, :] - lse)
+    dsink = jnp.sum(w * (dlse - delta), axis=(0, 1))
+    return dq.reshape(B, T, Hp, Dp)[:, :, :H, :D], dkv[:, :, :D], dsink

@@ -1,0 +1,161 @@
+"""The Gluon backward (csa_jax/kernels/gluon/bwd.py) without a GPU.
+
+- the dq kernel compiles for sm_90a (triton's own compiler and the bundled ptxas, on the CPU):
+  launchable through jaxlib, inside the H200's shared memory, no spills, the wgmma shapes meant;
+- the host wrapper (padding, dsp layout, the dlse - delta sign, dsink, the Pallas Triton
+  interm GEMM + inverse-map reduce in interpret mode) against the float64 dense oracle, with the
+  dq kernel replaced by a jnp emulation of its contract (Gluon has no interpreter);
+- the Config switch and its validation.
+The kernel itself ran on the H200 (benchmarks/gluon_bwd_check.py, docs/perf/gluon_bwd_h200.md).
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import assert_close, dense_oracle, random_problem
+
+pytest.importorskip("triton.experimental.gluon")
+
+from csa_jax.kernels import gluon  # noqa: E402
+from csa_jax.kernels.gluon import adapter, bwd  # noqa: E402
+
+
+@pytest.mark.parametrize("dt,D,bk,stages", [("bf16", 512, 32, 2), ("fp16", 512, 16, 4),
+                                            ("bf16", 128, 64, 3)])
+def test_dq_kernel_compiles_sm90(dt, D, bk, stages):
+    cfg = gluon.default_config((1, 64, 128, D), None, None, jnp.bfloat16)
+    if D == 512 and dt == "bf16":       # the default tiles at D = 512 are the ones timed
+        assert (cfg.bwd_block_k, cfg.bwd_stages) == (bk, stages)
+    c = adapter.compile_kernel(
+        bwd.csa_dq_kernel, bwd.arg_types(dt),
+        bwd.constexprs(T=64, N=300, NHB=2, D=D, K=192, BK=bk, stages=stages, scale=D ** -0.5,
+                       producer_regs=96), target="sm_90a", num_warps=bwd.CONSUMER_WARPS)
+    r = adapter.resources(c, "sm_90a")
+    assert r["launch_problem"] is None, r
+    assert r["num_warps"] == bwd.CONSUMER_WARPS + 4          # consumers + producer partition
+    est = bwd.shared_bytes(D, bk, stages)
+    assert est <= r["shared"] <= min(est + 1024, adapter.SHARED_LIMIT["sm_90a"]), (r, est)
+    assert r.get("spill_stores", 0) == 0 and r.get("stack", 0) == 0, r
+    ptx = c.asm["ptx"]
+    shapes = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16", ptx))
+    assert shapes == {str(bk), str(D // 2)}, shapes          # [q; dO] kv^T and dS kv
+    assert "setmaxnreg" in ptx
+
+
+@pytest.mark.parametrize("prefetch,ablate,shapes", [
+    (True, 0, {"32", "256"}), (False, 1, {"32", "256"}), (False, 2, {"32"}),
+    (False, 3, {"256"}), (False, 4, set())])
+def test_dq_kernel_variants_compile(prefetch, ablate, shapes):
+    """Config.bwd_prefetch and the benchmark-only Config.bwd_ablate modes (which product is left
+    out shows in the PTX's wgmma shapes; 1 drops the dsp stores, checked by their count)."""
+    c = adapter.compile_kernel(
+        bwd.csa_dq_kernel, bwd.arg_types("bf16"),
+        bwd.constexprs(T=64, N=300, NHB=2, D=512, K=192, BK=32, stages=2, scale=0.05,
+                       producer_regs=96, prefetch=prefetch, ablate=ablate),
+        target="sm_90a", num_warps=bwd.CONSUMER_WARPS)
+    r = adapter.resources(c, "sm_90a")
+    assert r["launch_problem"] is None and r.get("spill_stores", 0) == 0, r
+    ptx = c.asm["ptx"]
+    assert set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16", ptx)) == shapes
+    assert ("st.global.v4" in ptx) == (ablate != 1)       # the scale*dS / P stores
+
+
+def test_config_switch():
+    assert gluon.Config().bwd == "gluon"
+    assert dataclasses.replace(gluon.Config(), bwd="pallas_triton").bwd == "pallas_triton"
+    for bad in (dict(bwd="xla"), dict(bwd_block_k=48), dict(bwd_stages=0),
+                dict(bwd_stages=True), dict(bwd_prefetch=1), dict(bwd_ablate=5),
+                dict(bwd_ablate=True)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            gluon.Config(**bad)
+    for D in (64, 128, 256, 512):
+        c = gluon.default_config((1, 8, 64, D), None, None, jnp.bfloat16)
+        assert bwd.shared_bytes(D, c.bwd_block_k, c.bwd_stages) <= bwd.SMEM_LIMIT - 8192
+
+
+def test_oversized_tiles_are_refused_by_name():
+    q = jnp.zeros((1, 4, 64, 512), jnp.bfloat16)
+    kv = jnp.zeros((1, 8, 512), jnp.bfloat16)
+    idx = jnp.zeros((1, 4, 64), jnp.int32)
+    f32 = jnp.zeros((1, 4, 64), jnp.float32)
+    with pytest.raises(ValueError, match="bwd_block_k=64, bwd_stages=2 at D=512"):
+        bwd.backward(q, kv, idx, jnp.zeros(64), q, f32, q, f32, scale=0.1, block_k=64,
+                     stages=2, producer_regs=96)
+
+
+def _emulated_dq_kernel(q, do, kv, idx, ntiles, lse, dc, *, kernel, out_shape, grid, num_warps,
+                        name, T, N, NHB, D, K, BK, SCALE, **_):
+    """What csa_dq_kernel computes, in jnp (its contract; see the bwd.py docstring)."""
+    assert kernel is bwd.csa_dq_kernel and num_warps == bwd.CONSUMER_WARPS
+    BT = idx.shape[0]
+    Hp, B = NHB * bwd.HB, BT // T
+    assert grid == (BT * NHB,) and q.shape == (BT * Hp, D) and kv.shape == (B * N, D)
+    f32 = jnp.float32
+    qf = q.reshape(BT, Hp, D).astype(f32)
+    dof = do.reshape(BT, Hp, D).astype(f32)
+    rows = kv.reshape(B, N, D)[jnp.arange(BT)[:, None] // T, jnp.maximum(idx, 0)].astype(f32)
+    walked = jnp.arange(K)[None, :] < (ntiles * BK)[:, None]
+    valid = ((idx >= 0) & walked)[:, None, :]                                   # [BT, 1, K]
+    s = jnp.einsum("thd,tkd->thk", qf, rows)
+    lse2, dc2 = lse.reshape(BT, Hp, 1), dc.reshape(BT, Hp, 1)
+    p = jnp.where(valid, jnp.exp(jnp.where(valid, s * SCALE - lse2, 0.0)), 0.0)
+    ds = p * (jnp.einsum("thd,tkd->thk", dof, rows) + dc2)
+    dt = out_shape[0].dtype
+    dq = SCALE * jnp.einsum("thk,tkd->thd", ds.astype(dt).astype(f32), rows)
+    dsp = jnp.stack([ds * SCALE, p], axis=1)
+    return dq.reshape(BT * Hp, D).astype(dt), dsp.astype(out_shape[1].dtype)
+
+
+@pytest.mark.parametrize("H,D,K,bk", [(20, 24, 40, 16), (64, 64, 70, 32)])
+def test_wrapper_against_dense_oracle(rng, monkeypatch, H, D, K, bk):
+    from csa_jax.common import sanitize_indices
+    monkeypatch.setattr(adapter, "gluon_call", _emulated_dq_kernel)
+    q, kv, idx, sink = random_problem(rng, T=10, H=H, D=D, K=K, dtype=jnp.float32, empty_rows=2)
+    idx = sanitize_indices(idx, kv.shape[1])
+    scale = 0.7 * D ** -0.5
+    do = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
+    dlse = jnp.asarray(rng.standard_normal(q.shape[:3]), jnp.float32)
+    o, lse = dense_oracle(q, kv, idx, sink, scale)
+    o, lse = jnp.asarray(o, jnp.float32), jnp.asarray(lse, jnp.float32)
+    dq, dkv, dsink = bwd.backward(q, kv, idx, sink, o, lse, do, dlse, scale=scale, block_k=bk,
+                                  stages=2, producer_regs=96, interpret_reduce=True)
+    _, _, rdq, rdkv, rdsink = dense_oracle(q, kv, idx, sink, scale, do, dlse)
+    for what, got, want in (("dq", dq, rdq), ("dkv", dkv, rdkv), ("dsink", dsink, rdsink)):
+        assert got.shape == want.shape, (what, got.shape, want.shape)
+        assert_close(got, want, jnp.float32, factor=10, what=what)
+    jax.clear_caches()          # the emulated kernel must not stay in bwd.backward's jit cache
+    assert np.isfinite(np.asarray(dkv)).all()
+
+
+@pytest.mark.parametrize("target", ["gfx942", "gfx950", "gfx1250"])
+def test_dq_kernel_is_nvidia_only(target):
+    """wgmma, NVMMA layouts, cp.async and setmaxnreg: the AMD backends reject the kernel while
+    building it (a RuntimeError from Triton's parser or pass manager), not later at launch."""
+    with pytest.raises(RuntimeError):
+        adapter.compile_kernel(
+            bwd.csa_dq_kernel, bwd.arg_types("bf16"),
+            bwd.constexprs(T=64, N=300, NHB=2, D=512, K=192, BK=32, stages=2, scale=0.1,
+                           producer_regs=96), target=target, num_warps=bwd.CONSUMER_WARPS)
+
+
+def test_transpose_probe_modes_compile_to_the_three_ways():
+    """benchmarks/gluon_transpose_probe.py: what each mode's loop reads shared memory with, as
+    docs/perf/gluon_bwd_h200.md reports it (sm_90a PTX of the ITERS loop)."""
+    from benchmarks import gluon_transpose_probe as tp
+    mix = {}
+    for mode in tp.MODES:
+        c = adapter.compile_kernel(tp.transpose_probe_kernel, ["*bf16", "*bf16"],
+                                   tp.constexprs(mode), target="sm_90a", num_warps=4)
+        assert adapter.resources(c, "sm_90a").get("spill_stores", 0) == 0
+        mix[mode] = tp.instruction_mix(tp.loop_body(c.asm["ptx"]))
+    assert mix[0] == {"ldmatrix.sync.aligned.m8n8.x4.shared": 4}            # plain
+    assert mix[1] == {"ldmatrix.sync.aligned.m8n8.x4.trans": 4}             # transpose-load
+    # "register" transpose: Triton's layout conversion goes back through shared memory.
+    assert mix[2]["ld.shared.v4"] == 4 and mix[2]["st.shared"] >= 1 and mix[2]["bar.sync"] >= 1
+    assert mix[3] == {"ld.shared.b16": 32}                                   # strided 2-byte
