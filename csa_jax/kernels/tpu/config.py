@@ -5,6 +5,7 @@ import dataclasses
 
 import jax
 import numpy as np
+from jax.experimental.pallas import tpu as pltpu
 
 from csa_jax import blockmath as bm
 
@@ -42,6 +43,8 @@ class Config:
                  as contiguous tiles, one DMA per tile, and ignore idx there; check_layout
                  verifies the promise (forward calls it whenever idx is concrete).
     window, pool_ratio  the layout's window size and (cr128) pool ratio.
+    vmem_limit_bytes  the scoped VMEM limit the kernels are compiled under; None: the
+                 generation's default (vmem_limit; docs/pallas_tpu.md says why).
     """
     block_t: int = 8
     block_k: int = 128
@@ -53,6 +56,7 @@ class Config:
     window: int = 128
     pool_ratio: int = 128
     fanin_split: int = 512
+    vmem_limit_bytes: int | None = None
 
     def __post_init__(self):
         for name in ("block_t", "block_k", "block_r", "window", "pool_ratio", "fanin_split"):
@@ -74,6 +78,25 @@ class Config:
             raise ValueError(f"Config.layout={self.layout!r} must be one of {LAYOUTS}")
         if self.pool_ratio < 2:
             raise ValueError(f"Config.pool_ratio={self.pool_ratio} must be >= 2")
+        v = self.vmem_limit_bytes
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ValueError(f"Config.vmem_limit_bytes={v!r} must be None or a positive int")
+
+
+def vmem_limit(config, interpret=False):
+    """The scoped VMEM limit (bytes) a kernel is compiled under, or None for Mosaic's own
+    default: config.vmem_limit_bytes if set, else the default of the generation being compiled
+    for (None in interpret mode)."""
+    if config.vmem_limit_bytes is not None or bm.resolve_interpret(interpret, PLATFORMS):
+        return config.vmem_limit_bytes
+    return None
+
+
+def compiler_params(config, interpret):
+    """Mosaic compiler parameters of every TPU kernel: a (batch, block) grid of independent
+    programs and the scoped VMEM limit."""
+    return pltpu.CompilerParams(dimension_semantics=("parallel", "parallel"),
+                                vmem_limit_bytes=vmem_limit(config, interpret))
 
 
 
