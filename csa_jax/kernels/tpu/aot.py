@@ -86,7 +86,7 @@ def layer_problem(family, ratio, seq, dtype, *, layout="struct", generation=None
     lay = {} if layout == "generic" else dict(layout=layout, window=c.window,
                                               pool_ratio=max(ratio, 2))
     q, kv, idx = (1, t, h, d), (1, n, d), (1, t, k)
-    cfg = default_config(q, kv, idx, jnp.dtype(dtype), **lay)
+    cfg = default_config(q, kv, idx, jnp.dtype(dtype), generation=generation, **lay)
     if overrides:
         cfg = dataclasses.replace(cfg, **overrides)
     return Problem(f"{c.name}-T{t}-{layout}-{jnp.dtype(dtype).name}", q, kv, idx,
@@ -262,6 +262,29 @@ def table(rows) -> str:
     return "\n".join(out)
 
 
+def pivot(rows) -> str:
+    """Markdown table, one row per (problem, kernel), one column per generation: the scoped VMEM
+    (MiB) of a kernel that compiled, **no** and the VMEM it asked for (or the error) if not."""
+    gens = sorted({r["generation"] for r in rows}, key=list(GENERATIONS).index)
+    cells, order = {}, []
+    for r in rows:
+        key = (r["problem"], r["kernel"])
+        if key not in cells:
+            order.append(key)
+            cells[key] = {}
+        if r["ok"]:
+            cells[key][r["generation"]] = _mib(r.get("scoped_vmem"))
+        elif r.get("scoped_vmem"):
+            cells[key][r["generation"]] = f"**no** ({_mib(r['scoped_vmem'])})"
+        else:
+            cells[key][r["generation"]] = "**no**: " + r["error"][:60]
+    out = ["| problem | kernel | " + " | ".join(gens) + " |", "|---|---|" + "---|" * len(gens)]
+    for key in order:
+        out.append(f"| {key[0]} | {key[1]} | "
+                   + " | ".join(cells[key].get(g, "") for g in gens) + " |")
+    return "\n".join(out)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gens", default="v5e,v6e,v5p,v4")
@@ -292,6 +315,8 @@ def main(argv=None):
                             rows += rs
                             print(table(rs).split("\n", 2)[2], flush=True)
     print(table(rows))
+    print()
+    print(pivot(rows))
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)
