@@ -31,7 +31,7 @@ class _Ring:
         [n_win + n_pool, ...)           gathered tiles: one DMA per non-empty row
 
     win_start(c) / pool_start(c) give a contiguous tile's first source row (on a [rows, D]
-    ring of a 16-bit dtype they must be multiples of the sublane tile: the caller aligns them);
+    ring a multiple of the dtype's sublane tile, 8 rows f32 / 16 bf16: the caller aligns it);
     gather_row(g, r, slot) the source row of row r of gathered tile g (< 0: empty; never
     fetched, its ring row is zero-filled by a vector store so stale data cannot leak into
     p @ v); on_gather(g, slot) (optional) runs before tile g's rows are issued. A ring of
