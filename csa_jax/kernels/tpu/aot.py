@@ -24,6 +24,7 @@ import dataclasses
 import functools
 import importlib.util
 import json
+import os
 import re
 import sys
 import time
@@ -52,6 +53,10 @@ def target_device(gen: str):
     """Device 0 of a `gen` topology (no TPU needed; libtpu must be installed)."""
     if gen not in GENERATIONS:
         raise ValueError(f"generation {gen!r} must be one of {sorted(GENERATIONS)}")
+    # libtpu takes a machine-wide lock (/tmp/libtpu_lockfile) when it loads, so a second
+    # process (another pytest-xdist worker) fails with "Internal error when accessing libtpu
+    # multi-process lockfile". Compiling drives no TPU, so several processes may load it.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     from jax.experimental import topologies
     td = topologies.get_topology_desc(topology_name=GENERATIONS[gen], platform="tpu")
     return td.devices[0]
