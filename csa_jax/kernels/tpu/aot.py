@@ -290,6 +290,36 @@ def pivot(rows) -> str:
     return "\n".join(out)
 
 
+def compact(rows) -> str:
+    """Markdown table, one row per problem, one column per generation: how many of its kernels
+    compile, the largest scoped VMEM among them (MiB), and what failed."""
+    gens = sorted({r["generation"] for r in rows}, key=list(GENERATIONS).index)
+    cells, order = {}, []
+    for r in rows:
+        if r["problem"] not in cells:
+            order.append(r["problem"])
+            cells[r["problem"]] = {}
+        cells[r["problem"]].setdefault(r["generation"], []).append(r)
+    out = ["| problem | " + " | ".join(gens) + " |", "|---|" + "---|" * len(gens)]
+    for prob in order:
+        line = []
+        for g in gens:
+            rs = cells[prob].get(g, [])
+            if not rs:
+                line.append("")
+                continue
+            ok = [r for r in rs if r["ok"]]
+            most = max((r.get("scoped_vmem") or 0 for r in ok), default=0)
+            cell = f"{len(ok)}/{len(rs)}, max {_mib(most)}"
+            bad = [r for r in rs if not r["ok"]]
+            if bad:
+                why = "HBM" if "on HBM" in bad[0]["error"] else bad[0]["error"][:40]
+                cell = f"**{cell}**; no: {', '.join(r['kernel'] for r in bad)} ({why})"
+            line.append(cell)
+        out.append(f"| {prob} | " + " | ".join(line) + " |")
+    return "\n".join(out)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gens", default="v5e,v6e,v5p,v4")
@@ -302,7 +332,13 @@ def main(argv=None):
     ap.add_argument("--vmem-limit", type=int, default=None,
                     help="compile under this scoped VMEM limit (bytes) instead of the default")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--from-json", nargs="+", default=None,
+                    help="print the tables of earlier --json results instead of compiling")
     a = ap.parse_args(argv)
+    if a.from_json:
+        rows = [r for f in a.from_json for r in json.load(open(f))]
+        print(compact(rows) + "\n\n" + pivot(rows))
+        return 0
     if not libtpu_available():
         sys.exit("aot: libtpu is not installed (pip install -e '.[tpu-aot]')")
     rows = []
