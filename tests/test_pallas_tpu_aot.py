@@ -15,13 +15,14 @@ import pytest
 from csa_jax.kernels.tpu import aot
 from csa_jax.kernels.tpu.config import generation_vmem
 
-pytestmark = pytest.mark.skipif(not aot.libtpu_available(),
-                                reason="libtpu not installed (pip install -e '.[tpu-aot]')")
+needs_libtpu = pytest.mark.skipif(not aot.libtpu_available(),
+                                  reason="libtpu not installed (pip install -e '.[tpu-aot]')")
 
 CASES = [(0, "struct", "bfloat16"), (4, "struct", "bfloat16"), (128, "struct", "bfloat16"),
          (4, "generic", "bfloat16"), (4, "struct", "float32")]
 
 
+@needs_libtpu
 @pytest.mark.slow
 @pytest.mark.parametrize("gen", ["v5e", "v6e"])
 @pytest.mark.parametrize("ratio,layout,dtype", CASES)
