@@ -181,7 +181,8 @@ def _structured_problem(rng, layout, *, T=29, w=12, ratio=8, topk=5, B=2, H=4, D
 
 @pytest.mark.parametrize("layout,dtype", [
     ("cr0", jnp.float32), ("cr4", jnp.float32), ("cr128", jnp.float32), ("cr4", jnp.bfloat16),
-], ids=["cr0-f32", "cr4-f32", "cr128-f32", "cr4-bf16"])
+    ("cr0", jnp.bfloat16), ("cr128", jnp.bfloat16),
+], ids=["cr0-f32", "cr4-f32", "cr128-f32", "cr4-bf16", "cr0-bf16", "cr128-bf16"])
 def test_structured_layouts_against_oracle(rng, layout, dtype):
     """Window reuse (contiguous union / pool tiles, closed-form dkv) matches the oracle."""
     q, kv, idx, sink, lay = _structured_problem(rng, layout, dtype=dtype)
@@ -189,6 +190,27 @@ def test_structured_layouts_against_oracle(rng, layout, dtype):
            else pt.Config(block_t=5, block_k=16, depth=2, slot_chunk=16,
                           explicit_transpose=True, **lay))
     _check_against_oracle(rng, q, kv, idx, sink, scale=0.2, config=cfg)
+
+
+def test_tile_alignment_rules(rng):
+    """Contiguous tiles start at multiples of the kv dtype's sublane tile (8 f32, 16 bf16):
+    window tiles at the union's start rounded down, cr128's pool at row round_up(T, 16) of the
+    kv operand; a structured bf16 layout with block_k = 8 is refused with the reason."""
+    from csa_jax.kernels.tpu.plan import _make_plan, kv_operand, win_start
+    cfg = pt.Config(block_t=8, block_k=16, layout="cr128", window=12, pool_ratio=8)
+    plan = _make_plan((1, 29, 4, 32), 29 + 3, 12 + 3, cfg, jnp.bfloat16)
+    assert (plan.align, plan.pool_base, plan.rows_ring) == (16, 32, False)
+    assert [win_start(8 * i, plan) for i in range(7)] == [0, 0, 0, 0, 16, 16, 32]   # max(8i - 11, 0)
+    kv = jnp.arange(32 * 32, dtype=jnp.float32).reshape(1, 32, 32).astype(jnp.bfloat16)
+    kp = kv_operand(kv, plan)
+    assert kp.shape[1] == plan.n_pad and plan.n_pad % 16 == 0
+    np.testing.assert_array_equal(np.asarray(kp[0, 32:35]), np.asarray(kv[0, 29:32]))
+    np.testing.assert_array_equal(np.asarray(kp[0, 29:32], np.float32), 0)
+    g = _make_plan((1, 29, 4, 32), 40, 20, pt.Config(block_k=8), jnp.bfloat16)
+    assert (g.align, g.rows_ring, kv_operand(kv, g).ndim) == (1, True, 4)
+    with pytest.raises(ValueError, match="block_k=8 to be a multiple of 16"):
+        _make_plan((1, 29, 4, 32), 29, 12, pt.Config(block_k=8, layout="cr0", window=12),
+                   jnp.bfloat16)
 
 
 def test_check_layout_rejects_broken_promises(rng):

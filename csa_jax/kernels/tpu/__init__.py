@@ -2,7 +2,7 @@
 
 The paper's Tensor-Data-Mover model ("issue N+1 tensor loads, compute on the oldest, wait on a
 counter") written with `pltpu.make_async_copy` and one DMA semaphore per ring slot. kv stays in
-HBM (`memory_space=pl.ANY`); index lists arrive in SMEM and drive the copies: each program gets
+HBM (`memory_space=pltpu.HBM`); index lists arrive in SMEM and drive the copies: each program gets
 its own block's gathered slots as an SMEM block (pipelined by Pallas like scalar prefetch, but
 a few KiB per program instead of all of idx), and the CSR reduce gets its maps by scalar
 prefetch.
@@ -12,7 +12,8 @@ GPU dialects); only the data movement below is TPU-specific. docs/pallas_tpu.md 
 A program owns block_t consecutive tokens and all H heads of each (rows of q, o and the
 online-softmax state are (token, head) pairs, [block_t*H, ...]), so one fetched kv row serves
 every head and both products (QK^T and PV; K == V). It streams a sequence of tiles of block_k kv
-rows through a ring of `depth` VMEM slots [depth, block_k, D], one DMA semaphore per slot:
+rows through a ring of `depth` VMEM slots [depth, block_k, D] ([depth, block_k, 1, D] for the
+layouts that gather rows, see ring._Ring), one DMA semaphore per slot:
 
     prologue: issue steps 0 .. depth-2
     step i:   issue step i+depth-1 into slot (i-1) % depth  (freed by step i-1's compute)
@@ -28,7 +29,8 @@ rows through a ring of `depth` VMEM slots [depth, block_k, D], one DMA semaphore
 
 The tiles of a program, in stream order (Config.layout says which exist):
 - window tiles ("cr0", "cr4", "cr128"): the union of the block's windows is the contiguous rows
-  [max(t0 - window + 1, 0), t0 + block_t); fetched once as contiguous tiles, ONE DMA per tile;
+  [max(t0 - window + 1, 0), t0 + block_t); fetched once as contiguous tiles, ONE DMA per tile,
+  the first starting at that row rounded down to the sublane tile (Mosaic's alignment rule);
   every (token, head) row masks the tile by its own band [t - window + 1, t].
 - pool tiles ("cr128"): the pool rows visible to the block's last token, contiguous, one DMA
   per tile, masked per token by p < (t + 1) // pool_ratio.
@@ -58,9 +60,11 @@ Backward (csa_spec.md section 3; deterministic, no atomics, no scatter):
 4. dsink = sum_t exp(sink - lse) * (dlse - delta) from the kernel's delta (XLA).
 Launches and partials are added in a fixed order.
 
-Files: config.py (Config, default_config, check_layout), plan.py (launch geometry, kernel inputs,
-MXU products), ring.py (the DMA ring and a program's tile stream), forward.py, backward.py,
-dkv.py (the dkv reductions). This package is the impl module (interface: csa_jax/registry.py).
+Files: config.py (Config, default_config, check_layout, the per-generation VMEM limit), plan.py
+(launch geometry, kernel inputs, MXU products), ring.py (the DMA ring and a program's tile
+stream), forward.py, backward.py, dkv.py (the dkv reductions), aot.py (compile ahead of time for
+TPU generations with the real Mosaic compiler, on a CPU; docs/pallas_tpu.md). This package is
+the impl module (interface: csa_jax/registry.py).
 """
 from csa_jax.blockmath import inverse_map
 from csa_jax.kernels.tpu.backward import backward

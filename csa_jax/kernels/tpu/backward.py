@@ -12,10 +12,10 @@ from jax.experimental.pallas import tpu as pltpu
 
 from csa_jax import blockmath as bm
 from csa_jax import layouts
-from csa_jax.kernels.tpu.config import PLATFORMS, layout_broken
+from csa_jax.kernels.tpu.config import PLATFORMS, compiler_params, layout_broken
 from csa_jax.kernels.tpu.dkv import _dkv_csr, _dkv_struct
 from csa_jax.kernels.tpu.plan import (_dot_nn, _dot_nt, _dot_tn, _flat_tokens, _gather_inputs,
-                                      _gathered_idx, _make_plan, _pad_kv)
+                                      _gathered_idx, _make_plan, kv_operand, ring_scratch)
 from csa_jax.kernels.tpu.ring import _program_stream, _stream, _tile_mask, _when
 
 
@@ -28,14 +28,14 @@ def _bwd_kernel(
         lse_ref,     # [bt*H, 1] f32
         dlse_ref,    # [bt*H, 1] f32
         valid_ref,   # [bt * n_kg, 1, bk] int32
-        kv_hbm,      # [B, Np, D] (HBM)
+        kv_hbm,      # [B, Np, D] or [B, Np, 1, D] (rows ring) in HBM: kv_operand
         # outputs
         dq_ref,      # [bt*H, D] f32: this launch's part of dq
         delta_ref,   # [bt*H, 1] f32: o . dO (fused here, reused for dsink)
         *rest,       # interm_s [B, nb * n_struct, bk, D] f32 HBM (structured layouts): the
                      #   block's contribution to each row of its window union / pool tiles;
                      # interm_g [B, Tp * n_kg, bk, D] f32 HBM (if gathering): per slot;
-                     # scratch: ring [depth, bk, D], DMA sems [depth],
+                     # scratch: ring (ring_scratch), DMA sems [depth],
                      #   stage [2, bk, D] f32 + DMA sems [2]: the write-back ring
         plan, scale, k_g, explicit_transpose):
     rest = list(rest)
@@ -45,7 +45,7 @@ def _bwd_kernel(
     b, i = pl.program_id(0), pl.program_id(1)
     h, n_kg = plan.h, plan.n_kg
     prec = bm.precision(q_ref.dtype)
-    ring, n_win, n_pool, u0, n_steps = _program_stream(plan, b, i, kv_hbm.at[b], ring_ref,
+    ring, n_win, n_pool, w0, n_steps = _program_stream(plan, b, i, kv_hbm.at[b], ring_ref,
                                                        sems, idx_blk, k_g)
     n_struct = n_win + n_pool
 
@@ -98,11 +98,11 @@ def _bwd_kernel(
             pltpu.make_async_copy(stage.at[k], dsts, out_sems.at[k]).start()
 
     def consume(step, slot):
-        v = ring_ref[slot]
+        v = ring.tile(slot)
 
         def tile():
             write_back(step, grads(slice(None), v,
-                                   _tile_mask(plan, i * plan.bt, step, n_win, u0)))
+                                   _tile_mask(plan, i * plan.bt, step, n_win, w0)))
 
         def gathered():
             g = step - n_struct
@@ -140,7 +140,7 @@ def _bwd_launch(q2, kv_p, idx, o2, lse2, do2, dlse2, plan, *, scale, interpret, 
                                explicit_transpose=config.explicit_transpose)
     tok = pl.BlockSpec((None, bt * h, d), lambda b, i, *_: (b, i, 0))
     col = pl.BlockSpec((None, bt * h, 1), lambda b, i, *_: (b, i, 0))
-    hbm = pl.BlockSpec(memory_space=pl.ANY)
+    hbm = pl.BlockSpec(memory_space=pltpu.HBM)
     out_specs = [tok, col]
     out_shape = [jax.ShapeDtypeStruct((bsz, plan.t_pad * h, d), jnp.float32),
                  jax.ShapeDtypeStruct((bsz, plan.t_pad * h, 1), jnp.float32)]
@@ -157,8 +157,7 @@ def _bwd_launch(q2, kv_p, idx, o2, lse2, do2, dlse2, plan, *, scale, interpret, 
         grid=(bsz, plan.nb),
         in_specs=[idx_spec, tok, tok, tok, col, col, valid_spec, hbm],
         out_specs=out_specs,
-        scratch_shapes=[pltpu.VMEM((plan.depth, bk, d), kv_p.dtype),
-                        pltpu.SemaphoreType.DMA((plan.depth,)),
+        scratch_shapes=ring_scratch(plan, kv_p.dtype) + [
                         pltpu.VMEM((2, bk, d), jnp.float32),
                         pltpu.SemaphoreType.DMA((2,))],
     )
@@ -166,7 +165,7 @@ def _bwd_launch(q2, kv_p, idx, o2, lse2, do2, dlse2, plan, *, scale, interpret, 
         kernel,
         grid_spec=grid_spec,
         out_shape=out_shape,
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
+        compiler_params=compiler_params(config, interpret),
         interpret=bm.resolve_interpret(interpret, PLATFORMS),
         name="csa_bwd_tpu",
     )(idx_b, q2, do2, o2, lse2, dlse2, valid, kv_p))
@@ -180,6 +179,19 @@ def _bwd_launch(q2, kv_p, idx, o2, lse2, do2, dlse2, plan, *, scale, interpret, 
     return dq, delta, interm_s, interm_g, idx_g
 
 
+def launch_plans(plan, config):
+    """The backward's launches: launch 0 streams the structured tiles and the first
+    config.slot_chunk gathered slots of each token; later launches only further chunks."""
+    k_g_all = plan.n_kg * plan.bk
+    chunk = config.slot_chunk or max(k_g_all, plan.bk)
+    launches = []
+    for c0 in range(0, max(k_g_all, 1), chunk):
+        n_g = min(chunk, k_g_all - c0)
+        lp = dataclasses.replace(plan, n_kg=bm.num_tiles(n_g, plan.bk), g_off=plan.g_off + c0)
+        if c0:
+            lp = dataclasses.replace(lp, n_w=0, n_pm=0)
+        launches.append(lp)
+    return launches
 
 
 def backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, interpret, config):
@@ -200,24 +212,14 @@ def backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, interpret, config):
 def _backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, interpret, config):
     bsz, t, h, d = q.shape
     n = kv.shape[1]
-    plan = _make_plan(q.shape, n, idx.shape[-1], config)
+    plan = _make_plan(q.shape, n, idx.shape[-1], config, kv.dtype)
     q2, do2, o2 = (_flat_tokens(x, plan) for x in (q, do, o))
     lse2 = _flat_tokens(lse[..., None].astype(jnp.float32), plan)
     dlse2 = _flat_tokens(dlse[..., None].astype(jnp.float32), plan)
-    kv_p = _pad_kv(kv, plan)
-    k_g_all = plan.n_kg * plan.bk
-    chunk = config.slot_chunk or max(k_g_all, plan.bk)
-    # Launch 0 streams the structured tiles and the first chunk of gathered slots; later
-    # launches only further chunks. Partial results are added in launch order (deterministic).
-    launches = []
-    for c0 in range(0, max(k_g_all, 1), chunk):
-        n_g = min(chunk, k_g_all - c0)
-        lp = dataclasses.replace(plan, n_kg=bm.num_tiles(n_g, plan.bk), g_off=plan.g_off + c0)
-        if c0:
-            lp = dataclasses.replace(lp, n_w=0, n_pm=0)
-        launches.append(lp)
+    kv_p = kv_operand(kv, plan)
+    # Partial results of the launches are added in launch order (deterministic).
     dq = dkv = delta = None
-    for lp in launches:
+    for lp in launch_plans(plan, config):
         dq_c, delta, interm_s, interm_g, idx_g = _bwd_launch(
             q2, kv_p, idx, o2, lse2, do2, dlse2, lp, scale=scale, interpret=interpret,
             config=config)

@@ -4,7 +4,9 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jax.experimental.pallas import tpu as pltpu
 
 from csa_jax import blockmath as bm
 from csa_jax import layouts
@@ -43,6 +45,8 @@ class Config:
                  as contiguous tiles, one DMA per tile, and ignore idx there; check_layout
                  verifies the promise (forward calls it whenever idx is concrete).
     window, pool_ratio  the layout's window size and (cr128) pool ratio.
+    vmem_limit_bytes  the scoped VMEM limit the kernels are compiled under; None: the
+                 generation's default (vmem_limit; docs/pallas_tpu.md says why).
     """
     block_t: int = 8
     block_k: int = 128
@@ -54,6 +58,7 @@ class Config:
     window: int = 128
     pool_ratio: int = 128
     fanin_split: int = 512
+    vmem_limit_bytes: int | None = None
 
     def __post_init__(self):
         for name in ("block_t", "block_k", "block_r", "window", "pool_ratio", "fanin_split"):
@@ -75,11 +80,59 @@ class Config:
             raise ValueError(f"Config.layout={self.layout!r} must be one of {LAYOUTS}")
         if self.pool_ratio < 2:
             raise ValueError(f"Config.pool_ratio={self.pool_ratio} must be >= 2")
+        v = self.vmem_limit_bytes
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ValueError(f"Config.vmem_limit_bytes={v!r} must be None or a positive int")
 
+
+# The topology names aot.py compiles for and the chip versions they are (pltpu.get_tpu_info).
+GENERATIONS = {"TPU_V4": "v4", "TPU_V5E": "v5e", "TPU_V5P": "v5p", "TPU_V6E": "v6e"}
+# Scoped VMEM the backward asks for per (token, head) row of a program and unit of D, bf16 and
+# f32, as the real compiler reported it (docs/pallas_tpu.md: Pro, D = 512, block_t 8: 18.3 MiB
+# bf16, 39.7 MiB f32; f32 products run as several bf16 MXU passes with their own temporaries).
+_BWD_VMEM_PER_ROW_D = (36, 80)
+
+
+def current_generation():
+    """The TPU generation being compiled for ("v4", "v5e", ...; the default device's, which
+    jax.default_device sets when compiling ahead of time), None on a CPU / GPU or unknown."""
+    try:
+        info = pltpu.get_tpu_info()
+    except ValueError:      # not a TPU device (CPU, GPU): "Unsupported TPU device kind"
+        return None
+    return GENERATIONS.get(info.chip_version.name, info.chip_version.name)
+
+
+def generation_vmem(generation):
+    """(VMEM bytes per TensorCore, the scoped VMEM limit the kernels are compiled under) of a
+    generation name or chip version. The limit: all of VMEM on a 16 MiB part (v4), else 3/4
+    of it, at most 64 MiB (v5e, v6e: 64 of 128 MiB; v5p: 48 of 64 MiB): every kernel's need at
+    the default block sizes is below (at most 39.7 MiB) and XLA keeps the rest."""
+    chip = {v: k for k, v in GENERATIONS.items()}.get(generation, generation)
+    info = pltpu.get_tpu_info_for_chip(pltpu.ChipVersion[chip], 1)
+    cap = info.vmem_capacity_bytes
+    return cap, (cap if cap <= (16 << 20) else min(cap * 3 // 4, 64 << 20))
+
+
+def vmem_limit(config, interpret=False):
+    """The scoped VMEM limit (bytes) a kernel is compiled under: config.vmem_limit_bytes if
+    set, else generation_vmem's limit for the generation being compiled for (None in interpret
+    mode or for an unknown device: Mosaic's own default)."""
+    if config.vmem_limit_bytes is not None or bm.resolve_interpret(interpret, PLATFORMS):
+        return config.vmem_limit_bytes
+    gen = current_generation()
+    return None if gen is None else generation_vmem(gen)[1]
+
+
+def compiler_params(config, interpret):
+    """Mosaic compiler parameters of every TPU kernel: a (batch, block) grid of independent
+    programs and the scoped VMEM limit."""
+    return pltpu.CompilerParams(dimension_semantics=("parallel", "parallel"),
+                                vmem_limit_bytes=vmem_limit(config, interpret))
 
 
 def default_config(q_shape, kv_shape, idx_shape, dtype, *, layout="generic", window=128,
-                   pool_ratio=128) -> Config:
+                   pool_ratio=128, generation=None) -> Config:
     """The default Config for these shapes (what the public op uses when given none).
 
     Rule. block_k = 128 (one lane-width tile) when K >= 128, else K rounded up to 8.
@@ -91,17 +144,29 @@ def default_config(q_shape, kv_shape, idx_shape, dtype, *, layout="generic", win
     block_r = 64, fanin_split = 512. slot_chunk = None (whole K) unless the f32 per-slot
     intermediate T*K*D*4 of one sequence would exceed 1 GiB, then the largest multiple of
     block_k that fits.
+    On a TPU generation (`generation`, default: the one being compiled for; none on a CPU)
+    block_t is then halved until the backward's scoped VMEM, about block_t*H*D*36 bytes (bf16)
+    or *80 (f32), is at most 80% of the generation's limit (generation_vmem; the table per
+    generation is in docs/pallas_tpu.md).
     layout / window / pool_ratio are passed through (the caller's promise about idx)."""
-    del dtype, kv_shape
+    del kv_shape
     _, t, h, d = q_shape
     k = idx_shape[-1]
     block_k = 128 if k >= 128 else bm.round_up(max(k, 1), 8)
     if layout == "generic":
         block_t = min(8, t)
-        n_steps = block_t * bm.num_tiles(k, block_k)
     else:
         cap = max(8, (256 // h) // 8 * 8)
         block_t = t if t <= cap else cap
+    generation = generation or current_generation()
+    if generation is not None:
+        budget = generation_vmem(generation)[1] * 4 // 5
+        per_row = h * d * _BWD_VMEM_PER_ROW_D[jnp.dtype(dtype).itemsize >= 4]
+        while block_t > 1 and block_t * per_row > budget:
+            block_t //= 2
+    if layout == "generic":
+        n_steps = block_t * bm.num_tiles(k, block_k)
+    else:
         n_steps = bm.num_tiles(block_t + window - 1, block_k) + bm.num_tiles(k - window, block_k)
     depth = 3 if n_steps >= 4 else 2
     slot_chunk = None

@@ -12,22 +12,29 @@ from jax.experimental.pallas import tpu as pltpu
 
 from csa_jax import blockmath as bm
 from csa_jax.blockmath import inverse_map
-from csa_jax.kernels.tpu.config import PLATFORMS
+from csa_jax.kernels.tpu.config import PLATFORMS, compiler_params
+from csa_jax.kernels.tpu.plan import win_start
 from csa_jax.kernels.tpu.ring import _Ring, _stream
+
+
+def _index_window(rows):
+    """Entries of perm / key fetched into SMEM per ring step: a window starting at a multiple
+    of 128 (Mosaic slices a 1-D int32 HBM array only there) that holds the step's `rows`."""
+    return bm.round_up(rows + 127, 128)
 
 
 def _dkv_kernel(
         # prefetch
-        perm_smem,   # [B * E] int32: slot of each sorted entry
-        key_smem,    # [B * E] int32: kv row of each sorted entry
         offs_smem,   # [B * (R + 1)] int32: CSR row offsets
         # inputs
+        perm_hbm,    # [B * Ep] int32 (HBM): slot of each sorted entry (Ep: see _csr_reduce)
+        key_hbm,     # [B * Ep] int32 (HBM): kv row of each sorted entry
         interm_hbm,  # [B, E, D] f32 (HBM)
         # outputs
         dkv_ref,     # [block_r, D] f32
         # scratch
-        ring_ref, sems,
-        *, num_entries, num_rows):
+        ring_ref, sems, perm_win, key_win, win_sems,   # windows [depth, W] int32 (SMEM)
+        *, entries_pad, num_rows):
     b, j = pl.program_id(0), pl.program_id(1)
     block_r = dkv_ref.shape[0]
     rows = ring_ref.shape[1]
@@ -35,58 +42,96 @@ def _dkv_kernel(
     start = offs_smem[b * (num_rows + 1) + r0]
     end = offs_smem[b * (num_rows + 1) + r0 + block_r]
 
-    def entry(g, r):
-        e = start + g * rows + r
-        return e, b * num_entries + jnp.minimum(e, num_entries - 1)   # clamp: never read OOB
+    def window(g):
+        """(first entry of step g's index window, offset of the step's first entry in it)."""
+        e0 = start + g * rows
+        w0 = e0 // 128 * 128
+        return w0, e0 - w0
 
-    def gather_row(g, r):
-        e, flat = entry(g, r)
-        return jnp.where(e < end, perm_smem[flat], -1)
+    def fetch_index(g, slot):
+        # The step's perm / key entries into SMEM window `slot` (free: the ring slot's previous
+        # step was consumed), waited here, before its row DMAs are issued from perm.
+        w0, _ = window(g)
+        src = pl.ds(pl.multiple_of(b * entries_pad + w0, 128), perm_win.shape[1])
+        copies = [pltpu.make_async_copy(h.at[src], w.at[slot], win_sems.at[k])
+                  for k, (h, w) in enumerate(((perm_hbm, perm_win), (key_hbm, key_win)))]
+        for c in copies:
+            c.start()
+        for c in copies:
+            c.wait()
+
+    def gather_row(g, r, slot):
+        _, off = window(g)
+        return jnp.where(start + g * rows + r < end, perm_win[slot, off + r], -1)
 
     dkv_ref[...] = jnp.zeros(dkv_ref.shape, jnp.float32)
 
     def consume(step, slot):
         # Entries are added one by one in sorted (row, slot) order: a fixed summation order,
         # hence bit-identical dkv across runs and program orders.
-        def body(r, c):
-            e, flat = entry(step, r)
+        _, off = window(step)
 
-            @pl.when(e < end)
+        def body(r, c):
+            @pl.when(start + step * rows + r < end)
             def _():
-                row = key_smem[flat] - r0
+                row = key_win[slot, off + r] - r0
                 dkv_ref[pl.ds(row, 1), :] += ring_ref[slot, pl.ds(r, 1), :]
             return c
 
         lax.fori_loop(0, rows, body, 0)
 
-    ring = _Ring(interm_hbm.at[b], ring_ref, sems, gather=True, gather_row=gather_row)
+    ring = _Ring(interm_hbm.at[b], ring_ref, sems, gather=True, gather_row=gather_row,
+                 on_gather=fetch_index)
     _stream(ring, bm.num_tiles(end - start, rows), consume)
 
 
 def _csr_reduce(values, perm, key, offs, *, interpret, config):
     """out[b, r] = sum of values[b, perm[b, e]] over e in [offs[b, r], offs[b, r+1]) (whose
     key[b, e] == r), in e order. values [B, E, D] f32; offs [B, R+1] with R a multiple of
-    block_r. Returns [B, R, D] f32."""
+    block_r. Returns [B, R, D] f32.
+
+    Only offs is scalar-prefetched into SMEM (4 (R+1) bytes per sequence); perm and key stay in
+    HBM and each ring step fetches its window of them (2 * _index_window(block_k) int32) into
+    SMEM, so E is not bounded by SMEM (1 MiB on v5e / v6e, which a whole perm overruns)."""
     bsz, e, d = values.shape
-    br = config.block_r
+    br, bk = config.block_r, config.block_k
     r = offs.shape[1] - 1
-    kernel = functools.partial(_dkv_kernel, num_entries=e, num_rows=r)
+    win = _index_window(bk)
+    e_pad = bm.round_up(e, 128) + win          # every window lies inside its sequence's part
+    perm, key = (jnp.pad(x, ((0, 0), (0, e_pad - e))).reshape(-1) for x in (perm, key))
+    kernel = functools.partial(_dkv_kernel, entries_pad=e_pad, num_rows=r)
+    hbm = pl.BlockSpec(memory_space=pltpu.HBM)
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=3,
+        num_scalar_prefetch=1,
         grid=(bsz, r // br),
-        in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+        in_specs=[hbm, hbm, hbm],
         out_specs=pl.BlockSpec((None, br, d), lambda b, j, *_: (b, j, 0)),
-        scratch_shapes=[pltpu.VMEM((config.depth, config.block_k, d), jnp.float32),
-                        pltpu.SemaphoreType.DMA((config.depth,))],
+        scratch_shapes=[pltpu.VMEM((config.depth, bk, d), jnp.float32),
+                        pltpu.SemaphoreType.DMA((config.depth,)),
+                        pltpu.SMEM((config.depth, win), jnp.int32),
+                        pltpu.SMEM((config.depth, win), jnp.int32),
+                        pltpu.SemaphoreType.DMA((2,))],
     )
     return pl.pallas_call(
         kernel,
         grid_spec=grid_spec,
         out_shape=jax.ShapeDtypeStruct((bsz, r, d), jnp.float32),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
+        compiler_params=compiler_params(config, interpret),
         interpret=bm.resolve_interpret(interpret, PLATFORMS),
         name="csa_dkv_reduce_tpu",
-    )(perm.reshape(-1), key.reshape(-1), offs.reshape(-1), values)
+    )(offs.reshape(-1), perm, key, values)
+
+
+def csr_sizes(entries, num_kv, config):
+    """(segments S, rows R) of the two CSR passes over `entries` gathered slots: pass 1 reduces
+    entries to S segment partials, pass 2 the segments to R >= num_kv rows (see _dkv_csr)."""
+    r_pad = bm.round_up(num_kv, config.block_r)
+    return split_sizes(r_pad, entries, config.fanin_split, config.block_r), r_pad
+
+
+def split_sizes(num_rows, entries, seg_len, block_r):
+    """S: the static bound on the segments of split_map (a multiple of block_r)."""
+    return bm.round_up(num_rows + bm.num_tiles(entries, seg_len), block_r)
 
 
 def split_map(key, offs, num_kv, seg_len, block_r):
@@ -99,7 +144,7 @@ def split_map(key, offs, num_kv, seg_len, block_r):
     block_r). Segment s of row r covers entries offs[r] + s' * seg_len ... of that row."""
     bsz, e = key.shape
     r = offs.shape[1] - 1
-    s_pad = bm.round_up(r + bm.num_tiles(e, seg_len), block_r)
+    s_pad = split_sizes(r, e, seg_len, block_r)
     counts = offs[:, 1:] - offs[:, :-1]                                   # [B, R]
     nseg = (counts + seg_len - 1) // seg_len
     row_offs = jnp.concatenate([jnp.zeros((bsz, 1), jnp.int32),
@@ -140,8 +185,9 @@ def _dkv_struct(interm_s, plan):
     """dkv rows [0, T) (window) and [T, N) (cr128 pool) from the per-block contributions
     interm_s [B, nb, n_struct*bk, D], by closed-form inverse maps, in a fixed order.
 
-    Window: block i's union starts at u0_i = max(i*bt - window + 1, 0), so row r is in the
-    unions of blocks r // bt .. (r + window - 1) // bt, at offset r - u0_i; at most
+    Window: block i's tiles start at a0_i = win_start(i*bt) (its union's first row rounded
+    down to plan.align; rows before the union got exactly 0), so row r is in the unions of
+    blocks r // bt .. (r + window - 1) // bt, at offset r - a0_i; at most
     (window - 1) // bt + 2 blocks, summed in block order. Pool row p: every block's pool tile
     row p, summed over blocks (each block is one partial: a hot row such as pool row 0 is
     split across all programs)."""
@@ -155,7 +201,7 @@ def _dkv_struct(interm_s, plan):
         acc = jnp.zeros((bsz, plan.t, d), jnp.float32)
         for c in range((plan.window - 1) // bt + 2):
             blk = r // bt + c
-            off = r - jnp.maximum(blk * bt - plan.window + 1, 0)
+            off = r - win_start(blk * bt, plan, jnp.maximum)
             ok = (blk < nb) & (off >= 0) & (off < span)
             g = jnp.where(ok, blk * span + off, 0)
             acc = acc + jnp.where(ok[None, :, None], flat[:, g], 0.0)

@@ -10,9 +10,10 @@ from jax.experimental.pallas import tpu as pltpu
 
 from csa_jax import blockmath as bm
 from csa_jax import layouts
-from csa_jax.kernels.tpu.config import PLATFORMS, _maybe_check_layout, layout_broken
+from csa_jax.kernels.tpu.config import (PLATFORMS, _maybe_check_layout, compiler_params,
+                                        layout_broken)
 from csa_jax.kernels.tpu.plan import (_dot_nn, _dot_nt, _flat_tokens, _gather_inputs,
-                                      _make_plan, _pad_kv)
+                                      _make_plan, kv_operand, ring_scratch)
 from csa_jax.kernels.tpu.ring import _program_stream, _stream, _tile_mask, _when
 
 
@@ -22,12 +23,12 @@ def _fwd_kernel(
         q_ref,       # [bt*H, D]
         valid_ref,   # [bt * n_kg, 1, bk] int32: 1 = non-empty gathered slot
         sink_ref,    # [bt*H, 1] f32
-        kv_hbm,      # [B, Np, D] (HBM, pl.ANY)
+        kv_hbm,      # [B, Np, D] or [B, Np, 1, D] (rows ring) in HBM: kv_operand
         # outputs
         o_ref,       # [bt*H, D]
         lse_ref,     # [bt*H, 1] f32
         *rest,       # (dma count [1] int32 SMEM, if counted) + scratch:
-                     # ring [depth, bk, D], DMA sems [depth], m, l [bt*H, 1] f32, acc [bt*H, D]
+                     # ring (ring_scratch), DMA sems [depth], m, l [bt*H, 1] f32, acc [bt*H, D]
         plan, scale, k_g, broken, count):
     if count:
         cnt_ref, ring_ref, sems, m_ref, l_ref, acc_ref = rest
@@ -41,7 +42,7 @@ def _fwd_kernel(
     b, i = pl.program_id(0), pl.program_id(1)
     h, n_kg = plan.h, plan.n_kg
     prec = bm.precision(q_ref.dtype)
-    ring, n_win, n_pool, u0, n_steps = _program_stream(plan, b, i, kv_hbm.at[b], ring_ref,
+    ring, n_win, n_pool, w0, n_steps = _program_stream(plan, b, i, kv_hbm.at[b], ring_ref,
                                                        sems, idx_blk, k_g, on_dma)
     n_struct = n_win + n_pool
 
@@ -56,10 +57,10 @@ def _fwd_kernel(
         m_ref[rows], l_ref[rows] = m, l
 
     def consume(step, slot):
-        v = ring_ref[slot]                                          # [bk, D]
+        v = ring.tile(slot)                                         # [bk, D]
 
         def tile():                                                 # all tokens of the block
-            update(slice(None), q_ref[...], v, _tile_mask(plan, i * plan.bt, step, n_win, u0))
+            update(slice(None), q_ref[...], v, _tile_mask(plan, i * plan.bt, step, n_win, w0))
 
         def gathered():                                             # one token's own slots
             g = step - n_struct
@@ -93,7 +94,7 @@ def _forward_impl(q, kv, idx, sink, *, scale, interpret, config, broken=False,
                                              "count_dmas"))
 def _forward_jit(q, kv, idx, sink, *, scale, interpret, config, broken, count_dmas):
     bsz, _, h, d = q.shape
-    plan = _make_plan(q.shape, kv.shape[1], idx.shape[-1], config)
+    plan = _make_plan(q.shape, kv.shape[1], idx.shape[-1], config, kv.dtype)
     bt, bk = plan.bt, plan.bk
     (idx_b, idx_spec), (valid, valid_spec), k_g = _gather_inputs(idx, plan)
     kernel = functools.partial(_fwd_kernel, plan=plan, scale=scale, k_g=k_g, broken=broken,
@@ -112,10 +113,9 @@ def _forward_jit(q, kv, idx, sink, *, scale, interpret, config, broken, count_dm
         grid=(bsz, plan.nb),
         in_specs=[idx_spec, tok, valid_spec,
                   pl.BlockSpec((bt * h, 1), lambda b, i, *_: (0, 0)),
-                  pl.BlockSpec(memory_space=pl.ANY)],
+                  pl.BlockSpec(memory_space=pltpu.HBM)],
         out_specs=out_specs,
-        scratch_shapes=[pltpu.VMEM((plan.depth, bk, d), kv.dtype),
-                        pltpu.SemaphoreType.DMA((plan.depth,)),
+        scratch_shapes=ring_scratch(plan, kv.dtype) + [
                         pltpu.VMEM((bt * h, 1), jnp.float32),
                         pltpu.VMEM((bt * h, 1), jnp.float32),
                         pltpu.VMEM((bt * h, d), jnp.float32)],
@@ -124,11 +124,11 @@ def _forward_jit(q, kv, idx, sink, *, scale, interpret, config, broken, count_dm
         kernel,
         grid_spec=grid_spec,
         out_shape=out_shape,
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
+        compiler_params=compiler_params(config, interpret),
         interpret=bm.resolve_interpret(interpret, PLATFORMS),
         name="csa_fwd_tpu",
     )(idx_b, _flat_tokens(q, plan), valid,
-      jnp.tile(sink.astype(jnp.float32), bt).reshape(bt * h, 1), _pad_kv(kv, plan))
+      jnp.tile(sink.astype(jnp.float32), bt).reshape(bt * h, 1), kv_operand(kv, plan))
     o = outs[0].reshape(bsz, plan.t_pad, h, d)[:, :plan.t]
     lse = outs[1].reshape(bsz, plan.t_pad, h)[:, :plan.t]
     if count_dmas:

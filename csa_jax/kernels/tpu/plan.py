@@ -43,17 +43,23 @@ class _Plan:
     h: int
     d: int
     n: int          # kv rows N
-    n_pad: int      # kv rows after tail padding (contiguous tiles never read past the end)
+    n_pad: int      # rows of the kv operand (pool moved to pool_base, tail padded so that
+                    # contiguous tiles never read past the end)
     bt: int         # block_t
     bk: int         # block_k
     depth: int
-    n_w: int        # window tiles per program (0: no window reuse)
+    n_w: int        # window tiles per program, at most (0: no window reuse)
     n_pm: int       # pool tiles per program, at most (cr128 only)
     n_kg: int       # gathered tiles per token
     g_off: int      # first gathered slot of idx
     window: int
     ratio: int      # cr128 pool ratio
     pool_rows: int  # N - T (cr128)
+    rows_ring: bool  # ring [depth, bk, 1, D] over a kv operand [B, Np, 1, D] (any row is a
+                     # DMA target: layouts that gather); else [depth, bk, D] over [B, Np, D]
+    align: int      # window / pool tile starts are multiples of this (the kv dtype's sublane
+                    # tile on a [.., bk, D] ring; 1 on a rows ring, which has no such rule)
+    pool_base: int  # kv operand row of pool row 0 (T rounded up to align)
 
     @property
     def nb(self):
@@ -64,7 +70,31 @@ class _Plan:
         return self.n_w + self.n_pm
 
 
-def _make_plan(q_shape, n, k, config):
+def sublane_tile(dtype) -> int:
+    """Rows of one (sublane, 128) VMEM tile of dtype: 8 for 32-bit, 16 for bf16 (2 rows per
+    32-bit word). Mosaic slices and DMAs a tiled [.., rows, D] buffer only at multiples of it."""
+    return 8 * max(1, 4 // jnp.dtype(dtype).itemsize)
+
+
+def win_start(t0, plan, maximum=max):
+    """First kv row of token block t0's window tiles: the window union starts at
+    max(t0 - window + 1, 0), rounded down to plan.align (rows before the union are masked).
+    Python ints, or traced with maximum=jnp.maximum."""
+    return maximum(t0 - plan.window + 1, 0) // plan.align * plan.align
+
+
+def struct_tiles(plan, i, traced=False):
+    """(window tiles, pool tiles) that block i streams: Python ints, or traced ones."""
+    mx, mn = (jnp.maximum, jnp.minimum) if traced else (max, min)
+    t0 = i * plan.bt
+    n_win = bm.num_tiles(t0 + plan.bt - win_start(t0, plan, mx), plan.bk) if plan.n_w else 0
+    n_pool = (bm.num_tiles(mn((t0 + plan.bt) // plan.ratio, plan.pool_rows), plan.bk)
+              if plan.n_pm else 0)
+    return n_win, n_pool
+
+
+def _make_plan(q_shape, n, k, config, dtype):
+    """The geometry of a launch for q [B, T, H, D], N kv rows of `dtype`, K slots."""
     _, t, h, d = q_shape
     bt, bk = config.block_t, config.block_k
     t_pad = bm.round_up(t, bt)
@@ -74,19 +104,28 @@ def _make_plan(q_shape, n, k, config):
     if layout == "cr128" and n - t < t // config.pool_ratio:
         raise ValueError(f"layout='cr128' needs N - T >= T // pool_ratio pool rows, got N={n}, "
                          f"T={t}, pool_ratio={config.pool_ratio}")
-    n_w = 0 if layout == "generic" else bm.num_tiles(bt + w - 1, bk)
-    n_pm = bm.num_tiles(n - t, bk) if layout == "cr128" else 0
+    rows_ring = layout in ("generic", "cr4")
+    align = 1 if rows_ring else sublane_tile(dtype)
+    if bk % align:
+        raise ValueError(f"layout={layout!r} with {jnp.dtype(dtype).name} kv needs "
+                         f"Config.block_k={bk} to be a multiple of {align} (contiguous tiles "
+                         f"start at multiples of the sublane tile)")
     g_off = w if layout == "cr4" else 0
     gathered = {"generic": k, "cr4": k - w}.get(layout, 0)      # slots gathered per token
-    n_kg = bm.num_tiles(gathered, bk)
-    n_pad = n
+    pool_base = bm.round_up(t, align) if layout == "cr128" else t
+    plan = _Plan(t=t, t_pad=t_pad, h=h, d=d, n=n, n_pad=n, bt=bt, bk=bk, depth=config.depth,
+                 n_w=int(layout != "generic"), n_pm=int(layout == "cr128"),
+                 n_kg=bm.num_tiles(gathered, bk), g_off=g_off, window=w,
+                 ratio=config.pool_ratio, pool_rows=n - t, rows_ring=rows_ring, align=align,
+                 pool_base=pool_base)
+    # the most tiles any block streams (struct_tiles reads n_w, n_pm as on / off flags here)
+    n_w, n_pm = (max(c) for c in zip(*(struct_tiles(plan, i) for i in range(plan.nb))))
+    n_pad = n + pool_base - t
     if n_w:
         n_pad = max(n_pad, t_pad + n_w * bk)
     if n_pm:
-        n_pad = max(n_pad, t + n_pm * bk)
-    return _Plan(t=t, t_pad=t_pad, h=h, d=d, n=n, n_pad=n_pad, bt=bt, bk=bk,
-                 depth=config.depth, n_w=n_w, n_pm=n_pm, n_kg=n_kg, g_off=g_off, window=w,
-                 ratio=config.pool_ratio, pool_rows=n - t)
+        n_pad = max(n_pad, pool_base + n_pm * bk)
+    return dataclasses.replace(plan, n_w=n_w, n_pm=n_pm, n_pad=n_pad)
 
 
 # ----------------------------------------------------------------------------- kernel inputs
@@ -111,10 +150,23 @@ def _flat_tokens(x, plan):
     return x.reshape((x.shape[0], plan.t_pad * plan.h) + x.shape[3:])
 
 
-def _pad_kv(kv, plan):
-    if plan.n_pad == plan.n:
-        return kv
-    return jnp.pad(kv, ((0, 0), (0, plan.n_pad - plan.n), (0, 0)))
+def kv_operand(kv, plan):
+    """kv [B, N, D] as the kernels read it: cr128's pool moved to row pool_base (aligned), the
+    tail padded to n_pad rows, and [B, Np, 1, D] for a rows ring (one row per VMEM tile, so a
+    single-row DMA lands anywhere in the ring; bf16 rows are otherwise packed in pairs)."""
+    if plan.pool_base != plan.t:
+        kv = jnp.concatenate([kv[:, :plan.t], jnp.zeros((kv.shape[0], plan.pool_base - plan.t,
+                                                         kv.shape[2]), kv.dtype),
+                              kv[:, plan.t:]], axis=1)
+    if plan.n_pad > kv.shape[1]:
+        kv = jnp.pad(kv, ((0, 0), (0, plan.n_pad - kv.shape[1]), (0, 0)))
+    return kv[:, :, None, :] if plan.rows_ring else kv
+
+
+def ring_scratch(plan, dtype):
+    """The ring's VMEM scratch and its DMA semaphores."""
+    shape = (plan.depth, plan.bk, 1, plan.d) if plan.rows_ring else (plan.depth, plan.bk, plan.d)
+    return [pltpu.VMEM(shape, dtype), pltpu.SemaphoreType.DMA((plan.depth,))]
 
 
 def _gather_inputs(idx, plan):

@@ -1,0 +1,368 @@
+"""Ahead-of-time compile of the pallas_tpu kernels with the real Mosaic compiler, on a CPU.
+
+Mosaic (the TPU kernel compiler) lives in libtpu (`pip install -e '.[tpu-aot]'`, the pin jax's
+own `[tpu]` extra uses). It compiles for a TPU generation with no TPU present:
+`jax.experimental.topologies.get_topology_desc(name, platform="tpu")` gives devices of that
+generation; arguments are placed on one of them and the program is traced, lowered and compiled
+under `jax.default_device(device)` (without it, lowering asks the CPU device for its TPU info).
+
+    PYTHONPATH=. python -m csa_jax.kernels.tpu.aot [--gens v5e,v6e] [--families flash,pro] \
+        [--seqs 4096,16384] [--ratios 0,4,128] [--dtypes bfloat16,float32] [--layouts struct] \
+        [--json out.json]
+
+compiles every kernel of each problem (forward; backward = dq + per-tile / per-slot dkv
+intermediates; the two CSR dkv reductions of gathered slots) on its own, and prints one row per
+kernel and generation: compile time, code size, scoped VMEM (the compiler's own number: what
+XLA records for the kernel's custom call, or, over the limit, what the error says it asked
+for), the VMEM limit it was compiled under, and HBM traffic (counted from the launch geometry,
+see `hbm_traffic`). A kernel that does not compile shows the compiler's error.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import importlib.util
+import json
+import os
+import re
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+from csa_jax import blockmath as bm
+from csa_jax.config import FAMILIES, PRESET_RATIOS, preset
+from csa_jax.kernels.tpu.backward import _bwd_launch, launch_plans
+from csa_jax.kernels.tpu.config import default_config, vmem_limit
+from csa_jax.kernels.tpu.dkv import _csr_reduce, csr_sizes
+from csa_jax.kernels.tpu.forward import forward
+from csa_jax.kernels.tpu.plan import _make_plan, kv_operand, struct_tiles
+
+# topology names get_topology_desc accepts (a 1x1 v5e is refused, so every one has 4 chips)
+GENERATIONS = {"v4": "v4:2x2x1", "v5e": "v5e:2x2", "v5p": "v5p:2x2x1", "v6e": "v6e:2x2"}
+
+
+def libtpu_available() -> bool:
+    return importlib.util.find_spec("libtpu") is not None
+
+
+@functools.cache
+def target_device(gen: str):
+    """Device 0 of a `gen` topology (no TPU needed; libtpu must be installed)."""
+    if gen not in GENERATIONS:
+        raise ValueError(f"generation {gen!r} must be one of {sorted(GENERATIONS)}")
+    # libtpu takes a machine-wide lock (/tmp/libtpu_lockfile) when it loads, so a second
+    # process (another pytest-xdist worker) fails with "Internal error when accessing libtpu
+    # multi-process lockfile". Compiling drives no TPU, so several processes may load it.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    from jax.experimental import topologies
+    td = topologies.get_topology_desc(topology_name=GENERATIONS[gen], platform="tpu")
+    return td.devices[0]
+
+
+# ----------------------------------------------------------------------------- problems
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """Shapes of one V4 attention layer (B = 1) and the kernel Config used for it."""
+    name: str
+    q: tuple
+    kv: tuple
+    idx: tuple
+    dtype: str
+    config: object
+
+    @property
+    def h(self):
+        return self.q[2]
+
+
+def layer_problem(family, ratio, seq, dtype, *, layout="struct", generation=None, **overrides):
+    """The V4 layer (family, ratio) at T = seq: K = its nominal slots, N = T + pool rows.
+    layout "struct" = the layer's structured layout (cr0 / cr4 / cr128), or any Config layout.
+    The Config is default_config's for that generation, with `overrides` replaced."""
+    c = preset(family, ratio)
+    t, h, d = seq, c.num_heads, c.head_dim
+    n, k = c.num_kv(t), c.nominal_slots(t)
+    if layout == "struct":
+        layout = f"cr{ratio}"
+    lay = {} if layout == "generic" else dict(layout=layout, window=c.window,
+                                              pool_ratio=max(ratio, 2))
+    q, kv, idx = (1, t, h, d), (1, n, d), (1, t, k)
+    cfg = default_config(q, kv, idx, jnp.dtype(dtype), generation=generation, **lay)
+    if overrides:
+        cfg = dataclasses.replace(cfg, **overrides)
+    return Problem(f"{c.name}-T{t}-{layout}-{jnp.dtype(dtype).name}", q, kv, idx,
+                   jnp.dtype(dtype).name, cfg)
+
+
+# ----------------------------------------------------------------------------- kernels
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    """One pallas_call of a problem: fn(*args) runs exactly that kernel."""
+    name: str
+    fn: object
+    args: tuple           # jax.ShapeDtypeStruct (no sharding)
+    hbm_bytes: int        # HBM bytes moved (read + written) by the kernel, see hbm_traffic
+
+
+def _sds(shape, dtype):
+    return jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype))
+
+
+def kernels(p: Problem) -> list[Kernel]:
+    """Every pallas_call that forward + backward of problem p launch, each on its own."""
+    cfg, dt = p.config, jnp.dtype(p.dtype)
+    plan = _make_plan(p.q, p.kv[1], p.idx[-1], cfg, dt)
+    scale = p.q[-1] ** -0.5
+    q, kv, idx = _sds(p.q, dt), _sds(p.kv, dt), _sds(p.idx, jnp.int32)
+    sink = _sds((p.h,), jnp.float32)
+    out = [Kernel("fwd", lambda q, kv, idx, sink: forward(
+        q, kv, idx, sink, scale=scale, interpret=False, config=cfg), (q, kv, idx, sink),
+        hbm_traffic(plan, dt, "fwd"))]
+    rows = p.q[0], plan.t_pad * plan.h
+    tok, col = _sds(rows + (plan.d,), dt), _sds(rows + (1,), jnp.float32)
+    kv_p = jax.eval_shape(lambda x: kv_operand(x, plan), kv)
+    for j, lp in enumerate(launch_plans(plan, cfg)):
+        if j > 1:
+            break      # later chunk launches have the shapes of launch 1
+        name = "bwd" if j == 0 else "bwd_chunk"
+
+        def bwd(q2, kv_p, idx, o2, lse2, do2, dlse2, lp=lp):
+            return _bwd_launch(q2, kv_p, idx, o2, lse2, do2, dlse2, lp, scale=scale,
+                                    interpret=False, config=cfg)
+        out.append(Kernel(name, bwd, (tok, kv_p, idx, tok, col, tok, col),
+                          hbm_traffic(lp, dt, "bwd")))
+        if lp.n_kg:
+            e = p.q[0], lp.t_pad * lp.n_kg * lp.bk
+            s_pad, r_pad = csr_sizes(e[1], p.kv[1], cfg)
+            for kname, (n_in, n_out) in (("dkv_seg", (e[1], s_pad)), ("dkv_row", (s_pad, r_pad))):
+                if j:
+                    kname += "_chunk"
+
+                def red(values, perm, key, offs):
+                    return _csr_reduce(values, perm, key, offs, interpret=False, config=cfg)
+                ints = _sds((p.q[0], n_in), jnp.int32)
+                out.append(Kernel(kname, red, (_sds((p.q[0], n_in, plan.d), jnp.float32), ints,
+                                               ints, _sds((p.q[0], n_out + 1), jnp.int32)),
+                                  (n_in + n_out) * plan.d * 4 * p.q[0]))
+    return out
+
+
+def hbm_traffic(plan, dtype, kernel) -> int:
+    """HBM bytes the forward ("fwd") or backward ("bwd") kernel of one launch reads + writes
+    for B = 1, counted from the launch geometry: kv tiles as streamed (window / pool tiles per
+    program; gathered slots as if all were non-empty, an upper bound) plus the pipelined
+    blocks (q / o / dO / dq, lse / dlse / delta, idx and valid masks, the dkv intermediates)."""
+    s = jnp.dtype(dtype).itemsize
+    d, bk, h = plan.d, plan.bk, plan.h
+    tiles = 0
+    for i in range(plan.nb):
+        n_win, n_pool = struct_tiles(plan, i)
+        tiles += n_win + n_pool
+    gathered = plan.t_pad * plan.n_kg * bk
+    kv = (tiles * bk + gathered) * d * s
+    idx = plan.t_pad * plan.n_kg * bk * 4 * 2          # idx blocks (SMEM) + valid masks
+    rows = plan.t_pad * h
+    if kernel == "fwd":
+        return kv + idx + rows * (2 * d * s + 4)       # q in, o out, lse out
+    interm = (tiles * bk + gathered) * d * 4           # per-tile / per-slot dkv parts, f32
+    return kv + idx + rows * (3 * d * s + d * 4 + 3 * 4) + interm   # q, o, dO; dq; lse, dlse, delta
+
+
+# ----------------------------------------------------------------------------- compiling
+
+_SIZE = r"([0-9.]+)\s*([KMG]?)i?B?"
+
+
+def _bytes(num, unit):
+    return int(float(num) * {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}[unit])
+
+
+def scoped_vmem_from_error(msg: str):
+    """The scoped VMEM a kernel asked for, from the compiler's over-limit error (None if the
+    error states none): 'Scoped allocation with size 16.50M and limit 16.00M' (E1001) or
+    'Used 16.5M of 16.0M vmem'. Only near the limit is it the kernel's whole need: far below
+    it (a 4 KiB limit) the compiler names the first allocation that failed, a smaller number."""
+    m = re.search(r"Scoped allocation with size " + _SIZE, msg)
+    if m is None:
+        m = re.search(r"Used " + _SIZE + r" of", msg)
+    return None if m is None else _bytes(m.group(1), m.group(2))
+
+
+def scoped_vmem_of(compiled):
+    """Scoped VMEM (bytes) of the Mosaic kernel in a compiled program: the size XLA records in
+    the custom call's used_scoped_memory_configs (memory space 1 = VMEM)."""
+    total = 0
+    for line in compiled.as_text().splitlines():
+        if "tpu_custom_call" not in line:
+            continue
+        used = re.search(r'"used_scoped_memory_configs":\[(.*?)\]', line)
+        for m in re.finditer(r'"memory_space":"1","offset":"\d+","size":"(\d+)"',
+                             used.group(1) if used else ""):
+            total = max(total, int(m.group(1)))
+    return total or None
+
+
+def _limit_on(config, dev):
+    with jax.default_device(dev):
+        return vmem_limit(config, interpret=False)
+
+
+def _compile(fn, args, dev):
+    sh = jax.sharding.SingleDeviceSharding(dev)
+    placed = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh) for a in args]
+    with jax.default_device(dev):
+        return jax.jit(fn).trace(*placed).lower().compile()
+
+
+def _first_line(msg: str) -> str:
+    for line in str(msg).splitlines():
+        line = line.strip()
+        if line and not line.startswith(("WARNING", "E0000", "===")):
+            return line[:300]
+    return str(msg)[:300]
+
+
+def compile_kernels(p: Problem, gen: str) -> list[dict]:
+    """Compile every kernel of p for generation gen; one result row per kernel."""
+    dev = target_device(gen)
+    rows = []
+    for k in kernels(p):
+        row = dict(problem=p.name, generation=gen, kernel=k.name, hbm_bytes=k.hbm_bytes,
+                   vmem_limit=_limit_on(p.config, dev), ok=False)
+        t0 = time.perf_counter()
+        try:
+            c = _compile(k.fn, k.args, dev)
+        except Exception as e:            # the compiler's error is the result
+            row.update(compile_s=time.perf_counter() - t0, error=_first_line(e),
+                       scoped_vmem=scoped_vmem_from_error(str(e)))
+            rows.append(row)
+            continue
+        ma = c.memory_analysis()
+        row.update(ok=True, compile_s=time.perf_counter() - t0,
+                   code_bytes=ma.generated_code_size_in_bytes,
+                   temp_bytes=ma.temp_size_in_bytes, scoped_vmem=scoped_vmem_of(c))
+        rows.append(row)
+    return rows
+
+
+def _mib(x):
+    return "-" if x is None else f"{x / 2**20:.2f}"
+
+
+def table(rows) -> str:
+    """Markdown table of compile_kernels rows."""
+    out = ["| problem | gen | kernel | compiles | s | code KiB | scoped VMEM MiB | limit MiB "
+           "| HBM MiB |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ok = "yes" if r["ok"] else f"**no**: {r['error']}"
+        code = f"{r['code_bytes'] / 1024:.0f}" if r.get("code_bytes") else "-"
+        out.append(f"| {r['problem']} | {r['generation']} | {r['kernel']} | {ok} "
+                   f"| {r['compile_s']:.1f} | {code} | {_mib(r.get('scoped_vmem'))} "
+                   f"| {_mib(r['vmem_limit'])} | {_mib(r['hbm_bytes'])} |")
+    return "\n".join(out)
+
+
+def pivot(rows) -> str:
+    """Markdown table, one row per (problem, kernel), one column per generation: the scoped VMEM
+    (MiB) of a kernel that compiled, **no** and the VMEM it asked for (or the error) if not."""
+    gens = sorted({r["generation"] for r in rows}, key=list(GENERATIONS).index)
+    cells, order = {}, []
+    for r in rows:
+        key = (r["problem"], r["kernel"])
+        if key not in cells:
+            order.append(key)
+            cells[key] = {}
+        if r["ok"]:
+            cells[key][r["generation"]] = _mib(r.get("scoped_vmem"))
+        elif r.get("scoped_vmem"):
+            cells[key][r["generation"]] = f"**no** ({_mib(r['scoped_vmem'])})"
+        else:
+            cells[key][r["generation"]] = "**no**: " + r["error"][:60]
+    out = ["| problem | kernel | " + " | ".join(gens) + " |", "|---|---|" + "---|" * len(gens)]
+    for key in order:
+        out.append(f"| {key[0]} | {key[1]} | "
+                   + " | ".join(cells[key].get(g, "") for g in gens) + " |")
+    return "\n".join(out)
+
+
+def compact(rows) -> str:
+    """Markdown table, one row per problem, one column per generation: how many of its kernels
+    compile, the largest scoped VMEM among them (MiB), and what failed."""
+    gens = sorted({r["generation"] for r in rows}, key=list(GENERATIONS).index)
+    cells, order = {}, []
+    for r in rows:
+        if r["problem"] not in cells:
+            order.append(r["problem"])
+            cells[r["problem"]] = {}
+        cells[r["problem"]].setdefault(r["generation"], []).append(r)
+    out = ["| problem | " + " | ".join(gens) + " |", "|---|" + "---|" * len(gens)]
+    for prob in order:
+        line = []
+        for g in gens:
+            rs = cells[prob].get(g, [])
+            if not rs:
+                line.append("")
+                continue
+            ok = [r for r in rs if r["ok"]]
+            most = max((r.get("scoped_vmem") or 0 for r in ok), default=0)
+            cell = f"{len(ok)}/{len(rs)}, max {_mib(most)}"
+            bad = [r for r in rs if not r["ok"]]
+            if bad:
+                why = "HBM" if "on HBM" in bad[0]["error"] else bad[0]["error"][:40]
+                cell = f"**{cell}**; no: {', '.join(r['kernel'] for r in bad)} ({why})"
+            line.append(cell)
+        out.append(f"| {prob} | " + " | ".join(line) + " |")
+    return "\n".join(out)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--gens", default="v5e,v6e,v5p,v4")
+    ap.add_argument("--families", default=",".join(FAMILIES))
+    ap.add_argument("--ratios", default=",".join(map(str, PRESET_RATIOS)))
+    ap.add_argument("--seqs", default="4096,16384")
+    ap.add_argument("--dtypes", default="bfloat16,float32")
+    ap.add_argument("--layouts", default="struct,generic",
+                    help="struct (the layer's own layout) and / or generic")
+    ap.add_argument("--vmem-limit", type=int, default=None,
+                    help="compile under this scoped VMEM limit (bytes) instead of the default")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--from-json", nargs="+", default=None,
+                    help="print the tables of earlier --json results instead of compiling")
+    a = ap.parse_args(argv)
+    if a.from_json:
+        rows = [r for f in a.from_json for r in json.load(open(f))]
+        print(compact(rows) + "\n\n" + pivot(rows))
+        return 0
+    if not libtpu_available():
+        sys.exit("aot: libtpu is not installed (pip install -e '.[tpu-aot]')")
+    rows = []
+    for gen in a.gens.split(","):
+        for fam in a.families.split(","):
+            for ratio in map(int, a.ratios.split(",")):
+                for seq in map(int, a.seqs.split(",")):
+                    for dt in a.dtypes.split(","):
+                        for lay in a.layouts.split(","):
+                            over = {} if a.vmem_limit is None else dict(
+                                vmem_limit_bytes=a.vmem_limit)
+                            p = layer_problem(fam, ratio, seq, dt, layout=lay,
+                                              generation=gen, **over)
+                            rs = compile_kernels(p, gen)
+                            rows += rs
+                            print(table(rs).split("\n", 2)[2], flush=True)
+    print(table(rows))
+    print()
+    print(pivot(rows))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0 if all(r["ok"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

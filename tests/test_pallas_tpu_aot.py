@@ -1,0 +1,60 @@
+"""pallas_tpu compiled ahead of time by the real Mosaic compiler (libtpu) for TPU v5e and v6e.
+
+No TPU is needed: libtpu compiles for a named topology on the CPU (csa_jax/kernels/tpu/aot.py).
+Skipped when libtpu is not installed (it is in the [tpu-aot] extra, which [dev], and so
+scripts/setup.sh and CI, install on Linux). One realistic size: V4-Flash (H = 64, D = 512),
+T = 4096, each layer type in its structured layout, the generic layout on the cr4 index shape,
+bf16, and f32 for cr4; every kernel (forward, backward, both CSR dkv reductions) must compile
+under the generation's default scoped VMEM limit, and the compiler's scoped VMEM for each is
+printed (pytest -s) and checked against that limit.
+"""
+from __future__ import annotations
+
+import pytest
+
+from csa_jax.kernels.tpu import aot
+from csa_jax.kernels.tpu.config import generation_vmem
+
+needs_libtpu = pytest.mark.skipif(not aot.libtpu_available(),
+                                  reason="libtpu not installed (pip install -e '.[tpu-aot]')")
+
+CASES = [(0, "struct", "bfloat16"), (4, "struct", "bfloat16"), (128, "struct", "bfloat16"),
+         (4, "generic", "bfloat16"), (4, "struct", "float32")]
+
+
+@needs_libtpu
+@pytest.mark.slow
+@pytest.mark.parametrize("gen", ["v5e", "v6e"])
+@pytest.mark.parametrize("ratio,layout,dtype", CASES)
+def test_kernels_compile_for_tpu(gen, ratio, layout, dtype):
+    p = aot.layer_problem("flash", ratio, 4096, dtype, layout=layout, generation=gen)
+    rows = aot.compile_kernels(p, gen)
+    report = aot.table(rows)
+    print("\n" + report)
+    names = {r["kernel"] for r in rows}
+    assert {"fwd", "bwd"} <= names
+    if p.config.layout in ("generic", "cr4"):
+        assert {"dkv_seg", "dkv_row"} <= names          # gathered slots: the CSR reduce runs
+    bad = [r for r in rows if not r["ok"]]
+    assert not bad, f"did not compile for {gen}:\n{report}"
+    for r in rows:
+        assert r["vmem_limit"] == generation_vmem(gen)[1]
+        assert r["scoped_vmem"] is not None and 0 < r["scoped_vmem"] <= r["vmem_limit"], report
+        assert r["code_bytes"] > 0
+
+
+def test_scoped_vmem_parsers():
+    """The two forms of the compiler's over-limit error, and the compiled custom call's record."""
+    assert aot.scoped_vmem_from_error(
+        "Scoped allocation with size 16.50M and limit 16.00M exceeded") == int(16.5 * 2**20)
+    assert aot.scoped_vmem_from_error("Used 548.0K of 4.0K vmem") == 548 * 1024
+    assert aot.scoped_vmem_from_error("some other error") is None
+
+    class Compiled:
+        def as_text(self):
+            return ('%k = f32[8] custom-call(%a), custom_call_target="tpu_custom_call", '
+                    'backend_config={"used_scoped_memory_configs":[{"memory_space":"1",'
+                    '"offset":"0","size":"16482304"}],"retry_config":{}}\n'
+                    '%f = f32[8] fusion(%a), backend_config={"used_scoped_memory_configs":'
+                    '[{"memory_space":"1","offset":"0","size":"99"}]}')
+    assert aot.scoped_vmem_of(Compiled()) == 16482304
