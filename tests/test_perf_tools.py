@@ -36,3 +36,65 @@ def test_compress_backward_products_are_bf16():
     rows = hlo_dots.list_dots(jax.jit(f).lower(x, w).as_text(debug_info=True))
     assert len(rows) >= 3  # forward, d/dx, d/dw
     assert all(hlo_dots._elem(r[1]) == hlo_dots._elem(r[2]) == "bf16" for r in rows), rows
+
+
+import trace_breakdown  # noqa: E402
+
+from train.cli import main  # noqa: E402
+
+
+def test_classify_by_innermost_scope():
+    c = trace_breakdown.classify
+    assert c("jit(train_step)/jvp(csa_attention)/jit(attention)/gather", False) == \
+        ("CSA attention forward", False)
+    assert c("jit(train_step)/transpose(jvp(csa_attention))/jit(attention)/dot_general", True) == \
+        ("CSA attention backward", True)
+    assert c("jit(train_step)/jvp(indexer)/compressor/dot_general", True)[0] == "compressor"
+    assert c("jit(train_step)/jvp(indexer)/indexer_topk/sort", False)[0] == "indexer top-k"
+    assert c("jit(train_step)/transpose(jvp(q_proj))/dot_general", True) == ("dense matmuls", True)
+    assert c("jit(train_step)/jvp(q_proj)/norm/mul", False)[0] == "norms and RoPE"
+    assert c("jit(train_step)/jvp(q_proj)/mul", False)[0] == "other XLA ops"
+    assert c("jit(train_step)/optimizer/mul", False)[0] == "optimizer"
+    module, ops = trace_breakdown.parse_hlo(
+        "HloModule jit_f, entry_computation_layout={}\n\n"
+        "%fused_dot (p0: f32[2,2], p1: f32[2,2]) -> f32[2,2] {\n"
+        "  ROOT %dot.1 = f32[2,2]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}\n}\n\n"
+        "ENTRY %main (a: f32[2,2]) -> f32[2,2] {\n"
+        '  ROOT %fusion.3 = f32[2,2]{1,0} fusion(%a, %a), kind=kOutput, calls=%fused_dot, '
+        'metadata={op_name="jit(f)/jvp(mlp)/dot_general"}\n}\n')
+    assert module == "jit_f" and ops["fusion.3"] == ("jit(f)/jvp(mlp)/dot_general", "fusion", True)
+
+
+def test_profile_steps_trace_and_breakdown(tmp_path, capsys):
+    """`--profile-steps 2:3` writes a trace of two steps and the step's HLO; the breakdown finds
+    every family the model has, split into forward and backward."""
+    text = tmp_path / "text.txt"
+    text.write_text("compressed sparse attention reads bytes\n" * 300)
+    work = tmp_path / "w"
+    argv = ["--data", str(text), "--layers", "0,4,16", "--seq-len", "64", "--batch-size", "2",
+            "--steps", "3", "--log-every", "5", "--eval-every", "5", "--eval-batches", "1",
+            "--no-progress", "--workdir", str(work)]
+    assert main(argv + ["--profile-steps", "3:2"]) == 2
+    assert "--profile-steps '3:2' must satisfy 1 <= A <= B" in capsys.readouterr().err
+    assert main(argv + ["--profile-steps", "2:9"]) == 2
+    assert "ends after the run's last step 3" in capsys.readouterr().err
+    assert main(argv + ["--profile-steps", "2:3"]) == 0
+    assert "profile of steps 2..3" in capsys.readouterr().err
+    prof = work / "profile"
+    assert (prof / "train_step.hlo.txt").exists() and list(prof.glob("**/*.xplane.pb"))
+    out = tmp_path / "b.json"
+    trace_breakdown.main([str(prof), "--json", str(out), "--top", "5"])
+    table = capsys.readouterr().out
+    assert "| CSA attention backward |" in table and "| host gaps |" in table
+    import json
+
+    res = json.loads(out.read_text())
+    assert res["steps"] == 2
+    fam = res["families"]
+    for name in ("CSA attention forward", "CSA attention backward", "indexer scores",
+                 "indexer top-k", "compressor", "index lists", "dense matmuls", "norms and RoPE",
+                 "optimizer"):
+        assert fam[name]["ms"] > 0, name
+    assert fam["CSA attention backward"]["bwd_ms"] == fam["CSA attention backward"]["ms"]
+    assert fam["compressor"]["bwd_ms"] > 0 and fam["indexer top-k"]["bwd_ms"] == 0
+    assert 0 < res["busy_ms_per_step"] <= res["span_ms_per_step"]

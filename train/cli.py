@@ -80,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--keep", type=int, dest="keep_checkpoints",
                    help="checkpoints to keep (default 3)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar (plain log lines only)")
+    g.add_argument("--profile-steps", metavar="A:B", help="write a jax.profiler trace of steps "
+                   "A..B (1-based, inclusive) and the step's HLO to <workdir>/profile; "
+                   "benchmarks/trace_breakdown.py turns it into a table by op family")
     return p
 
 
@@ -123,10 +126,13 @@ def main(argv=None) -> int:
         cfg = config_from_args(args)
         workdir = args.workdir or os.path.join("runs", args.preset)
         from train.loop import DivergedError, train_and_evaluate
+        from train.profile import parse_profile_steps
 
+        profile_steps = parse_profile_steps(args.profile_steps, cfg.steps)
         try:
             result = train_and_evaluate(cfg, workdir, progress=not args.no_progress,
-                                        log=lambda s: print(s, file=sys.stderr, flush=True))
+                                        log=lambda s: print(s, file=sys.stderr, flush=True),
+                                        profile_steps=profile_steps)
         except DivergedError as e:
             print(f"error: {e}", file=sys.stderr)
             return 1

@@ -30,6 +30,7 @@ from train.data import ByteDataset
 from train.metrics import MetricsWriter, plot_losses
 from train.model import DecoderLM, count_params
 from train.parallel import check_parallel, make_runner
+from train.profile import StepProfiler
 
 __all__ = ["DivergedError", "RunResult", "init_state", "make_optimizer", "train_and_evaluate"]
 
@@ -130,8 +131,11 @@ def _config_diff(saved: dict, now: dict, prefix="") -> list[str]:
 
 
 def train_and_evaluate(cfg: TrainConfig, workdir, *, progress: bool = True,
-                       log=print) -> RunResult:
+                       log=print, profile_steps=None) -> RunResult:
     """Train `cfg` in `workdir`, resuming from its latest checkpoint if there is one.
+
+    profile_steps: (A, B) writes a jax.profiler trace of steps A..B to workdir/profile
+    (train.profile).
 
     Returns a RunResult; on SIGINT / SIGTERM the run saves a checkpoint of the current step and
     returns status "interrupted" (the CLI then exits with 128 + the signal number).
@@ -188,6 +192,7 @@ def train_and_evaluate(cfg: TrainConfig, workdir, *, progress: bool = True,
         ckpt.save(step, runner.get(state), {**meta_now, "batches_consumed": step, "step": step})
 
     writer = MetricsWriter(workdir, start_step=start, total_steps=cfg.steps, progress=progress)
+    prof = StepProfiler(profile_steps, workdir, log=writer.message)
     losses, eval_losses = {}, {}
     status, signum = "done", None
     step = start
@@ -196,8 +201,11 @@ def train_and_evaluate(cfg: TrainConfig, workdir, *, progress: bool = True,
     try:
         with _StopFlag() as stop:
             while step < cfg.steps:
-                state, metrics = runner.step(state, runner.batch(data.batch(step)))
+                batch = runner.batch(data.batch(step))
+                with prof.annotation(step + 1):
+                    state, metrics = runner.step(state, batch)
                 step += 1
+                prof.after(step, state, runner, batch)
                 writer.advance()
                 if step % cfg.log_every == 0 or step == cfg.steps or step == start + 1:
                     m = {k: float(v) for k, v in jax.device_get(metrics).items()}
@@ -227,6 +235,7 @@ def train_and_evaluate(cfg: TrainConfig, workdir, *, progress: bool = True,
         if saved_at != step:
             save(step)
     finally:
+        prof.stop()
         writer.close()
         ckpt.close()
     plot_losses(workdir)

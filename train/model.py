@@ -31,8 +31,9 @@ class SwiGLU(nnx.Module):
 
     def __call__(self, x):
         dt = x.dtype
-        h = jax.nn.silu(x @ self.w_gate[...].astype(dt)) * (x @ self.w_up[...].astype(dt))
-        return h @ self.w_down[...].astype(dt)
+        with jax.named_scope("mlp"):
+            h = jax.nn.silu(x @ self.w_gate[...].astype(dt)) * (x @ self.w_up[...].astype(dt))
+            return h @ self.w_down[...].astype(dt)
 
 
 class Block(nnx.Module):
@@ -63,10 +64,12 @@ class DecoderLM(nnx.Module):
 
     def __call__(self, tokens):
         dt = jnp.dtype(self.cfg.compute_dtype)
-        x = jnp.take(self.embed[...], tokens, axis=0).astype(dt)  # [B, T, C]
+        with jax.named_scope("embed"):
+            x = jnp.take(self.embed[...], tokens, axis=0).astype(dt)  # [B, T, C]
         x, aux = apply_layers(self.blocks, (x, jnp.zeros((), jnp.float32)))
         x = self.final_norm(x)
-        logits = (x @ self.head[...].astype(dt)).astype(jnp.float32)
+        with jax.named_scope("head"):
+            logits = (x @ self.head[...].astype(dt)).astype(jnp.float32)
         return logits, aux
 
 
