@@ -192,7 +192,7 @@ def train_and_evaluate(cfg: TrainConfig, workdir, *, progress: bool = True,
         ckpt.save(step, runner.get(state), {**meta_now, "batches_consumed": step, "step": step})
 
     writer = MetricsWriter(workdir, start_step=start, total_steps=cfg.steps, progress=progress)
-    prof = StepProfiler(profile_steps, workdir, log=writer.message)
+    prof = StepProfiler(profile_steps, workdir / "profile", log=writer.message)
     losses, eval_losses = {}, {}
     status, signum = "done", None
     step = start

@@ -43,9 +43,9 @@ class StepProfiler:
     annotates every traced step as `train` with its step number (the breakdown counts them).
     With steps=None it does nothing."""
 
-    def __init__(self, steps, workdir, log=print):
+    def __init__(self, steps, out_dir, log=print):
         self.steps = steps
-        self.dir = Path(workdir) / "profile"
+        self.dir = Path(out_dir)
         self.log = log
         self.active = False
 
