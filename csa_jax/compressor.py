@@ -91,10 +91,8 @@ def compress(x, w_kv, w_gate, ape, norm_scale, *, ratio, eps=1e-6):
     f32 = jnp.float32
     mm = _mm_dtype(x.dtype)
     xs = x[:, : P * ratio].astype(mm)
-    # One product for both projections: x is read once, one GEMM of width 2*coff*d.
-    wcat = jnp.concatenate([w_kv.astype(mm), w_gate.astype(mm)], axis=1)        # [C, 2*width]
-    cz = einsum_f32acc("btc,cw->btw", xs, wcat)                                 # [B, P*m, 2*width]
-    c, z = cz[..., :width], cz[..., width:]
+    c = einsum_f32acc("btc,cw->btw", xs, w_kv.astype(mm))                       # [B, P*m, coff*d]
+    z = einsum_f32acc("btc,cw->btw", xs, w_gate.astype(mm))
     c = c.reshape(B, P, ratio, width)
     z = z.reshape(B, P, ratio, width) + ape.astype(f32)[None, None]
     if ratio == 4:
@@ -155,9 +153,12 @@ def _scores_block(q_idx, k_idx, weights, ratio, start, size, rows=None):
     w = jax.lax.dynamic_slice_in_dim(weights, start, size, axis=1).astype(jnp.float32)
     with jax.named_scope("indexer_scores"):
         dots = einsum_f32acc("bthd,bsd->bths", q, k_idx[:, :rows].astype(mm))  # [B, c, Hi, rows]
-        # The head-weighted sum as an f32 multiply-reduce (one fusion over dots), not a batched
-        # matrix-vector product.
-        score = jnp.sum(w[..., None] * jax.nn.relu(dots), axis=2)              # [B, c, rows]
+        if mm == jnp.float32:   # as it always was (CPU, tests): a batched matrix-vector product
+            score = jnp.einsum("bth,bths->bts", w, jax.nn.relu(dots),
+                               precision=jax.lax.Precision.HIGHEST)             # [B, c, rows]
+        else:  # bf16 products: the head-weighted sum as one f32 multiply-reduce fusion, which
+            # a GPU runs at memory speed (an f32 batched GEMV would run on CUDA cores)
+            score = jnp.sum(w[..., None] * jax.nn.relu(dots), axis=2)
     t = start + jnp.arange(size)[:, None]
     s = jnp.arange(rows)[None, :]
     return jnp.where((s < (t + 1) // ratio)[None], score, -jnp.inf)
@@ -177,6 +178,9 @@ def indexer_scores(q_idx, k_idx, weights, *, ratio):
 
 
 SELECT_MODES = ("prefix", "top_k", "approx")
+# Below this many [B, T, P] scores "prefix" runs as "top_k" (same ids): for small problems the
+# per-band ops cost more than the invisible half of the scores (the CPU default run).
+_PREFIX_MIN_SCORES = 2 ** 22
 
 
 def indexer_topk(q_idx, k_idx, weights, *, ratio, topk, select="prefix", recall_target=0.95):
@@ -184,9 +188,10 @@ def indexer_topk(q_idx, k_idx, weights, *, ratio, topk, select="prefix", recall_
 
     q_idx [B,T,Hi,Di] (rotated), k_idx [B,P,Di], weights [B,T,Hi] with every scale folded in.
     No gradient flows through the selection. select:
-      "prefix" (default, exact): tokens are walked in chunks and each chunk scores and sorts only
-               the pool rows visible to its last token ((start + size) // ratio of them), so the
-               invisible tail (half of [T, P] on average) is neither scored nor sorted;
+      "prefix" (default, exact): tokens are walked in chunks (in at most 8 bands) and each band
+               scores and sorts only the pool rows visible to its last token, so most of the
+               invisible half of [T, P] is neither scored nor sorted (problems with fewer than
+               2**22 scores run as "top_k");
       "top_k"  (exact): one lax.top_k over all P rows per token;
       "approx": lax.approx_max_k (recall_target) over all P rows: the TPU's approximate
                selection; on CPU and GPU XLA lowers it to an exact sort.
@@ -212,7 +217,7 @@ def indexer_topk(q_idx, k_idx, weights, *, ratio, topk, select="prefix", recall_
                 vals, ids = jax.lax.top_k(score, kk)
             return jnp.where(vals > -jnp.inf, ids, -1).astype(jnp.int32)
 
-    if select != "prefix":
+    if select != "prefix" or B * T * P < _PREFIX_MIN_SCORES:
         return _chunked_over_tokens(
             lambda s, n: pick(_scores_block(q_idx, k_idx, weights, ratio, s, n), k),
             T, B * Hi * P)

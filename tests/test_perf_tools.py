@@ -98,3 +98,35 @@ def test_profile_steps_trace_and_breakdown(tmp_path, capsys):
     assert fam["CSA attention backward"]["bwd_ms"] == fam["CSA attention backward"]["ms"]
     assert fam["compressor"]["bwd_ms"] > 0 and fam["indexer top-k"]["bwd_ms"] == 0
     assert 0 < res["busy_ms_per_step"] <= res["span_ms_per_step"]
+
+
+def test_remat_policies_give_the_same_step():
+    """remat block / dots recompute parts of the forward in the backward: same loss and grads."""
+    import numpy as np
+
+    from train.config import get_preset
+    from train.loop import init_state
+    from train.parallel import make_runner
+
+    tok = np.random.default_rng(0).integers(0, 256, (2, 32), dtype=np.int32)
+    out = {}
+    for remat in ("none", "block", "dots"):
+        cfg = get_preset("tiny", model=dict(remat=remat, layer_ratios=(0, 4, 8), window=8, topk=4),
+                         seq_len=32, batch_size=2, steps=2)
+        graphdef, state, tx, schedule = init_state(cfg)
+        runner = make_runner(cfg, graphdef, state["params"], tx, schedule)
+        batch = (tok, np.roll(tok, -1, 1))
+        jaxpr = str(jax.make_jaxpr(runner.train_step)(state, batch))
+        assert ("checkpoint" in jaxpr or "remat" in jaxpr) == (remat != "none"), remat
+        new, m = jax.jit(runner.train_step)(state, batch)
+        out[remat] = (float(m["loss"]), float(m["grad_norm"]), new["params"])
+    for remat in ("block", "dots"):
+        assert abs(out[remat][0] - out["none"][0]) < 1e-6
+        assert abs(out[remat][1] - out["none"][1]) < 1e-5 * out["none"][1]
+        for a, b in zip(jax.tree.leaves(out[remat][2]), jax.tree.leaves(out["none"][2])):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    from train.config import ConfigError
+    import pytest
+
+    with pytest.raises(ConfigError, match="remat='all' must be one of"):
+        get_preset("tiny", model=dict(remat="all"))

@@ -15,7 +15,16 @@ from train.config import ModelConfig
 # step it is the plain loop over the layers.
 from comm.fsdp import apply_layers
 
-__all__ = ["Block", "DecoderLM", "SwiGLU", "count_params"]
+__all__ = ["Block", "DecoderLM", "REMAT_POLICIES", "SwiGLU", "count_params"]
+
+# ModelConfig.remat -> what a block keeps for the backward (nnx.remat policy; None: no remat).
+# block: nothing (the block's forward runs again in the backward; least memory);
+# dots: the matrix products' outputs (norms, RoPE, activations and the attention core recomputed).
+REMAT_POLICIES = {
+    "none": None,
+    "block": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
 
 
 def _weight(rngs, shape, fan_in, scale=1.0):
@@ -43,9 +52,16 @@ class Block(nnx.Module):
         self.attn = CSAAttention(cfg.layer(ratio, out_init_scale=out_scale), rngs=rngs)
         self.mlp_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.mlp = SwiGLU(cfg.d_model, cfg.mlp_hidden, out_init_scale=out_scale, rngs=rngs)
+        self.remat = cfg.remat
 
     def __call__(self, carry):
         """(x [B,T,C], aux loss so far) -> the same after this block."""
+        policy = REMAT_POLICIES[self.remat]
+        if policy is None:
+            return self._forward(carry)
+        return nnx.remat(type(self)._forward, policy=policy)(self, carry)
+
+    def _forward(self, carry):
         x, aux = carry
         h, a = self.attn(self.attn_norm(x))
         x = x + h
