@@ -80,7 +80,8 @@ def bench(preset, impl, seq_len, batch_size, steps, warmup, dtype, profile=None)
     fl = step_flops(cfg.model, seq_len)
     return dict(preset=preset, impl=impl, seq_len=seq_len, batch_size=batch_size, dtype=dtype,
                 params_m=n_params / 1e6, step_ms=dt * 1e3, tokens_per_sec=tps,
-                model_tflops=tps * fl["nominal"] / 1e12, model_tflops_valid=tps * fl["valid"] / 1e12,
+                model_tflops=tps * fl["nominal"] / 1e12,
+                model_tflops_valid=tps * fl["valid"] / 1e12,
                 flops_per_token=fl, compile_s=compile_s, warmup_s=warmup_s, loss=loss,
                 layers=list(cfg.model.layer_ratios))
 

@@ -1,7 +1,7 @@
-"""Every matrix product of the jitted train step, with operand dtypes and the source line it came from.
+"""Every matrix product of the jitted train step: operand dtypes and the source line it came from.
 
-    python benchmarks/hlo_dots.py                          # small preset, T=512, bf16 compute, xla
-    python benchmarks/hlo_dots.py --preset small --seq-len 1024 --only-f32
+    python -m benchmarks.hlo_dots                          # small preset, T=512, bf16 compute, xla
+    python -m benchmarks.hlo_dots --preset small --seq-len 1024 --only-f32
 
 Lowers `SingleDeviceRunner.step` on abstract shapes (no parameters are materialised, nothing
 runs), reads the StableHLO with debug locations, and lists each `dot_general` / `convolution`:
@@ -16,11 +16,6 @@ from __future__ import annotations
 import argparse
 import collections
 import re
-import sys
-from pathlib import Path
-
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 _LOC_DEF = re.compile(r"^(#loc\d*) = (loc\(.*\))$", re.M)
 _DOT = re.compile(r"stablehlo\.(dot_general|convolution)\b.*?:\s*\((tensor<[^>]*>),\s*"

@@ -1,8 +1,8 @@
 """Where a training step's time goes: a jax.profiler trace -> a table by op family.
 
     python -m train --preset small --steps 8 --profile-steps 5:7 --workdir runs/prof
-    python benchmarks/trace_breakdown.py runs/prof/profile            # markdown table
-    python benchmarks/trace_breakdown.py runs/prof/profile --json out.json --top 20
+    python -m benchmarks.trace_breakdown runs/prof/profile            # markdown table
+    python -m benchmarks.trace_breakdown runs/prof/profile --json out.json --top 20
 
 Input: a directory holding the `*.xplane.pb` that `jax.profiler` wrote (the newest one is read)
 and the compiled HLO of the step (`train_step.hlo.txt`, which `--profile-steps` writes beside
@@ -85,7 +85,8 @@ def parse_hlo(text):
             memo[c] = False
             memo[c] = depth < 20 and any(
                 op in ("dot", "convolution") or (op == "custom-call" and _MATMUL_TARGET.search(t))
-                or any(has_dot(x, depth + 1) for x in calls) for _, op, calls, t in comps.get(c, ()))
+                or any(has_dot(x, depth + 1) for x in calls)
+                for _, op, calls, t in comps.get(c, ()))
         return memo[c]
 
     out = {}
@@ -230,9 +231,12 @@ def format_table(res):
                      f"{v['bwd_ms']:.3f} |")
     lines.append(f"| total | {total:.3f} | 100% | | |")
     if res["top_ops"]:
-        lines += ["", "| top ops | ms/step | calls/step | family | op_name |", "|---|---|---|---|---|"]
+        lines += ["", "| top ops | ms/step | calls/step | family | op_name |",
+                  "|---|---|---|---|---|"]
         for o in res["top_ops"]:
-            name = o["hlo_op"] if o["kernel"] == o["hlo_op"] else f"{o['hlo_op']} ({o['kernel'][:60]})"
+            name = o["hlo_op"]
+            if o["kernel"] != name:
+                name += f" ({o['kernel'][:60]})"
             lines.append(f"| {name} | {o['ms']:.3f} | {o['calls_per_step']:g} | {o['family']} | "
                          f"{o['op_name'][-90:]} |")
     return "\n".join(lines)

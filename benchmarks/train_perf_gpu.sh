@@ -25,17 +25,18 @@ run() {  # name, limit in seconds, command...
   timeout "$limit" "$@" >> "$OUT/log.txt" 2>&1 || echo "$name: exit $?" | tee -a "$OUT/log.txt"
 }
 
-run small 300 $PY benchmarks/bench_train.py --preset small --seq-len 8192 --batch-size 1 \
+run small 300 $PY -m benchmarks.bench_train --preset small --seq-len 8192 --batch-size 1 \
   --impls xla,best --profile /tmp/prof_small --out "$OUT/train_small_T8192.json"
 best=$(ls -t /tmp/prof_small 2>/dev/null | head -1)
-[ -n "$best" ] && run small-breakdown 120 $PY benchmarks/trace_breakdown.py "/tmp/prof_small/$best" \
+[ -n "$best" ] && run small-breakdown 120 $PY -m benchmarks.trace_breakdown "/tmp/prof_small/$best" \
   --top 25 --json "$OUT/breakdown_small_$best.json"
-run flash 300 $PY benchmarks/bench_train.py --preset v4-flash-layer --seq-len 8192 \
+run flash 300 $PY -m benchmarks.bench_train --preset v4-flash-layer --seq-len 8192 \
   --batch-size 1 --impls best --profile /tmp/prof_flash --out "$OUT/train_flash_T8192.json"
 best=$(ls -t /tmp/prof_flash 2>/dev/null | head -1)
-[ -n "$best" ] && run flash-breakdown 120 $PY benchmarks/trace_breakdown.py "/tmp/prof_flash/$best" \
+[ -n "$best" ] && run flash-breakdown 120 $PY -m benchmarks.trace_breakdown "/tmp/prof_flash/$best" \
   --top 25 --json "$OUT/breakdown_flash_$best.json"
 if [ -n "${1:-}" ]; then
+  # (the before tree may predate benchmarks/ as a package: run the script by path there)
   (cd "$1" && PYTHONPATH=$PWD run base-small 240 $PY benchmarks/bench_train.py --preset small \
     --seq-len 8192 --batch-size 1 --impls best --out "$OUT/train_small_T8192_base.json")
 fi

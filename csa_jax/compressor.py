@@ -26,7 +26,8 @@ def _shape_error(name, arr, want):
 def _mm_dtype(dtype):
     """Operand dtype of a product whose activations are `dtype`: bf16/f16 stay, the rest is f32."""
     dtype = jnp.dtype(dtype)
-    return dtype if dtype in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) else jnp.dtype(jnp.float32)
+    low = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    return dtype if dtype in low else jnp.dtype(jnp.float32)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

@@ -3,16 +3,19 @@ the profiler trace of `python -m train --profile-steps` and its breakdown table
 (benchmarks/trace_breakdown.py)."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
+import json
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import hlo_dots  # noqa: E402
-
-import csa_jax  # noqa: E402
+import csa_jax
+from benchmarks import hlo_dots, trace_breakdown
+from train.cli import main
+from train.config import ConfigError, get_preset
+from train.loop import init_state
+from train.parallel import make_runner
 
 
 def test_bf16_step_has_no_f32_products():
@@ -36,11 +39,6 @@ def test_compress_backward_products_are_bf16():
     rows = hlo_dots.list_dots(jax.jit(f).lower(x, w).as_text(debug_info=True))
     assert len(rows) >= 3  # forward, d/dx, d/dw
     assert all(hlo_dots._elem(r[1]) == hlo_dots._elem(r[2]) == "bf16" for r in rows), rows
-
-
-import trace_breakdown  # noqa: E402
-
-from train.cli import main  # noqa: E402
 
 
 def test_classify_by_innermost_scope():
@@ -86,8 +84,6 @@ def test_profile_steps_trace_and_breakdown(tmp_path, capsys):
     trace_breakdown.main([str(prof), "--json", str(out), "--top", "5"])
     table = capsys.readouterr().out
     assert "| CSA attention backward |" in table and "| host gaps |" in table
-    import json
-
     res = json.loads(out.read_text())
     assert res["steps"] == 2
     fam = res["families"]
@@ -102,12 +98,6 @@ def test_profile_steps_trace_and_breakdown(tmp_path, capsys):
 
 def test_remat_policies_give_the_same_step():
     """remat block / dots recompute parts of the forward in the backward: same loss and grads."""
-    import numpy as np
-
-    from train.config import get_preset
-    from train.loop import init_state
-    from train.parallel import make_runner
-
     tok = np.random.default_rng(0).integers(0, 256, (2, 32), dtype=np.int32)
     out = {}
     for remat in ("none", "block", "dots"):
@@ -125,8 +115,5 @@ def test_remat_policies_give_the_same_step():
         assert abs(out[remat][1] - out["none"][1]) < 1e-5 * out["none"][1]
         for a, b in zip(jax.tree.leaves(out[remat][2]), jax.tree.leaves(out["none"][2])):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-    from train.config import ConfigError
-    import pytest
-
     with pytest.raises(ConfigError, match="remat='all' must be one of"):
         get_preset("tiny", model=dict(remat="all"))

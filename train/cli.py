@@ -82,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-progress", action="store_true", help="no progress bar (plain log lines only)")
     g.add_argument("--profile-steps", metavar="A:B", help="write a jax.profiler trace of steps "
                    "A..B (1-based, inclusive) and the step's HLO to <workdir>/profile; "
-                   "benchmarks/trace_breakdown.py turns it into a table by op family")
+                   "python -m benchmarks.trace_breakdown turns it into a table by op family")
     return p
 
 

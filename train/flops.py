@@ -42,30 +42,31 @@ def step_flops(model, seq_len: int) -> dict:
     "attention_nominal", "attention_valid", "nominal", "valid"}; nominal / valid are the totals
     with the attention core and indexer scores at nominal / valid slots.
     """
-    C, H, D, G = model.d_model, model.n_heads, model.head_dim, model.o_groups
-    Hi, Di = model.index_heads, model.index_head_dim
+    a = model.attention  # the base per-layer csa_jax.CSAConfig
+    C, H, D, G = a.d_model, a.num_heads, a.head_dim, a.o_groups
+    Hi, Di = a.index_heads, a.index_dim
     T = seq_len
-    aux = model.indexer_loss_coef > 0
-    window_valid = float(np.minimum(np.arange(T) + 1, model.window).mean())
+    aux = a.indexer_loss_coef > 0
+    window_valid = float(np.minimum(np.arange(T) + 1, a.window).mean())
     dense = idx_proj = idx_nom = idx_val = att_nom = att_val = 0.0
     for r in model.layer_ratios:
-        w = C * model.q_rank + model.q_rank * H * D + C * D          # wq_a, wq_b, wkv
-        w += H * D * model.o_rank + G * model.o_rank * C             # wo_a (grouped), wo_b
+        w = C * a.q_rank + a.q_rank * H * D + C * D          # wq_a, wq_b, wkv
+        w += H * D * a.o_rank + G * a.o_rank * C             # wo_a (grouped), wo_b
         w += 3 * C * model.mlp_hidden                                # SwiGLU
-        k_nom, k_val = model.window, window_valid
+        k_nom, k_val = a.window, window_valid
         if r > 0:
             coff = 2 if r == 4 else 1
             w += 2 * C * coff * D                                    # compressor W_kv, W_gate
             P = T // r
             if r == 4:
-                k_nom += min(model.topk, P)
-                k_val += _mean_visible(T, r, model.topk)
+                k_nom += min(a.topk, P)
+                k_val += _mean_visible(T, r, a.topk)
             else:
                 k_nom += P
                 k_val += _mean_visible(T, r)
         dense += 6.0 * w
         if r == 4:
-            wi = model.q_rank * Hi * Di + C * Hi + 2 * C * 2 * Di    # W_q^I, W_w, its compressor
+            wi = a.q_rank * Hi * Di + C * Hi + 2 * C * 2 * Di    # W_q^I, W_w, its compressor
             idx_proj += (6.0 if aux else 2.0) * wi
             per_row = 2.0 * Hi * Di * (3.0 if aux else 1.0)
             idx_nom += per_row * (T // r)

@@ -3,7 +3,7 @@
 The trace goes to `<workdir>/profile/` (`plugins/profile/<time>/*.xplane.pb`, plus a Perfetto
 `*.trace.json.gz`): open it with TensorBoard's profile plugin (`tensorboard --logdir
 <workdir>/profile`) or https://ui.perfetto.dev, or turn it into a table by op family with
-`python benchmarks/trace_breakdown.py <workdir>/profile`. The compiled HLO of the step
+`python -m benchmarks.trace_breakdown <workdir>/profile`. The compiled HLO of the step
 (`train_step.hlo.txt`) is written beside it: it maps each kernel to its HLO op's named scope.
 """
 
@@ -69,7 +69,7 @@ class StepProfiler:
         if hasattr(runner, "hlo_text"):
             (self.dir / "train_step.hlo.txt").write_text(runner.hlo_text(state, batch))
         self.log(f"profile of steps {self.steps[0]}..{step_num} in {self.dir} (table: python "
-                 f"benchmarks/trace_breakdown.py {self.dir})")
+                 f"-m benchmarks.trace_breakdown {self.dir})")
 
     def stop(self):
         if self.active:
