@@ -139,7 +139,11 @@ def load_events(profile_dir):
     per_plane = {}
     for plane in planes:
         evs = []
-        for line in plane.lines:
+        lines = list(plane.lines)
+        # A device plane with an "XLA Ops" line (TPU) has one event per op there; its other lines
+        # repeat that time at other levels. GPU planes have one line per stream.
+        ops_lines = [ln for ln in lines if ln.name == "XLA Ops"]
+        for line in ops_lines or lines:
             raw = []
             for e in line.events:
                 if plane.name.startswith("/host") and line.name == "python" and e.name == "train":
