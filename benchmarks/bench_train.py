@@ -4,10 +4,15 @@
     python -m benchmarks.bench_train --impls xla,pallas_triton --seq-len 8192 --batch-size 1
 
 Times full optimizer steps (forward, backward, AdamW; bf16 compute, f32 master weights) on
-random bytes, after a warm-up that includes compilation. MFU = model FLOPs per token
-(ModelConfig.flops_per_token: 6 x matmul params + attention at nominal slots, the csa_spec.md
-section 3 convention) x tokens/s / the device's peak bf16 dense FLOP/s (--peak-tflops; default
-989 for H100/H200 SXM). Prints a markdown table and writes JSON (--out).
+random bytes, after a warm-up whose first step is the compilation (reported as compile_s). MFU =
+model FLOPs per token (train/flops.py: 6 x trained matmul weights, the indexer forward only,
+the attention core at nominal slots by the csa_spec.md section 3 convention, and again at the
+causally valid slots: mfu_valid) x tokens/s / the device's peak bf16 dense FLOP/s
+(--peak-tflops; default 989 for H100/H200 SXM). Prints a markdown table and writes JSON (--out).
+
+--profile DIR: after timing, trace 3 more steps of each impl with jax.profiler into DIR/<impl>
+and write the step's compiled HLO beside it (python -m benchmarks.trace_breakdown DIR/<impl>
+makes the table).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import jax
 import numpy as np
 
 from train.config import get_preset
+from train.flops import step_flops
 from train.loop import init_state
 from train.model import count_params
 from train.parallel import make_runner
@@ -39,7 +45,7 @@ def kernel_candidates() -> list[str]:
             if platform in impl.auto and impl.unavailable() is None]
 
 
-def bench(preset, impl, seq_len, batch_size, steps, warmup, dtype):
+def bench(preset, impl, seq_len, batch_size, steps, warmup, dtype, profile=None):
     cfg = get_preset(preset, model=dict(impl=impl, compute_dtype=dtype), seq_len=seq_len,
                      batch_size=batch_size, steps=warmup + steps + 1, warmup_steps=1)
     graphdef, state, tx, schedule = init_state(cfg)
@@ -50,20 +56,34 @@ def bench(preset, impl, seq_len, batch_size, steps, warmup, dtype):
     batches = [runner.batch((x, np.roll(x, -1, axis=1)))
                for x in (rng.integers(0, 256, (batch_size, seq_len), dtype=np.int32) for _ in range(2))]
     t0 = time.perf_counter()
-    for i in range(warmup):
+    state, m = runner.step(state, batches[0])
+    jax.block_until_ready(m)
+    compile_s = time.perf_counter() - t0  # the first step: compilation + one step
+    for i in range(1, warmup):
         state, m = runner.step(state, batches[i % 2])
     jax.block_until_ready(m)
-    compile_s = time.perf_counter() - t0
+    warmup_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     for i in range(steps):
         state, m = runner.step(state, batches[i % 2])
     loss = float(m["loss"])  # waits for the last step
     dt = (time.perf_counter() - t0) / steps
     tps = batch_size * seq_len / dt
+    if profile:
+        from train.profile import StepProfiler
+
+        prof = StepProfiler((1, 3), Path(profile) / impl, log=lambda s: print(s, file=sys.stderr))
+        for i in range(1, 4):
+            with prof.annotation(i):
+                state, m = runner.step(state, batches[i % 2])
+            prof.after(i, state, runner, batches[i % 2])
+    fl = step_flops(cfg.model, seq_len)
     return dict(preset=preset, impl=impl, seq_len=seq_len, batch_size=batch_size, dtype=dtype,
                 params_m=n_params / 1e6, step_ms=dt * 1e3, tokens_per_sec=tps,
-                model_tflops=tps * cfg.model.flops_per_token(seq_len) / 1e12,
-                warmup_s=compile_s, loss=loss, layers=list(cfg.model.layer_ratios))
+                model_tflops=tps * fl["nominal"] / 1e12,
+                model_tflops_valid=tps * fl["valid"] / 1e12,
+                flops_per_token=fl, compile_s=compile_s, warmup_s=warmup_s, loss=loss,
+                layers=list(cfg.model.layer_ratios))
 
 
 def main():
@@ -78,6 +98,7 @@ def main():
     p.add_argument("--peak-tflops", type=float, default=989.0,
                    help="peak bf16 dense TFLOP/s of the device (H100/H200 SXM: 989)")
     p.add_argument("--out", default="docs/perf/train_small.json")
+    p.add_argument("--profile", metavar="DIR", help="trace 3 steps of each impl into DIR/<impl>")
     args = p.parse_args()
 
     rows = []
@@ -85,24 +106,27 @@ def main():
         for impl in (kernel_candidates() if group == "best" else [group]):
             try:
                 r = bench(args.preset, impl, args.seq_len, args.batch_size, args.steps,
-                          args.warmup, args.dtype)
+                          args.warmup, args.dtype, profile=args.profile)
             except Exception as e:  # report and go on with the next candidate
                 print(f"{impl}: failed: {type(e).__name__}: {str(e)[:300]}", file=sys.stderr)
                 continue
             r["mfu"] = r["model_tflops"] / args.peak_tflops
+            r["mfu_valid"] = r["model_tflops_valid"] / args.peak_tflops
             rows.append(r)
             print(f"{impl}: {r['tokens_per_sec']:.0f} tok/s, MFU {100 * r['mfu']:.1f}%",
                   file=sys.stderr)
             break
 
     base = next((r for r in rows if r["impl"] == "xla"), None)
-    print("\n| preset | impl | T | B | step ms | tokens/s | model TFLOP/s | MFU | vs xla |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("\n| preset | impl | T | B | step ms | tokens/s | model TFLOP/s | MFU | MFU (valid) | "
+          "compile s | vs xla |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         speed = f"{r['tokens_per_sec'] / base['tokens_per_sec']:.2f}x" if base else "-"
         print(f"| {r['preset']} | {r['impl']} | {r['seq_len']} | {r['batch_size']} | "
               f"{r['step_ms']:.1f} | {r['tokens_per_sec']:.0f} | {r['model_tflops']:.1f} | "
-              f"{100 * r['mfu']:.1f}% | {speed} |")
+              f"{100 * r['mfu']:.1f}% | {100 * r['mfu_valid']:.1f}% | {r['compile_s']:.1f} | "
+              f"{speed} |")
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                 text=True).stdout.strip()

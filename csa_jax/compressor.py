@@ -1,8 +1,17 @@
 """The compressor (pool rows) and the lightning indexer (top-k pool rows), csa_spec.md section 5.
 
-Plain JAX (XLA) code in f32. The compressor is differentiable; top-k passes no gradient.
+Plain JAX (XLA) code. The compressor is differentiable; top-k passes no gradient.
+
+Precision: the matrix products take their operands in the dtype of the activations they are
+given and always accumulate in f32. f32 inputs (tests, golden cases, CPU runs) get true-f32
+products (Precision.HIGHEST), exactly as before; bf16 inputs (a bf16 training step) get bf16
+tensor-core products with f32 accumulation instead of f32 GEMMs on CUDA cores. Everything after
+the products (the compressor's per-channel softmax, weighted sum and RMSNorm; the indexer's ReLU,
+head-weighted sum, masking and selection) is f32 for every input dtype.
 """
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +23,45 @@ def _shape_error(name, arr, want):
     return ValueError(f"{name} must have shape {want}, got {tuple(arr.shape)}")
 
 
+def _mm_dtype(dtype):
+    """Operand dtype of a product whose activations are `dtype`: bf16/f16 stay, the rest is f32."""
+    dtype = jnp.dtype(dtype)
+    low = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    return dtype if dtype in low else jnp.dtype(jnp.float32)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _einsum_lowp(spec, a, b):
+    return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+
+
+def _einsum_lowp_fwd(spec, a, b):
+    return _einsum_lowp(spec, a, b), (a, b)
+
+
+def _einsum_lowp_bwd(spec, res, g):
+    # The cotangent in the operands' dtype, as for every other bf16 product of the model: the
+    # transposed products are bf16 x bf16 too (autodiff of the f32 output would upcast the other
+    # operand and run them as f32 GEMMs).
+    a, b = res
+    _, vjp = jax.vjp(lambda a, b: jnp.einsum(spec, a, b), a, b)
+    return vjp(g.astype(a.dtype))
+
+
+_einsum_lowp.defvjp(_einsum_lowp_fwd, _einsum_lowp_bwd)
+
+
+def einsum_f32acc(spec, a, b):
+    """jnp.einsum with f32 accumulation and an f32 result. Operands of one dtype: f32 -> true f32
+    products (HIGHEST); bf16 / f16 -> native low-precision products, whose backward products
+    are low precision as well (the f32 cotangent is rounded to the operand dtype first)."""
+    if a.dtype != b.dtype:
+        raise TypeError(f"einsum_f32acc needs operands of one dtype, got {a.dtype} and {b.dtype}")
+    if a.dtype == jnp.float32:
+        return jnp.einsum(spec, a, b, precision=jax.lax.Precision.HIGHEST)
+    return _einsum_lowp(spec, a, b)
+
+
 def compress(x, w_kv, w_gate, ape, norm_scale, *, ratio, eps=1e-6):
     """Pool rows before RoPE: [B, T // ratio, d] f32.
 
@@ -22,6 +70,9 @@ def compress(x, w_kv, w_gate, ape, norm_scale, *, ratio, eps=1e-6):
     value c), then RMSNorm with norm_scale. ratio 4 overlaps: pool row i pools the first halves
     ([:d]) of group i-1 and the second halves ([d:]) of group i (8 slots; none from before row 0).
     Leftover tokens (T mod ratio) are not pooled: T < ratio gives an empty pool [B, 0, d].
+    The projections W_kv x and W_gate x take x's dtype (bf16 x: bf16 operands, weights cast to
+    it, f32 accumulation; f32 x: f32 HIGHEST); the pooling (softmax over the group, weighted
+    sum, RMSNorm) is f32 (csa_spec.md section 5).
     """
     check_ratio(ratio, allow_zero=False)
     if x.ndim != 3:
@@ -45,10 +96,10 @@ def compress(x, w_kv, w_gate, ape, norm_scale, *, ratio, eps=1e-6):
     if P == 0:
         return jnp.zeros((B, 0, d), jnp.float32)
     f32 = jnp.float32
-    hi = jax.lax.Precision.HIGHEST
-    xs = x[:, : P * ratio].astype(f32)
-    c = jnp.einsum("btc,cw->btw", xs, w_kv.astype(f32), precision=hi)        # [B, P*m, coff*d]
-    z = jnp.einsum("btc,cw->btw", xs, w_gate.astype(f32), precision=hi)
+    mm = _mm_dtype(x.dtype)
+    xs = x[:, : P * ratio].astype(mm)
+    c = einsum_f32acc("btc,cw->btw", xs, w_kv.astype(mm))                       # [B, P*m, coff*d]
+    z = einsum_f32acc("btc,cw->btw", xs, w_gate.astype(mm))
     c = c.reshape(B, P, ratio, width)
     z = z.reshape(B, P, ratio, width) + ape.astype(f32)[None, None]
     if ratio == 4:
@@ -85,11 +136,18 @@ def _check_indexer(q_idx, k_idx, weights, ratio):
                          f"(T={T}, ratio={ratio})")
 
 
-def _chunked_over_tokens(fn, T, per_token_elems, budget=2 ** 26):
-    """Split [0, T) into equal chunks so one chunk's largest intermediate stays under budget."""
-    chunk = max(1, min(T, budget // max(per_token_elems, 1)))
+def _chunk_len(T, per_token_elems, budget=2 ** 26, min_chunks=1):
+    """Tokens per chunk: a divisor of T with one chunk's largest intermediate under budget and at
+    least min_chunks chunks (when T allows)."""
+    chunk = max(1, min(T, budget // max(per_token_elems, 1), -(-T // min_chunks)))
     while T % chunk:
         chunk -= 1
+    return chunk
+
+
+def _chunked_over_tokens(fn, T, per_token_elems, budget=2 ** 26):
+    """Split [0, T) into equal chunks so one chunk's largest intermediate stays under budget."""
+    chunk = _chunk_len(T, per_token_elems, budget)
     if chunk == T:
         return fn(0, T)
     outs = [fn(s, chunk) for s in range(0, T, chunk)] if T // chunk <= 8 else None
@@ -101,20 +159,31 @@ def _chunked_over_tokens(fn, T, per_token_elems, budget=2 ** 26):
     return res.reshape(res.shape[0], T, *res.shape[3:])
 
 
-def _scores_block(q_idx, k_idx, weights, ratio, start, size):
-    q = jax.lax.dynamic_slice_in_dim(q_idx, start, size, axis=1).astype(jnp.float32)
+def _scores_block(q_idx, k_idx, weights, ratio, start, size, rows=None):
+    """Scores of tokens [start, start + size) against pool rows [0, rows) (default all P)."""
+    rows = k_idx.shape[1] if rows is None else rows
+    mm = _mm_dtype(q_idx.dtype)
+    q = jax.lax.dynamic_slice_in_dim(q_idx, start, size, axis=1).astype(mm)
     w = jax.lax.dynamic_slice_in_dim(weights, start, size, axis=1).astype(jnp.float32)
-    dots = jnp.einsum("bthd,bsd->bths", q, k_idx.astype(jnp.float32),
-                      precision=jax.lax.Precision.HIGHEST)                      # [B, c, Hi, P]
-    score = jnp.einsum("bth,bths->bts", w, jax.nn.relu(dots),
-                       precision=jax.lax.Precision.HIGHEST)
+    with jax.named_scope("indexer_scores"):
+        dots = einsum_f32acc("bthd,bsd->bths", q, k_idx[:, :rows].astype(mm))  # [B, c, Hi, rows]
+        if mm == jnp.float32:   # as it always was (CPU, tests): a batched matrix-vector product
+            score = jnp.einsum("bth,bths->bts", w, jax.nn.relu(dots),
+                               precision=jax.lax.Precision.HIGHEST)             # [B, c, rows]
+        else:  # bf16 products: the head-weighted sum as one f32 multiply-reduce fusion, which
+            # a GPU runs at memory speed (an f32 batched GEMV would run on CUDA cores)
+            score = jnp.sum(w[..., None] * jax.nn.relu(dots), axis=2)
     t = start + jnp.arange(size)[:, None]
-    s = jnp.arange(k_idx.shape[1])[None, :]
+    s = jnp.arange(rows)[None, :]
     return jnp.where((s < (t + 1) // ratio)[None], score, -jnp.inf)
 
 
 def indexer_scores(q_idx, k_idx, weights, *, ratio):
-    """[B, T, P] f32: score[t,s] = sum_h weights[t,h] * relu(q_idx[t,h] . k_idx[s]); -inf if invisible."""
+    """[B, T, P] f32: score[t,s] = sum_h weights[t,h] * relu(q_idx[t,h] . k_idx[s]); -inf if invisible.
+
+    The q . k products take q_idx's dtype (k_idx is cast to it) and accumulate in f32; the ReLU
+    and the weighted sum are f32.
+    """
     _check_indexer(q_idx, k_idx, weights, ratio)
     B, T, Hi, _ = q_idx.shape
     P = k_idx.shape[1]
@@ -122,15 +191,31 @@ def indexer_scores(q_idx, k_idx, weights, *, ratio):
         lambda s, n: _scores_block(q_idx, k_idx, weights, ratio, s, n), T, B * Hi * P)
 
 
-def indexer_topk(q_idx, k_idx, weights, *, ratio, topk):
+SELECT_MODES = ("prefix", "top_k", "approx")
+# Below this many [B, T, P] scores "prefix" runs as "top_k" (same ids): small problems (the CPU
+# default run has 2**17) gain nothing from skipping invisible rows and pay for 8x the ops.
+_PREFIX_MIN_SCORES = 2 ** 22
+
+
+def indexer_topk(q_idx, k_idx, weights, *, ratio, topk, select="prefix", recall_target=0.95):
     """int32 [B, T, min(topk, P)]: pool-local ids by descending score, -1 where none is visible.
 
     q_idx [B,T,Hi,Di] (rotated), k_idx [B,P,Di], weights [B,T,Hi] with every scale folded in.
-    Ties keep the lower id first. No gradient flows through the selection.
+    No gradient flows through the selection. select:
+      "prefix" (default, exact): tokens are walked in chunks (in at most 8 bands) and each band
+               scores and sorts only the pool rows visible to its last token, so most of the
+               invisible half of [T, P] is neither scored nor sorted (problems with fewer than
+               2**22 scores run as "top_k");
+      "top_k"  (exact): one lax.top_k over all P rows per token;
+      "approx": lax.approx_max_k (recall_target) over all P rows: the TPU's approximate
+               selection; on CPU and GPU XLA lowers it to an exact sort.
+    "prefix" and "top_k" return the same ids (ties keep the lower id first).
     """
     _check_indexer(q_idx, k_idx, weights, ratio)
     if isinstance(topk, bool) or not isinstance(topk, int) or topk <= 0:
         raise ValueError(f"topk must be a positive int, got topk={topk!r}")
+    if select not in SELECT_MODES:
+        raise ValueError(f"select={select!r} must be one of {SELECT_MODES}")
     B, T, Hi, _ = q_idx.shape
     P = k_idx.shape[1]
     k = min(topk, P)
@@ -138,9 +223,41 @@ def indexer_topk(q_idx, k_idx, weights, *, ratio, topk):
         return jnp.zeros((B, T, 0), jnp.int32)
     q_idx, k_idx, weights = (jax.lax.stop_gradient(a) for a in (q_idx, k_idx, weights))
 
-    def block(start, size):
-        score = _scores_block(q_idx, k_idx, weights, ratio, start, size)
-        vals, ids = jax.lax.top_k(score, k)
-        return jnp.where(vals > -jnp.inf, ids, -1).astype(jnp.int32)
+    def pick(score, kk):
+        with jax.named_scope("indexer_topk"):
+            if select == "approx":
+                vals, ids = jax.lax.approx_max_k(score, kk, recall_target=recall_target)
+            else:
+                vals, ids = jax.lax.top_k(score, kk)
+            return jnp.where(vals > -jnp.inf, ids, -1).astype(jnp.int32)
 
-    return _chunked_over_tokens(block, T, B * Hi * P)
+    if select != "prefix" or B * T * P < _PREFIX_MIN_SCORES:
+        return _chunked_over_tokens(
+            lambda s, n: pick(_scores_block(q_idx, k_idx, weights, ratio, s, n), k),
+            T, B * Hi * P)
+
+    # At least 8 chunks, each under the memory budget, grouped in at most 8 bands of consecutive
+    # chunks; a band scores and sorts the rows visible to its last token (a static width), so the
+    # sorted area is about (1 + 1/8) / 2 of [T, P].
+    chunk = _chunk_len(T, B * Hi * P, min_chunks=8)
+    n = T // chunk
+    nb = min(n, 8)
+    bands = [(n * i // nb, n * (i + 1) // nb) for i in range(nb)]
+    outs = []
+    for a, b in bands:
+        rows = min(P, (b * chunk) // ratio)        # rows visible to the band's last token
+        kk = min(k, rows)
+        if kk == 0:
+            outs.append(jnp.full((B, (b - a) * chunk, k), -1, jnp.int32))
+            continue
+
+        def one(s, rows=rows, kk=kk):
+            ids = pick(_scores_block(q_idx, k_idx, weights, ratio, s, chunk, rows), kk)
+            return jnp.pad(ids, ((0, 0), (0, 0), (0, k - kk)), constant_values=-1)
+
+        if b - a == 1:
+            outs.append(one(a * chunk))
+        else:
+            res = jax.lax.map(one, jnp.arange(a, b) * chunk)                   # [b-a, B, chunk, k]
+            outs.append(jnp.moveaxis(res, 0, 1).reshape(B, (b - a) * chunk, k))
+    return jnp.concatenate(outs, axis=1) if len(outs) > 1 else outs[0]

@@ -30,6 +30,10 @@ Flax NNX conventions: `dtype` (compute) and `param_dtype` (storage, f32 by defau
 every matrix carries logical axis names (`nnx.with_partitioning`, read back with
 `nnx.get_partition_spec`) that `LOGICAL_AXIS_RULES` maps to the mesh axes "fsdp" and "tensor"
 (comm.fsdp.logical_to_mesh).
+
+Named scopes (`jax.named_scope`) mark the parts of the layer in HLO op names and so in profiler
+traces (benchmarks/trace_breakdown.py): q_proj, kv_proj, compressor, indexer (indexer_scores,
+indexer_topk inside), index_lists, csa_attention, out_proj; RoPE and norms are rope / norm.
 """
 
 from __future__ import annotations
@@ -63,11 +67,12 @@ _INDEXER_RATIO = 4  # the lightning indexer exists only on cr4 layers (csa_spec.
 
 def rms_norm(x, scale=None, *, eps=1e-6):
     """RMSNorm over the last axis in float32; returns x.dtype. scale=None: unweighted."""
-    xf = x.astype(jnp.float32)
-    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    if scale is not None:
-        y = y * scale.astype(jnp.float32)
-    return y.astype(x.dtype)
+    with jax.named_scope("norm"):
+        xf = x.astype(jnp.float32)
+        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+        if scale is not None:
+            y = y * scale.astype(jnp.float32)
+        return y.astype(x.dtype)
 
 
 def apply_rope(x, positions, *, base, rope_dim, inverse=False):
@@ -81,6 +86,12 @@ def apply_rope(x, positions, *, base, rope_dim, inverse=False):
     d = x.shape[-1]
     if rope_dim > d or rope_dim % 2:
         raise ValueError(f"rope_dim={rope_dim} must be even and <= the last dim {d}")
+    with jax.named_scope("rope"):
+        return _rope(x, positions, base, rope_dim, inverse)
+
+
+def _rope(x, positions, base, rope_dim, inverse):
+    d = x.shape[-1]
     inv_freq = base ** (-jnp.arange(0, rope_dim, 2, dtype=jnp.float32) / rope_dim)  # [rope_dim/2]
     angle = jnp.asarray(positions, jnp.float32)[..., None] * inv_freq
     cos, sin = jnp.cos(angle), jnp.sin(angle)
@@ -145,7 +156,8 @@ class Compressor(nnx.Module):
     """Builds pool rows from the layer input (csa_spec.md section 5), before RoPE.
 
     Parameters in the layout of `csa_jax.compress`: w_kv, w_gate [C, coff*d] (coff = 2 for
-    ratio 4), ape [ratio, coff*d], norm_scale [d]. Returns [B, T//ratio, d] float32.
+    ratio 4), ape [ratio, coff*d], norm_scale [d]. Returns [B, T//ratio, d] float32. The
+    projections run in x's dtype (bf16 in a bf16 step, f32 accumulation), the pooling in f32.
     """
 
     def __init__(self, in_dim: int, dim: int, ratio: int, *, eps: float = 1e-6,
@@ -160,9 +172,10 @@ class Compressor(nnx.Module):
         self.norm_scale = _vector(jnp.ones((dim,), param_dtype), ("kv",))
 
     def __call__(self, x):
-        f32 = lambda p: p[...].astype(jnp.float32)  # noqa: E731  (compressor math is f32)
-        return csa_jax.compress(x.astype(jnp.float32), f32(self.w_kv), f32(self.w_gate),
-                                f32(self.ape), f32(self.norm_scale), ratio=self.ratio, eps=self.eps)
+        f32 = lambda p: p[...].astype(jnp.float32)  # noqa: E731  (vectors: f32 pooling math)
+        with jax.named_scope("compressor"):
+            return csa_jax.compress(x, self.w_kv[...], self.w_gate[...], f32(self.ape),
+                                    f32(self.norm_scale), ratio=self.ratio, eps=self.eps)
 
 
 class Indexer(nnx.Module):
@@ -180,7 +193,8 @@ class Indexer(nnx.Module):
                                      param_dtype=param_dtype, kernel_init=kernel_init, rngs=rngs)
 
     def __call__(self, x, q_lat):
-        """x [B,T,C], q_lat [B,T,q_rank] -> q_idx [B,T,Hi,Di], k_idx [B,P,Di], weights [B,T,Hi]."""
+        """x [B,T,C], q_lat [B,T,q_rank] -> q_idx [B,T,Hi,Di], k_idx [B,P,Di] (both in x's
+        dtype: the score products run in it), weights [B,T,Hi] f32."""
         cfg = self.cfg
         B, T, _ = x.shape
         hi, di = cfg.index_heads, cfg.index_dim
@@ -191,7 +205,7 @@ class Indexer(nnx.Module):
         k_idx = apply_rope(k_idx, jnp.arange(k_idx.shape[1]) * _INDEXER_RATIO,
                            base=cfg.rope_base, rope_dim=cfg.rope_dim)
         weights = (x @ self.ww[...].astype(x.dtype)).astype(jnp.float32) * (di ** -0.5 * hi ** -0.5)
-        return q_idx.astype(jnp.float32), k_idx.astype(jnp.float32), weights
+        return q_idx.astype(x.dtype), k_idx.astype(x.dtype), weights
 
 
 class CSAAttention(nnx.Module):
@@ -239,33 +253,44 @@ class CSAAttention(nnx.Module):
         pos = jnp.arange(T)
         rope = dict(base=cfg.rope_base, rope_dim=cfg.rope_dim)
 
-        q_lat = self.q_norm(x @ self.wq_a[...].astype(dt)).astype(dt)  # [B, T, q_rank]
-        q = (q_lat @ self.wq_b[...].astype(dt)).reshape(B, T, H, D)
-        q = apply_rope(self.head_norm(q), pos[:, None], **rope)  # [B, T, H, D]
-        kv = apply_rope(self.kv_norm(x @ self.wkv[...].astype(dt)).astype(dt), pos, **rope)  # [B,T,D]
+        with jax.named_scope("q_proj"):
+            q_lat = self.q_norm(x @ self.wq_a[...].astype(dt)).astype(dt)  # [B, T, q_rank]
+            q = (q_lat @ self.wq_b[...].astype(dt)).reshape(B, T, H, D)
+            q = apply_rope(self.head_norm(q), pos[:, None], **rope)  # [B, T, H, D]
+        with jax.named_scope("kv_proj"):
+            kv = apply_rope(self.kv_norm(x @ self.wkv[...].astype(dt)).astype(dt), pos,
+                            **rope)  # [B, T, D]
 
         aux = jnp.zeros((), jnp.float32)
         topk = None
         if m > 0:
             pool = self.compressor(x)  # [B, P, D] f32, before RoPE
-            pool = apply_rope(pool, jnp.arange(pool.shape[1]) * m, **rope).astype(dt)
-            kv = jnp.concatenate([kv, pool], axis=1)  # [B, N, D]
+            with jax.named_scope("compressor"):
+                pool = apply_rope(pool, jnp.arange(pool.shape[1]) * m, **rope).astype(dt)
+                kv = jnp.concatenate([kv, pool], axis=1)  # [B, N, D]
         if m == _INDEXER_RATIO:
-            # The indexer learns only from its own auxiliary loss: its inputs are detached.
-            q_idx, k_idx, w = self.indexer(jax.lax.stop_gradient(x), jax.lax.stop_gradient(q_lat))
-            topk = csa_jax.indexer_topk(q_idx, k_idx, w, ratio=m, topk=cfg.topk)  # [B, T, k]
-        idx = self.index_lists(B, T, topk)  # [B, T, K]
+            with jax.named_scope("indexer"):
+                # The indexer learns only from its own auxiliary loss: its inputs are detached.
+                q_idx, k_idx, w = self.indexer(jax.lax.stop_gradient(x),
+                                               jax.lax.stop_gradient(q_lat))
+                topk = csa_jax.indexer_topk(q_idx, k_idx, w, ratio=m, topk=cfg.topk)  # [B, T, k]
+        with jax.named_scope("index_lists"):
+            idx = self.index_lists(B, T, topk)  # [B, T, K]
 
-        sink = self.sink[...].astype(jnp.float32)
-        o, lse = csa_jax.sparse_attention(q, kv, idx, sink, impl=cfg.impl)
+        with jax.named_scope("csa_attention"):
+            sink = self.sink[...].astype(jnp.float32)
+            o, lse = csa_jax.sparse_attention(q, kv, idx, sink, impl=cfg.impl)
         if m == _INDEXER_RATIO and cfg.indexer_loss_coef > 0:
-            aux = cfg.indexer_loss_coef * self._indexer_loss(q, kv, idx, lse, q_idx, k_idx, w, topk)
+            with jax.named_scope("indexer_loss"):
+                aux = cfg.indexer_loss_coef * self._indexer_loss(q, kv, idx, lse, q_idx, k_idx, w,
+                                                                 topk)
 
-        o = apply_rope(o, pos[:, None], inverse=True, **rope)  # de-rotate at the query position
-        G = cfg.o_groups
-        og = o.reshape(B, T, G, (H // G) * D)
-        y = jnp.einsum("btgk,gkr->btgr", og, self.wo_a[...].astype(dt))  # [B, T, G, o_rank]
-        y = y.reshape(B, T, G * cfg.o_rank) @ self.wo_b[...].astype(dt)  # [B, T, C]
+        with jax.named_scope("out_proj"):
+            o = apply_rope(o, pos[:, None], inverse=True, **rope)  # de-rotate at the query position
+            G = cfg.o_groups
+            og = o.reshape(B, T, G, (H // G) * D)
+            y = jnp.einsum("btgk,gkr->btgr", og, self.wo_a[...].astype(dt))  # [B, T, G, o_rank]
+            y = y.reshape(B, T, G * cfg.o_rank) @ self.wo_b[...].astype(dt)  # [B, T, C]
         return y, aux
 
     def index_lists(self, B, T, topk=None):
@@ -288,8 +313,10 @@ class CSAAttention(nnx.Module):
         # Target: p[t,h,j] = exp(scale * q.kv[idx] - lse), recomputed on the pool slots only.
         sg = jax.lax.stop_gradient
         pool_rows = idx[..., -k:]  # the pool part of the list; == topk + T where valid
-        rows = jax.vmap(lambda a, i: a[i])(sg(kv).astype(jnp.float32), jnp.maximum(pool_rows, 0))
-        s = jnp.einsum("bthd,btjd->bthj", sg(q).astype(jnp.float32), rows) * (cfg.head_dim ** -0.5)
+        rows = jax.vmap(lambda a, i: a[i])(sg(kv), jnp.maximum(pool_rows, 0))  # kv's dtype
+        prec = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+        s = jnp.einsum("bthd,btjd->bthj", sg(q), rows.astype(q.dtype), precision=prec,
+                       preferred_element_type=jnp.float32) * (cfg.head_dim ** -0.5)
         p = jnp.exp(s - sg(lse)[..., None]).sum(axis=2)  # [B, T, k] summed over heads
         p = jnp.where(valid, p, 0.0)
         target = p / jnp.maximum(p.sum(-1, keepdims=True), 1e-30)

@@ -125,3 +125,60 @@ def test_presets_and_grid():
         csa_jax.preset("mega", 4)
     with pytest.raises(ValueError, match=r"cr4 needs topk > 0"):
         csa_jax.CSAConfig(family="flash", ratio=4, num_heads=64)
+
+
+@pytest.mark.parametrize("B, T, Hi, ratio, topk", [
+    (2, 37, 3, 4, 3),       # T prime: 37 one-token chunks in 8 bands
+    (1, 256, 4, 4, 16),
+    (2, 64, 2, 4, 100),     # topk > P: every visible row, -1 tail
+    (1, 1024, 2, 4, 40),    # 8 chunks of 128 tokens
+    (1, 4096, 1, 4, 8),     # 16 chunks in 8 bands of 2 (the lax.map path)
+])
+def test_topk_prefix_equals_full_top_k(rng, monkeypatch, B, T, Hi, ratio, topk):
+    """The default selection (visible prefix per band) returns exactly the ids of one top_k over
+    all P rows, ties included (bf16 inputs make ties common)."""
+    import csa_jax.compressor as comp
+
+    monkeypatch.setattr(comp, "_PREFIX_MIN_SCORES", 0)  # the banded path even at these sizes
+    P, Di = T // ratio, 8
+    q = jnp.asarray(rng.standard_normal((B, T, Hi, Di)), jnp.bfloat16)
+    k = jnp.asarray(rng.standard_normal((B, P, Di)), jnp.bfloat16)
+    w = jnp.asarray(np.round(rng.standard_normal((B, T, Hi)), 1), jnp.float32)
+    full = np.asarray(csa_jax.indexer_topk(q, k, w, ratio=ratio, topk=topk, select="top_k"))
+    pre = np.asarray(csa_jax.indexer_topk(q, k, w, ratio=ratio, topk=topk))
+    np.testing.assert_array_equal(pre, full)
+    approx = np.asarray(csa_jax.indexer_topk(q, k, w, ratio=ratio, topk=topk, select="approx"))
+    assert approx.shape == full.shape
+    for b in range(B):  # approx: valid visible ids, no repeats, the -1 tail where full has it
+        for t in range(0, T, max(1, T // 64)):
+            got = approx[b, t][approx[b, t] >= 0]
+            assert len(set(got)) == len(got) and (got < (t + 1) // ratio).all()
+            assert len(got) == (full[b, t] >= 0).sum()
+    with pytest.raises(ValueError, match="select='sorted' must be one of"):
+        csa_jax.indexer_topk(q, k, w, ratio=ratio, topk=topk, select="sorted")
+
+
+def test_bf16_compressor_tracks_golden():
+    """bf16 activations (bf16 x bf16 products, f32 accumulation and pooling): pool rows and
+    gradients within the bf16 tolerance of f32. (That no f32 product is left in the backward is
+    checked on the lowered HLO in test_perf_tools.py.)"""
+    from csa_jax.compressor import einsum_f32acc
+
+    d = golden("cr4")
+    bf = lambda a: jnp.asarray(a, jnp.bfloat16)  # noqa: E731
+    args = (bf(d["x"]), bf(d["w_kv"]), bf(d["w_gate"]), jnp.asarray(d["ape"]),
+            jnp.asarray(d["norm_scale"]))
+    pool = csa_jax.compress(*args, ratio=4)
+    assert pool.dtype == jnp.float32
+    assert_close(pool, d["pool_prerope"], jnp.bfloat16, what="bf16 pool rows")
+
+    def loss(x, w_kv, w_gate):
+        return jnp.sum(csa_jax.compress(x, w_kv, w_gate, *args[3:], ratio=4) ** 2)
+
+    g16 = jax.grad(loss, argnums=(0, 1))(*args[:3])
+    g32 = jax.grad(loss, argnums=(0, 1))(*(jnp.asarray(a, jnp.float32) for a in args[:3]))
+    for a, b, name in zip(g16, g32, ("x", "w_kv")):
+        assert a.dtype == jnp.bfloat16
+        assert_close(a, b, jnp.bfloat16, factor=2, what=f"bf16 d/d{name}")
+    with pytest.raises(TypeError, match="one dtype"):
+        einsum_f32acc("ij,jk->ik", args[0][0], args[1].astype(jnp.float32))

@@ -104,6 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--keep", type=int, dest="keep_checkpoints",
                    help="checkpoints to keep (default 3)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar (plain log lines only)")
+    g.add_argument("--profile-steps", metavar="A:B", help="write a jax.profiler trace of steps "
+                   "A..B (1-based, inclusive) and the step's HLO to <workdir>/profile; "
+                   "python -m benchmarks.trace_breakdown turns it into a table by op family")
     g = p.add_argument_group(
         "multi-process (jax.distributed; see train/distributed.py)",
         "Run the same command once per host (or per local process) with --fsdp xla|explicit. "
@@ -160,14 +163,17 @@ def main(argv=None) -> int:
 
     try:
         from train import distributed  # joins the other processes before jax picks a backend
+        from train.profile import parse_profile_steps
 
         distributed.initialize(args.coordinator, args.num_processes, args.process_id)
         cfg = config_from_args(args)
         if args.workdir is not None and not args.workdir.strip():
             raise ConfigError("--workdir '': empty path")
         workdir = args.workdir or os.path.join("runs", args.preset)
+        profile_steps = parse_profile_steps(args.profile_steps, cfg.steps)
         result = train_and_evaluate(cfg, workdir, progress=not args.no_progress,
-                                    log=lambda s: print(s, file=sys.stderr, flush=True))
+                                    log=lambda s: print(s, file=sys.stderr, flush=True),
+                                    profile_steps=profile_steps)
     except (ConfigError, DataError, CheckpointError, DivergedError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -87,6 +87,7 @@ class ModelConfig:
     mlp_hidden: int = 384
     vocab_size: int = 256
     compute_dtype: str = "float32"
+    remat: str = "none"  # train.model.REMAT_POLICIES: none | block | dots
 
     def __post_init__(self):
         object.__setattr__(self, "layer_ratios", tuple(int(r) for r in self.layer_ratios))
@@ -95,6 +96,8 @@ class ModelConfig:
                               f"{type(self.attention).__name__}")
         if not self.layer_ratios:
             raise ConfigError("layer_ratios must name at least one layer")
+        if self.remat not in ("none", "block", "dots"):
+            raise ConfigError(f"remat={self.remat!r} must be one of none | block | dots")
         if self.compute_dtype not in ("float32", "bfloat16"):
             raise ConfigError(f"compute_dtype={self.compute_dtype!r} must be 'float32' or 'bfloat16'")
         if self.mlp_hidden <= 0 or self.vocab_size <= 0:

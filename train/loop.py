@@ -34,13 +34,14 @@ from train.interrupt import StopFlag
 from train.metrics import MetricsWriter, plot_losses
 from train.model import DecoderLM, count_params
 from train.parallel import check_parallel, make_runner
+from train.profile import StepProfiler
 
 __all__ = ["DivergedError", "RunResult", "init_state", "make_optimizer", "train_and_evaluate"]
 
 # Fields that may differ when a run resumes (they do not change the numbers of later steps,
 # except `steps`, which is the run's total length and so shapes the LR schedule's tail).
 _RESUMABLE_CHANGES = {"steps", "log_every", "eval_every", "eval_batches", "ckpt_every",
-                      "keep_checkpoints", "model.attention.impl", "fsdp"}
+                      "keep_checkpoints", "model.attention.impl", "model.remat", "fsdp"}
 
 
 def make_optimizer(cfg: TrainConfig):
@@ -136,8 +137,11 @@ def prepare_workdir(workdir) -> Path:
 
 
 def train_and_evaluate(cfg: TrainConfig, workdir, *, progress: bool = True,
-                       log=print) -> RunResult:
+                       log=print, profile_steps=None) -> RunResult:
     """Train `cfg` in `workdir`, resuming from its newest checkpoint that verifies.
+
+    profile_steps: (A, B) writes a jax.profiler trace of steps A..B to workdir/profile
+    (train.profile).
 
     Returns a RunResult; on SIGINT / SIGTERM the run saves a checkpoint of the current step and
     returns status "interrupted" (the CLI then exits with 128 + the signal number); a second
@@ -153,7 +157,8 @@ def train_and_evaluate(cfg: TrainConfig, workdir, *, progress: bool = True,
     graphdef, state, tx, schedule = init_state(cfg)
     ckpt = Checkpointer(workdir / "checkpoints", keep=cfg.keep_checkpoints)
     try:
-        return _run(cfg, workdir, data, graphdef, state, tx, schedule, ckpt, progress, log)
+        return _run(cfg, workdir, data, graphdef, state, tx, schedule, ckpt, progress, log,
+                    profile_steps)
     finally:
         ckpt.close()  # on every path: an unclosed manager spews asyncio errors at exit
 
@@ -173,7 +178,7 @@ def _check_meta(cfg, workdir, data):
     return check
 
 
-def _run(cfg, workdir, data, graphdef, state, tx, schedule, ckpt, progress, log):
+def _run(cfg, workdir, data, graphdef, state, tx, schedule, ckpt, progress, log, profile_steps):
     runner = make_runner(cfg, graphdef, state["params"], tx, schedule)
     data = distributed.process_share(data, runner)  # several processes: each reads its rows
     plot = distributed.main_only(plot_losses)
@@ -223,6 +228,7 @@ def _run(cfg, workdir, data, graphdef, state, tx, schedule, ckpt, progress, log)
 
     writer = (MetricsWriter if distributed.is_main() else distributed.NullWriter)(
         workdir, start_step=start, total_steps=cfg.steps, progress=progress)
+    prof = StepProfiler(profile_steps, workdir / "profile", log=writer.message)
     losses, eval_losses = {}, {}
     status, signum = "done", None
     step = start
@@ -230,8 +236,11 @@ def _run(cfg, workdir, data, graphdef, state, tx, schedule, ckpt, progress, log)
     try:
         with stop:
             while step < cfg.steps:
-                state, metrics = runner.step(state, runner.batch(data.batch(step)))
+                batch = runner.batch(data.batch(step))
+                with prof.annotation(step + 1):
+                    state, metrics = runner.step(state, batch)
                 step += 1
+                prof.after(step, state, runner, batch)
                 writer.advance()
                 if step % cfg.log_every == 0 or step == cfg.steps or step == start + 1:
                     m = {k: float(v) for k, v in jax.device_get(metrics).items()}
@@ -271,6 +280,7 @@ def _run(cfg, workdir, data, graphdef, state, tx, schedule, ckpt, progress, log)
         plot(workdir)
         raise
     finally:
+        prof.stop()
         writer.close()
     plot(workdir)
     if status == "interrupted":

@@ -17,7 +17,16 @@ from train.config import ModelConfig
 # step it is the plain loop over the layers.
 from comm.fsdp import apply_layers
 
-__all__ = ["Block", "DecoderLM", "SwiGLU", "count_params"]
+__all__ = ["Block", "DecoderLM", "REMAT_POLICIES", "SwiGLU", "count_params"]
+
+# ModelConfig.remat -> what a block keeps for the backward (nnx.remat policy; None: no remat).
+# block: nothing (the block's forward runs again in the backward; least memory);
+# dots: the matrix products' outputs (norms, RoPE, activations and the attention core recomputed).
+REMAT_POLICIES = {
+    "none": None,
+    "block": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
 
 
 class SwiGLU(nnx.Module):
@@ -33,8 +42,9 @@ class SwiGLU(nnx.Module):
     def __call__(self, x):
         dt = self.dtype or x.dtype
         x = x.astype(dt)
-        h = jax.nn.silu(x @ self.w_gate[...].astype(dt)) * (x @ self.w_up[...].astype(dt))
-        return h @ self.w_down[...].astype(dt)
+        with jax.named_scope("mlp"):
+            h = jax.nn.silu(x @ self.w_gate[...].astype(dt)) * (x @ self.w_up[...].astype(dt))
+            return h @ self.w_down[...].astype(dt)
 
 
 class Block(nnx.Module):
@@ -47,9 +57,16 @@ class Block(nnx.Module):
         self.mlp_norm = rms_norm_layer(cfg.d_model, eps=cfg.norm_eps, param_dtype=param_dtype)
         self.mlp = SwiGLU(cfg.d_model, cfg.mlp_hidden, out_init_scale=out_scale, dtype=dt,
                           param_dtype=param_dtype, rngs=rngs)
+        self.remat = cfg.remat
 
     def __call__(self, carry):
         """(x [B,T,C], aux loss so far) -> the same after this block."""
+        policy = REMAT_POLICIES[self.remat]
+        if policy is None:
+            return self._forward(carry)
+        return nnx.remat(type(self)._forward, policy=policy)(self, carry)
+
+    def _forward(self, carry):
         x, aux = carry
         h, a = self.attn(self.attn_norm(x).astype(x.dtype))
         x = x + h
@@ -75,10 +92,12 @@ class DecoderLM(nnx.Module):
 
     def __call__(self, tokens):
         dt = jnp.dtype(self.cfg.compute_dtype)
-        x = jnp.take(self.embed[...], tokens, axis=0).astype(dt)  # [B, T, C]
+        with jax.named_scope("embed"):
+            x = jnp.take(self.embed[...], tokens, axis=0).astype(dt)  # [B, T, C]
         x, aux = apply_layers(self.blocks, (x, jnp.zeros((), jnp.float32)))
         x = self.final_norm(x).astype(dt)
-        logits = (x @ self.head[...].astype(dt)).astype(jnp.float32)
+        with jax.named_scope("head"):
+            logits = (x @ self.head[...].astype(dt)).astype(jnp.float32)
         return logits, aux
 
 

@@ -36,7 +36,8 @@ def compute_params(params, dtype):
 def lm_loss(model, inputs, targets):
     """(cross-entropy, aux loss) of the decoder on one batch."""
     logits, aux = model(inputs)  # [B, T, V] f32
-    ce = optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+    with jax.named_scope("loss"):
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
     return ce, aux
 
 
@@ -52,9 +53,11 @@ class SingleDeviceRunner:
 
         def train_step(state, batch):
             grads, (ce, aux) = jax.grad(loss_fn, has_aux=True)(state["params"], *batch)
-            updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+            with jax.named_scope("optimizer"):  # attributed in profiles (trace_breakdown.py)
+                updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+                params = optax.apply_updates(state["params"], updates)
             new_state = {"step": state["step"] + 1,
-                         "params": optax.apply_updates(state["params"], updates),
+                         "params": params,
                          "opt_state": opt_state,
                          "rng": _next_rng(state["rng"])}  # per-step key for stochastic layers
             metrics = {"loss": ce, "aux_loss": aux, "grad_norm": optax.tree.norm(grads),
@@ -64,6 +67,10 @@ class SingleDeviceRunner:
         self.train_step = train_step  # pure, un-jitted (tests and FSDP comparisons use it)
         self.step = jax.jit(train_step, donate_argnums=0)
         self._eval = jax.jit(lambda params, batch: loss_fn(params, *batch)[1][0])
+
+    def hlo_text(self, state, batch):
+        """The compiled HLO text of the step (from jit's cache once the step has run)."""
+        return self.step.lower(state, batch).compile().as_text()
 
     def put(self, state):
         return jax.tree.map(jnp.array, state)  # a copy: the step donates its input state
