@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 import time
 import traceback
@@ -30,7 +29,8 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.common import parse_variants, time_fn
-from benchmarks.gluon_check import RESULTS, TOL, random_case, rel, report
+from benchmarks.gluon_check import (RESULTS, TOL, parse_shapes, random_case, rel, report,
+                                    run_parts)
 
 
 def time_ms(fn, args, reps):
@@ -214,27 +214,12 @@ def main(argv=None):
     args = ap.parse_args(argv)
     print(f"# device {jax.devices()[0].device_kind}, jax {jax.__version__}, seed {args.seed}",
           flush=True)
-    for part in args.parts.split(","):
-        try:
-            if part == "grad":
-                part_grad(args.seed, make_variants(args.grad_variants))
-            elif part == "det":
-                part_det(args.seed)
-            elif part == "time":
-                shapes = [(f, int(r), int(t)) for f, r, t in
-                          (s.split(":") for s in args.shapes.split(","))]
-                part_time(args.seed, shapes, make_variants(args.variants))
-            else:
-                raise ValueError(f"unknown part {part!r}")
-        except Exception as e:  # noqa: BLE001
-            traceback.print_exc(limit=6)
-            report(part=part, ok=False, error=f"{type(e).__name__}: {e}"[:500])
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(dict(seed=args.seed, results=RESULTS), f, indent=1)
-    bad = [r for r in RESULTS if r.get("ok") is False]
-    print(f"# {len(RESULTS)} checks, {len(bad)} failed", flush=True)
-    return 1 if bad else 0
+    return run_parts(args.parts.split(","), {
+        "grad": lambda: part_grad(args.seed, make_variants(args.grad_variants)),
+        "det": lambda: part_det(args.seed),
+        "time": lambda: part_time(args.seed, parse_shapes(args.shapes),
+                                  make_variants(args.variants)),
+    }, seed=args.seed, out=args.out)
 
 
 if __name__ == "__main__":

@@ -228,31 +228,40 @@ def main(argv=None):
     parts = args.parts.split(",")
     print(f"# device {jax.devices()[0].device_kind}, jax {jax.__version__}, seed {args.seed}, "
           f"gluon config overrides {OVERRIDES}", flush=True)
+    def golden():
+        if os.path.isdir(args.golden_dir):
+            part_golden(args.golden_dir)
+        else:
+            report(part="golden", ok=False, error=f"no golden dir {args.golden_dir}")
+
+    return run_parts(parts, {
+        "probe": lambda: part_probe(args.seed),
+        "random": lambda: part_random(args.seed),
+        "golden": golden,
+        "grad": lambda: part_grad(args.seed),
+        "time": lambda: part_time(args.seed, parse_shapes(args.shapes)),
+    }, seed=args.seed, out=args.out)
+
+
+def parse_shapes(spec):
+    """'pro:4:4096,flash:0:8192' -> [(family, ratio, T), ...]."""
+    return [(f, int(r), int(t)) for f, r, t in (s.split(":") for s in spec.split(","))]
+
+
+def run_parts(parts, handlers, *, seed, out):
+    """Run each named part (a failure is reported as a failed check, and the next part still
+    runs), rewrite the JSON after each, print the tally; exit code 1 if any check failed."""
     for part in parts:
         try:
-            if part == "probe":
-                part_probe(args.seed)
-            elif part == "random":
-                part_random(args.seed)
-            elif part == "golden":
-                if os.path.isdir(args.golden_dir):
-                    part_golden(args.golden_dir)
-                else:
-                    report(part="golden", ok=False, error=f"no golden dir {args.golden_dir}")
-            elif part == "grad":
-                part_grad(args.seed)
-            elif part == "time":
-                shapes = [(f, int(r), int(t)) for f, r, t in
-                          (s.split(":") for s in args.shapes.split(","))]
-                part_time(args.seed, shapes)
-            else:
+            if part not in handlers:
                 raise ValueError(f"unknown part {part!r}")
+            handlers[part]()
         except Exception as e:  # noqa: BLE001
             traceback.print_exc(limit=6)
             report(part=part, ok=False, error=f"{type(e).__name__}: {e}"[:500])
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(dict(seed=args.seed, results=RESULTS), f, indent=1)
+        if out:
+            with open(out, "w") as f:
+                json.dump(dict(seed=seed, results=RESULTS), f, indent=1)
     bad = [r for r in RESULTS if r.get("ok") is False]
     print(f"# {len(RESULTS)} checks, {len(bad)} failed", flush=True)
     return 1 if bad else 0
