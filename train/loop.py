@@ -207,14 +207,13 @@ def _run(cfg, workdir, data, graphdef, state, tx, schedule, ckpt, progress, log,
     stop = StopFlag(where=f" in {ckpt.directory}")
     stop.last_saved = resume[0] if resume is not None else None
 
-    started = [stop.last_saved]
 
     def save(step):
         # `stop.saving` is the step being written (train.interrupt reports it as cut short),
         # `stop.last_saved` the newest complete one.
         if stop.saving is not None:  # the previous background write must finish first
             finish_saves()
-        stop.saving = started[0] = step
+        stop.saving = step
         ckpt.save(step, runner.get(state), {**meta_now, "batches_consumed": step, "step": step})
         if jax.process_count() == 1:
             # One process: wait, so that a second Ctrl-C can say exactly what is on disk.
@@ -272,7 +271,7 @@ def _run(cfg, workdir, data, graphdef, state, tx, schedule, ckpt, progress, log,
                     signum = stop.signum
                     status = "interrupted"
                     break
-            if started[0] != step:
+            if step not in (stop.saving, stop.last_saved):  # not saved yet
                 save(step)
             finish_saves()
     except DivergedError:
