@@ -17,9 +17,13 @@ check: once any process got SIGTERM, every process reaches the same agreed step 
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import hashlib
 import logging
 import shutil
+import sys
+import traceback
 from pathlib import Path
 
 import jax
@@ -62,6 +66,26 @@ def _reason(e: BaseException) -> str:
         if text:
             return f"{type(x).__name__}: {text.splitlines()[0][:300]}"
     return type(e).__name__
+
+
+@contextlib.contextmanager
+def _quiet_orbax_unraisable():
+    """A failed read leaves orbax's per-array read coroutines to be collected later, and Python
+    prints each one's exception as "Exception ignored in ...": a traceback after the one-line
+    error. Drop those (only those raised inside orbax) while a restore runs and is collected."""
+    old = sys.unraisablehook
+
+    def hook(u):
+        files = [f.filename for f in traceback.extract_tb(u.exc_traceback)]
+        if not any("orbax" in f for f in files):
+            old(u)
+
+    sys.unraisablehook = hook
+    try:
+        yield
+    finally:
+        gc.collect()
+        sys.unraisablehook = old
 
 
 class Checkpointer:
@@ -118,7 +142,9 @@ class Checkpointer:
         """The JSON record of checkpoint `step` alone (cheap; checked before the state loads)."""
         self.wait()
         try:
-            out = self._mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+            with _quiet_orbax_unraisable():
+                out = self._mgr.restore(step, args=ocp.args.Composite(
+                    meta=ocp.args.JsonRestore()))
             meta = dict(out["meta"])
         except Exception as e:
             raise self._error(step, _reason(e)) from None
@@ -135,8 +161,10 @@ class Checkpointer:
         Raises CheckpointError if it cannot be read or an array differs from its checksum."""
         self.wait()
         try:
-            out = self._mgr.restore(step, args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
+            with _quiet_orbax_unraisable():
+                out = self._mgr.restore(step, args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(abstract_state),
+                    meta=ocp.args.JsonRestore()))
             state, meta = out["state"], dict(out["meta"])
         except Exception as e:
             raise self._error(step, _reason(e)) from None
