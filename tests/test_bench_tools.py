@@ -34,3 +34,22 @@ def test_forward_probes_run_and_full_matches_xla():
     assert full["o"] < 1e-2 and full["lse"] < 1e-4, full
     with pytest.raises(SystemExit):
         triton_fwd_probe.main(["--interpret", "--probes", "full,nope"])
+
+
+def test_bench_csa_runs_end_to_end(tmp_path, capsys):
+    """bench_csa.py's whole main() in interpret mode at the smallest size, with an impl config
+    override: the GPU calls run this script, and a broken import there (as at 45c1411) costs a
+    device call."""
+    import json
+
+    from benchmarks import bench_csa
+
+    out = tmp_path / "bench.json"
+    bench_csa.main(["--interpret", "--impls", "xla,pallas_triton", "--families", "flash",
+                    "--ratios", "0", "--seqs", "256", "--modes", "fwd", "--reps", "1",
+                    "--time-cap", "0.1", "--impl-config", "num_stages=2", "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    tri = [r for r in rows if r["impl"] == "pallas_triton"]
+    assert tri and "num_stages=2" in tri[0]["config"], rows
+    assert tri[0]["rel_err"]["o"] < 2e-2, tri[0]
+    assert "| flash-cr0-T256 |" in capsys.readouterr().out
