@@ -30,6 +30,7 @@ import dataclasses
 import datetime
 import functools
 import json
+import math
 import sys
 import traceback
 
@@ -59,6 +60,9 @@ def parse_args(argv=None):
                     help="extra configs of non-xla impls: 'name:key=val,key=val;name2:...'")
     ap.add_argument("--impl-config", default="",
                     help="'key=val,...' overrides of every non-xla impl's default config")
+    ap.add_argument("--speedup-over", default="xla", metavar="IMPL",
+                    help="the speedup columns and their geometric means are IMPL ms / impl ms "
+                         "(default xla; e.g. pallas_triton for the paper's Table 8 analog)")
     ap.add_argument("--out", default=None, help="write JSON here")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--interpret", action="store_true", help="CPU smoke test of the script")
@@ -206,11 +210,11 @@ def main(argv=None):
                                     json.dump(dict(meta=meta, rows=rows), f, indent=1)
                     ref_outs = None
                     del problem
-    add_derived(rows)
+    add_derived(rows, args.speedup_over)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(meta=meta, rows=rows), f, indent=1)
-    print_table(rows, meta)
+    print_table(rows, meta, args.speedup_over)
     return rows
 
 
@@ -225,9 +229,11 @@ def _impl_variants(impl, variants):
     return [(n, o) for n, o in variants if n == "default" or set(o) <= fields]
 
 
-def add_derived(rows):
+def add_derived(rows, over="xla"):
+    """TF/s per mode, and `<mode>_speedup` = the `over` impl's default-variant ms / this ms."""
     base = {(r["family"], r["ratio"], r["T"], r["idx"]): r for r in rows
-            if r.get("impl") == "xla" and "error" not in r}
+            if r.get("impl") == over and r.get("variant", "default") == "default"
+            and "error" not in r}
     for r in rows:
         for mode, mult in (("fwd", 1.0), ("bwd", 2.5), ("step", 3.5)):
             ms = r.get(f"{mode}_ms")
@@ -239,9 +245,24 @@ def add_derived(rows):
                 r[f"{mode}_speedup"] = b[f"{mode}_ms"] / ms
 
 
-def print_table(rows, meta):
+def geomeans(rows, over):
+    """{(impl, variant): {mode: (geometric mean speedup over `over`, configs)}}."""
+    acc = {}
+    for r in rows:
+        if r.get("impl") in (over, "-") or "error" in r:
+            continue
+        for mode in ("fwd", "bwd", "step"):
+            sp = r.get(f"{mode}_speedup")
+            if sp:
+                acc.setdefault((r["impl"], r.get("variant", "default")), {}).setdefault(
+                    mode, []).append(math.log(sp))
+    return {k: {m: (math.exp(sum(v) / len(v)), len(v)) for m, v in d.items()}
+            for k, d in acc.items()}
+
+
+def print_table(rows, meta, over="xla"):
     print(f"\n## CSA benchmark: {meta['device']}, jax {meta['jax']}, {meta['date']}, B=1, bf16")
-    print("TF/s nominal (valid); speedup = xla ms / impl ms; err = max rel err vs xla over "
+    print(f"TF/s nominal (valid); speedup = {over} ms / impl ms; err = max rel err vs xla over "
           "o, lse, dq, dkv, dsink")
     hdr = ("| config | idx | impl | variant | fwd ms | bwd ms | step ms | fwd TF/s | bwd TF/s "
            "| step TF/s | speedup f/b/s | err |")
@@ -264,6 +285,14 @@ def print_table(rows, meta):
         print(f"| {name} | {r['idx']} | {r['impl']} | {r.get('variant', '-')} | "
               f"{f(r.get('fwd_ms'))} | {f(r.get('bwd_ms'))} | {f(r.get('step_ms'))} | "
               f"{tf('fwd')} | {tf('bwd')} | {tf('step')} | {sp} | {err} |")
+    gm = geomeans(rows, over)
+    if gm:
+        print(f"\nGeometric mean speedup over {over} (configs where both ran)")
+        print("| impl | variant | fwd | bwd | step |")
+        print("|---|---|---|---|---|")
+        for (impl, var), d in sorted(gm.items()):
+            cell = lambda m: (f"{d[m][0]:.2f}x ({d[m][1]})" if m in d else "-")
+            print(f"| {impl} | {var} | {cell('fwd')} | {cell('bwd')} | {cell('step')} |")
 
 
 if __name__ == "__main__":
