@@ -34,7 +34,7 @@ import jax.numpy as jnp
 
 from csa_jax import blockmath as bm
 from csa_jax.config import FAMILIES, PRESET_RATIOS, preset
-from csa_jax.kernels.tpu.backward import _bwd_launch, launch_plans
+from csa_jax.kernels.tpu.backward import _bwd_launch, interm_s_init, launch_blocks
 from csa_jax.kernels.tpu.config import default_config, vmem_limit
 from csa_jax.kernels.tpu.dkv import _csr_reduce, csr_sizes
 from csa_jax.kernels.tpu.forward import forward
@@ -107,6 +107,7 @@ class Kernel:
     fn: object
     args: tuple           # jax.ShapeDtypeStruct (no sharding)
     hbm_bytes: int        # HBM bytes moved (read + written) by the kernel, see hbm_traffic
+    donate: tuple = ()    # args whose buffers the kernel overwrites (dO -> dq, interm_s)
 
 
 def _sds(shape, dtype):
@@ -124,22 +125,22 @@ def kernels(p: Problem) -> list[Kernel]:
         q, kv, idx, sink, scale=scale, interpret=False, config=cfg), (q, kv, idx, sink),
         hbm_traffic(plan, dt, "fwd"))]
     rows = p.q[0], plan.t_pad * plan.h
-    tok, col = _sds(rows + (plan.d,), dt), _sds(rows + (1,), jnp.float32)
+    tok = _sds(rows + (plan.d,), dt)
+    lse_r = _sds((p.q[0], plan.nb, plan.bt, plan.h), jnp.float32)
     kv_p = jax.eval_shape(lambda x: kv_operand(x, plan), kv)
-    for j, lp in enumerate(launch_plans(plan, cfg)):
-        if j > 1:
-            break      # later chunk launches have the shapes of launch 1
-        name = "bwd" if j == 0 else "bwd_chunk"
+    interm_s = jax.eval_shape(lambda: interm_s_init(p.q[0], plan))
+    for j, blocks in enumerate(launch_blocks(plan, cfg)[:2]):
+        name = "bwd" if j == 0 else "bwd_chunk"   # later launches have launch 1's shapes
 
-        def bwd(q2, kv_p, idx, o2, lse2, do2, dlse2, lp=lp):
-            return _bwd_launch(q2, kv_p, idx, o2, lse2, do2, dlse2, lp, scale=scale,
-                                    interpret=False, config=cfg)
-        out.append(Kernel(name, bwd, (tok, kv_p, idx, tok, col, tok, col),
-                          hbm_traffic(lp, dt, "bwd")))
-        if lp.n_kg:
-            e = p.q[0], lp.t_pad * lp.n_kg * lp.bk
-            s_pad, r_pad = csr_sizes(e[1], p.kv[1], cfg)
-            for kname, (n_in, n_out) in (("dkv_seg", (e[1], s_pad)), ("dkv_row", (s_pad, r_pad))):
+        def bwd(q2, kv_p, idx, o2, lse_r, dlse_r, do2, interm_s, blocks=blocks):
+            return _bwd_launch(q2, kv_p, idx, o2, lse_r, dlse_r, do2, interm_s, plan, blocks,
+                               scale=scale, interpret=False, config=cfg)
+        out.append(Kernel(name, bwd, (tok, kv_p, idx, tok, lse_r, lse_r, tok, interm_s),
+                          hbm_traffic(plan, dt, "bwd", blocks), donate=(6, 7)))
+        if plan.n_kg:
+            e = blocks[1] * plan.bt * plan.n_kg * plan.bk
+            s_pad, r_pad = csr_sizes(e, p.kv[1], cfg)
+            for kname, (n_in, n_out) in (("dkv_seg", (e, s_pad)), ("dkv_row", (s_pad, r_pad))):
                 if j:
                     kname += "_chunk"
 
@@ -152,25 +153,28 @@ def kernels(p: Problem) -> list[Kernel]:
     return out
 
 
-def hbm_traffic(plan, dtype, kernel) -> int:
-    """HBM bytes the forward ("fwd") or backward ("bwd") kernel of one launch reads + writes
-    for B = 1, counted from the launch geometry: kv tiles as streamed (window / pool tiles per
-    program; gathered slots as if all were non-empty, an upper bound) plus the pipelined
-    blocks (q / o / dO / dq, lse / dlse / delta, idx and valid masks, the dkv intermediates)."""
+def hbm_traffic(plan, dtype, kernel, blocks=None) -> int:
+    """HBM bytes the forward ("fwd") or backward ("bwd") kernel of one launch (token blocks
+    `blocks` = (first, count), default all) reads + writes for B = 1, counted from the launch
+    geometry: kv tiles as streamed (window / pool tiles per program; gathered slots as if all
+    were non-empty, an upper bound) plus the pipelined blocks (q / o / dO / dq, lse / dlse /
+    delta, idx and valid masks, the dkv intermediates)."""
     s = jnp.dtype(dtype).itemsize
     d, bk, h = plan.d, plan.bk, plan.h
+    b0, nblk = blocks or (0, plan.nb)
     tiles = 0
-    for i in range(plan.nb):
+    for i in range(b0, b0 + nblk):
         n_win, n_pool = struct_tiles(plan, i)
         tiles += n_win + n_pool
-    gathered = plan.t_pad * plan.n_kg * bk
+    tokens = nblk * plan.bt
+    gathered = tokens * plan.n_kg * bk
     kv = (tiles * bk + gathered) * d * s
-    idx = plan.t_pad * plan.n_kg * bk * 4 * 2          # idx blocks (SMEM) + valid masks
-    rows = plan.t_pad * h
+    idx = gathered * 4 * 2                             # idx blocks (SMEM) + valid masks
+    rows = tokens * h
     if kernel == "fwd":
         return kv + idx + rows * (2 * d * s + 4)       # q in, o out, lse out
     interm = (tiles * bk + gathered) * d * 4           # per-tile / per-slot dkv parts, f32
-    return kv + idx + rows * (3 * d * s + d * 4 + 3 * 4) + interm   # q, o, dO; dq; lse, dlse, delta
+    return kv + idx + rows * (4 * d * s + 3 * 4) + interm   # q, o, dO in, dq out; lse, dlse, delta
 
 
 # ----------------------------------------------------------------------------- compiling
@@ -212,11 +216,13 @@ def _limit_on(config, dev):
         return vmem_limit(config, interpret=False)
 
 
-def _compile(fn, args, dev):
+def _compile(fn, args, dev, donate=()):
     sh = jax.sharding.SingleDeviceSharding(dev)
-    placed = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh) for a in args]
+    placed = [None if a is None else jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh)
+              for a in args]
+    donate = tuple(j for j in donate if placed[j] is not None)
     with jax.default_device(dev):
-        return jax.jit(fn).trace(*placed).lower().compile()
+        return jax.jit(fn, donate_argnums=donate).trace(*placed).lower().compile()
 
 
 def _first_line(msg: str) -> str:
@@ -236,7 +242,7 @@ def compile_kernels(p: Problem, gen: str) -> list[dict]:
                    vmem_limit=_limit_on(p.config, dev), ok=False)
         t0 = time.perf_counter()
         try:
-            c = _compile(k.fn, k.args, dev)
+            c = _compile(k.fn, k.args, dev, k.donate)
         except Exception as e:            # the compiler's error is the result
             row.update(compile_s=time.perf_counter() - t0, error=_first_line(e),
                        scoped_vmem=scoped_vmem_from_error(str(e)))
@@ -245,7 +251,12 @@ def compile_kernels(p: Problem, gen: str) -> list[dict]:
         ma = c.memory_analysis()
         row.update(ok=True, compile_s=time.perf_counter() - t0,
                    code_bytes=ma.generated_code_size_in_bytes,
-                   temp_bytes=ma.temp_size_in_bytes, scoped_vmem=scoped_vmem_of(c))
+                   temp_bytes=ma.temp_size_in_bytes, arg_bytes=ma.argument_size_in_bytes,
+                   out_bytes=ma.output_size_in_bytes, alias_bytes=ma.alias_size_in_bytes,
+                   scoped_vmem=scoped_vmem_of(c))
+        # the program's HBM footprint: arguments + outputs (less the in-place ones) + temps
+        row["hbm_peak"] = (row["arg_bytes"] + row["out_bytes"] - row["alias_bytes"]
+                           + row["temp_bytes"])
         rows.append(row)
     return rows
 
