@@ -20,6 +20,8 @@ from csa_jax.kernels.tpu.ring import _program_stream, _stream, _tile_mask, _when
 
 
 def _bwd_kernel(
+        # scalar prefetch
+        b0_ref,      # [1] int32 (SMEM): the launch's first token block
         # inputs
         idx_blk,     # [1, bt * Kg] int32 (SMEM): the block's gathered slots
         q_ref,       # [bt*H, D]
@@ -38,7 +40,7 @@ def _bwd_kernel(
                      # scratch: ring (ring_scratch), DMA sems [depth], stage [2, bk, D] f32 +
                      #   DMA sems [2] (the write-back ring), lse / dlse / delta columns
                      #   [bt*H, 1] f32, dq accumulator [bt*H, D] f32 (if dq is not f32)
-        plan, scale, k_g, explicit_transpose, b0):
+        plan, scale, k_g, explicit_transpose):
     rest = list(rest)
     if plan.n_struct:
         rest.pop(0)                       # interm_s in: the same HBM buffer as interm_s out
@@ -48,7 +50,7 @@ def _bwd_kernel(
     ring_ref, sems, stage, out_sems, lse_c, dlse_c, delta_c = rest[:7]
     dq_acc = rest[7] if len(rest) > 7 else dq_ref
     b, il = pl.program_id(0), pl.program_id(1)
-    i = b0 + il                           # the block of the sequence (il: of this launch)
+    i = b0_ref[0] + il                    # the block of the sequence (il: of this launch)
     h, n_kg = plan.h, plan.n_kg
     prec = bm.precision(q_ref.dtype)
     ring, n_win, n_pool, w0, n_steps = _program_stream(plan, b, i, kv_hbm.at[b], ring_ref,
@@ -153,20 +155,20 @@ def _bwd_launch(q2, kv_p, idx, o2, lse_r, dlse_r, do2, interm_s, plan, blocks, *
     h, d, bt, bk = plan.h, plan.d, plan.bt, plan.bk
     b0, nblk = blocks
     (idx_b, idx_spec), (valid, valid_spec), k_g = _gather_inputs(idx, plan, blocks)
-    kernel = functools.partial(_bwd_kernel, plan=plan, scale=scale, k_g=k_g, b0=b0,
+    kernel = functools.partial(_bwd_kernel, plan=plan, scale=scale, k_g=k_g,
                                explicit_transpose=config.explicit_transpose)
-    tok, rows = token_blocks_spec(plan, b0, (d,)), token_blocks_spec(plan, b0)
+    tok, rows = token_blocks_spec(plan, (d,), True), token_blocks_spec(plan, offset=True)
     hbm = pl.BlockSpec(memory_space=pltpu.HBM)
     in_specs = [idx_spec, tok, tok, rows, rows, valid_spec, hbm, tok]
     args = [idx_b, q2, o2, lse_r, dlse_r, valid, kv_p, do2]
-    aliases = {len(args) - 1: 0}                          # dO -> dq
+    aliases = {len(args): 0}           # dO -> dq (operand numbers count b0 first)
     out_specs = [tok, pl.BlockSpec((None, None, bt, h), lambda b, i, *_: (b, i, 0, 0))]
     out_shape = [jax.ShapeDtypeStruct(do2.shape, do2.dtype),
                  jax.ShapeDtypeStruct((bsz, nblk, bt, h), jnp.float32)]
     if plan.n_struct:
         in_specs.append(hbm)
         args.append(interm_s)
-        aliases[len(args) - 1] = 2
+        aliases[len(args)] = 2
         out_specs.append(hbm)
         out_shape.append(jax.ShapeDtypeStruct(interm_s.shape, jnp.float32))
     if plan.n_kg:
@@ -179,7 +181,7 @@ def _bwd_launch(q2, kv_p, idx, o2, lse_r, dlse_r, do2, interm_s, plan, blocks, *
     if do2.dtype != jnp.float32:
         scratch.append(pltpu.VMEM((bt * h, d), jnp.float32))
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=0, grid=(bsz, nblk), in_specs=in_specs, out_specs=out_specs,
+        num_scalar_prefetch=1, grid=(bsz, nblk), in_specs=in_specs, out_specs=out_specs,
         scratch_shapes=scratch)
     outs = list(pl.pallas_call(
         kernel,
@@ -189,7 +191,7 @@ def _bwd_launch(q2, kv_p, idx, o2, lse_r, dlse_r, do2, interm_s, plan, blocks, *
         compiler_params=compiler_params(config, interpret),
         interpret=bm.resolve_interpret(interpret, PLATFORMS),
         name="csa_bwd_tpu",
-    )(*args))
+    )(jnp.full((1,), b0, jnp.int32), *args))
     dq, delta = outs[0], outs[1]
     interm_s = outs[2] if plan.n_struct else None
     interm_g = idx_g = None

@@ -143,12 +143,17 @@ def _valid_tiles(idx_g, block_k):
     return (idx_g >= 0).astype(jnp.int32).reshape(b, t * (k // block_k), 1, block_k)
 
 
-def token_blocks_spec(plan, b0=0, tail=()):
-    """BlockSpec of program (b, i)'s block b0 + i of a [B, nb, bt, H] (token_rows) array, or of
-    [B, Tp*H, D] token rows (tail=(D,): block [bt*H, D])."""
+def token_blocks_spec(plan, tail=(), offset=False):
+    """BlockSpec of program (b, i)'s token block of a [B, nb, bt, H] (token_rows) array, or of
+    [B, Tp*H, D] token rows (tail=(D,): block [bt*H, D]): block i, or with `offset` block
+    b0 + i, b0 the first scalar-prefetch operand (a backward launch's first block: a runtime
+    value, so every launch runs the same compiled kernel)."""
+    def blk(i, pre):
+        return pre[0][0] + i if offset else i
     if tail:
-        return pl.BlockSpec((None, plan.bt * plan.h) + tail, lambda b, i, *_: (b, b0 + i, 0))
-    return pl.BlockSpec((None, None, plan.bt, plan.h), lambda b, i, *_: (b, b0 + i, 0, 0))
+        return pl.BlockSpec((None, plan.bt * plan.h) + tail,
+                            lambda b, i, *pre: (b, blk(i, pre), 0))
+    return pl.BlockSpec((None, None, plan.bt, plan.h), lambda b, i, *pre: (b, blk(i, pre), 0, 0))
 
 
 def _flat_tokens(x, plan):
@@ -225,7 +230,7 @@ def _gather_inputs(idx, plan, blocks=None):
         idx_b, valid, v_rows = (idx_g.reshape(bsz, nb, 1, bt * k_g),
                                 _valid_tiles(idx_g, bk), bt * plan.n_kg)
     # [.., 1, L] so the block's last two dims are the array's (a TPU block-shape rule)
-    idx_spec = pl.BlockSpec((None, None, 1, idx_b.shape[-1]), lambda b, i: (b, i, 0, 0),
+    idx_spec = pl.BlockSpec((None, None, 1, idx_b.shape[-1]), lambda b, i, *_: (b, i, 0, 0),
                             memory_space=pltpu.SMEM)
-    valid_spec = pl.BlockSpec((None, v_rows, 1, bk), lambda b, i: (b, i, 0, 0))
+    valid_spec = pl.BlockSpec((None, v_rows, 1, bk), lambda b, i, *_: (b, i, 0, 0))
     return (idx_b, idx_spec), (valid, valid_spec), k_g
