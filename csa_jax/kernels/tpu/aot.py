@@ -8,14 +8,18 @@ under `jax.default_device(device)` (without it, lowering asks the CPU device for
 
     PYTHONPATH=. python -m csa_jax.kernels.tpu.aot [--gens v5e,v6e] [--families flash,pro] \
         [--seqs 4096,16384] [--ratios 0,4,128] [--dtypes bfloat16,float32] [--layouts struct] \
-        [--json out.json]
+        [--kernels fwd,bwd] [--whole] [--json out.json]
 
-compiles every kernel of each problem (forward; backward = dq + per-tile / per-slot dkv
-intermediates; the two CSR dkv reductions of gathered slots) on its own, and prints one row per
-kernel and generation: compile time, code size, scoped VMEM (the compiler's own number: what
-XLA records for the kernel's custom call, or, over the limit, what the error says it asked
-for), the VMEM limit it was compiled under, and HBM traffic (counted from the launch geometry,
-see `hbm_traffic`). A kernel that does not compile shows the compiler's error.
+compiles every kernel of each problem on its own (fwd: the forward op; bwd: backward launch 0
+= dq + per-tile / per-slot dkv intermediates of its token blocks; bwd_chunk: the last
+token-chunk launch; dkv_seg / dkv_row: the two CSR dkv reductions of a launch's gathered
+slots, `_chunk` those of the last launch; with --whole also bwd_all, the whole backward op)
+and prints one row per kernel and generation: compile time, code size, scoped VMEM (the
+compiler's own number: what XLA records for the kernel's custom call, or, over the limit,
+what the error says it asked for), the VMEM limit it was compiled under, the program's HBM
+footprint (memory_analysis: arguments + outputs - aliased + temporaries) and HBM traffic
+(counted from the launch geometry, see `hbm_traffic`). A kernel that does not compile shows
+the compiler's error.
 """
 from __future__ import annotations
 
@@ -34,7 +38,7 @@ import jax.numpy as jnp
 
 from csa_jax import blockmath as bm
 from csa_jax.config import FAMILIES, PRESET_RATIOS, preset
-from csa_jax.kernels.tpu.backward import _bwd_launch, interm_s_init, launch_blocks
+from csa_jax.kernels.tpu.backward import _bwd_launch, backward, interm_s_init, launch_blocks
 from csa_jax.kernels.tpu.config import default_config, vmem_limit
 from csa_jax.kernels.tpu.dkv import _csr_reduce, csr_sizes
 from csa_jax.kernels.tpu.forward import forward
@@ -114,8 +118,10 @@ def _sds(shape, dtype):
     return jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype))
 
 
-def kernels(p: Problem) -> list[Kernel]:
-    """Every pallas_call that forward + backward of problem p launch, each on its own."""
+def kernels(p: Problem, whole=False) -> list[Kernel]:
+    """Every pallas_call that forward + backward of problem p launch, each on its own; with
+    `whole`, also "bwd_all": the whole backward op (every launch, the CSR maps, the XLA glue;
+    dO donated, as in a training step where nothing reads it after), for its HBM footprint."""
     cfg, dt = p.config, jnp.dtype(p.dtype)
     plan = _make_plan(p.q, p.kv[1], p.idx[-1], cfg, dt)
     scale = p.q[-1] ** -0.5
@@ -129,8 +135,11 @@ def kernels(p: Problem) -> list[Kernel]:
     lse_r = _sds((p.q[0], plan.nb, plan.bt, plan.h), jnp.float32)
     kv_p = jax.eval_shape(lambda x: kv_operand(x, plan), kv)
     interm_s = jax.eval_shape(lambda: interm_s_init(p.q[0], plan))
-    for j, blocks in enumerate(launch_blocks(plan, cfg)[:2]):
-        name = "bwd" if j == 0 else "bwd_chunk"   # later launches have launch 1's shapes
+    launches = launch_blocks(plan, cfg)
+    # bwd: launch 0; bwd_chunk: the last launch (a later block range; every launch but the
+    # last has launch 0's grid and runs its compiled kernel, the first block being an operand)
+    for j, blocks in enumerate(launches[:1] + launches[1:][-1:]):
+        name = "bwd" if j == 0 else "bwd_chunk"
 
         def bwd(q2, kv_p, idx, o2, lse_r, dlse_r, do2, interm_s, blocks=blocks):
             return _bwd_launch(q2, kv_p, idx, o2, lse_r, dlse_r, do2, interm_s, plan, blocks,
@@ -150,6 +159,21 @@ def kernels(p: Problem) -> list[Kernel]:
                 out.append(Kernel(kname, red, (_sds((p.q[0], n_in, plan.d), jnp.float32), ints,
                                                ints, _sds((p.q[0], n_out + 1), jnp.int32)),
                                   (n_in + n_out) * plan.d * 4 * p.q[0]))
+    if whole:
+        lse = _sds(p.q[:3], jnp.float32)
+
+        def bwd_all(q, kv, idx, sink, o, lse, do, dlse):
+            return backward(q, kv, idx, sink, o, lse, do, dlse, scale=scale, interpret=False,
+                            config=cfg)
+        total = 0
+        for blocks in launch_blocks(plan, cfg):
+            total += hbm_traffic(plan, dt, "bwd", blocks)
+            if plan.n_kg:
+                e = blocks[1] * plan.bt * plan.n_kg * plan.bk
+                s_pad, r_pad = csr_sizes(e, p.kv[1], cfg)
+                total += (e + 2 * s_pad + r_pad) * plan.d * 4 * p.q[0]
+        out.append(Kernel("bwd_all", bwd_all, (q, kv, idx, sink, q, lse, q, lse), total,
+                          donate=(6,)))
     return out
 
 
@@ -233,11 +257,14 @@ def _first_line(msg: str) -> str:
     return str(msg)[:300]
 
 
-def compile_kernels(p: Problem, gen: str) -> list[dict]:
-    """Compile every kernel of p for generation gen; one result row per kernel."""
+def compile_kernels(p: Problem, gen: str, only=None, whole=False) -> list[dict]:
+    """Compile every kernel of p (those named in `only`, if given; `whole`: see kernels) for
+    generation gen; one result row per kernel."""
     dev = target_device(gen)
     rows = []
-    for k in kernels(p):
+    for k in kernels(p, whole):
+        if only is not None and k.name not in only:
+            continue
         row = dict(problem=p.name, generation=gen, kernel=k.name, hbm_bytes=k.hbm_bytes,
                    vmem_limit=_limit_on(p.config, dev), ok=False)
         t0 = time.perf_counter()
@@ -266,21 +293,24 @@ def _mib(x):
 
 
 def table(rows) -> str:
-    """Markdown table of compile_kernels rows."""
+    """Markdown table of compile_kernels rows (HBM peak: the program's arguments + outputs, less
+    what is overwritten in place, + temporaries, from memory_analysis)."""
     out = ["| problem | gen | kernel | compiles | s | code KiB | scoped VMEM MiB | limit MiB "
-           "| HBM MiB |", "|---|---|---|---|---|---|---|---|---|"]
+           "| HBM peak MiB | HBM traffic MiB |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ok = "yes" if r["ok"] else f"**no**: {r['error']}"
         code = f"{r['code_bytes'] / 1024:.0f}" if r.get("code_bytes") else "-"
         out.append(f"| {r['problem']} | {r['generation']} | {r['kernel']} | {ok} "
                    f"| {r['compile_s']:.1f} | {code} | {_mib(r.get('scoped_vmem'))} "
-                   f"| {_mib(r['vmem_limit'])} | {_mib(r['hbm_bytes'])} |")
+                   f"| {_mib(r['vmem_limit'])} | {_mib(r.get('hbm_peak'))} "
+                   f"| {_mib(r['hbm_bytes'])} |")
     return "\n".join(out)
 
 
 def pivot(rows) -> str:
-    """Markdown table, one row per (problem, kernel), one column per generation: the scoped VMEM
-    (MiB) of a kernel that compiled, **no** and the VMEM it asked for (or the error) if not."""
+    """Markdown table, one row per (problem, kernel), one column per generation: for a kernel
+    that compiled, scoped VMEM MiB / code KiB / HBM peak GiB / HBM traffic GiB; **no** and the
+    VMEM it asked for (or the error) if not."""
     gens = sorted({r["generation"] for r in rows}, key=list(GENERATIONS).index)
     cells, order = {}, []
     for r in rows:
@@ -289,7 +319,10 @@ def pivot(rows) -> str:
             order.append(key)
             cells[key] = {}
         if r["ok"]:
-            cells[key][r["generation"]] = _mib(r.get("scoped_vmem"))
+            cells[key][r["generation"]] = (
+                f"{_mib(r.get('scoped_vmem'))} / {r['code_bytes'] / 1024:.0f} / "
+                f"{r['hbm_peak'] / 2**30:.2f} / {r['hbm_bytes'] / 2**30:.2f}"
+                if "hbm_peak" in r else _mib(r.get("scoped_vmem")))
         elif r.get("scoped_vmem"):
             cells[key][r["generation"]] = f"**no** ({_mib(r['scoped_vmem'])})"
         else:
@@ -342,6 +375,10 @@ def main(argv=None):
                     help="struct (the layer's own layout) and / or generic")
     ap.add_argument("--vmem-limit", type=int, default=None,
                     help="compile under this scoped VMEM limit (bytes) instead of the default")
+    ap.add_argument("--kernels", default=None,
+                    help="compile only these kernels (fwd,bwd,bwd_chunk,dkv_seg,...,bwd_all)")
+    ap.add_argument("--whole", action="store_true",
+                    help="also compile the whole backward op (kernel bwd_all)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--from-json", nargs="+", default=None,
                     help="print the tables of earlier --json results instead of compiling")
@@ -352,6 +389,7 @@ def main(argv=None):
         return 0
     if not libtpu_available():
         sys.exit("aot: libtpu is not installed (pip install -e '.[tpu-aot]')")
+    only = None if a.kernels is None else set(a.kernels.split(","))
     rows = []
     for gen in a.gens.split(","):
         for fam in a.families.split(","):
@@ -363,7 +401,7 @@ def main(argv=None):
                                 vmem_limit_bytes=a.vmem_limit)
                             p = layer_problem(fam, ratio, seq, dt, layout=lay,
                                               generation=gen, **over)
-                            rs = compile_kernels(p, gen)
+                            rs = compile_kernels(p, gen, only, a.whole)
                             rows += rs
                             print(table(rs).split("\n", 2)[2], flush=True)
     print(table(rows))

@@ -249,6 +249,9 @@ def _backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, interpret, config):
         if interm_g is not None:
             dkv_g = _dkv_csr(interm_g, idx_g, n, interpret=interpret, config=config)
             dkv = dkv_g if dkv is None else dkv + dkv_g
+            # The next launch starts after this one's dkv is summed: one launch's per-slot
+            # intermediate (and one dkv partial) is live at a time, not all of them.
+            dq, interm_s, dkv = lax.optimization_barrier((dq, interm_s, dkv))
     if interm_s is not None:
         dkv_s = _dkv_struct(interm_s.reshape(bsz, plan.nb, plan.n_struct * plan.bk, d), plan)
         dkv = dkv_s if dkv is None else dkv_s + dkv
