@@ -136,9 +136,11 @@ def kernels(p: Problem, whole=False) -> list[Kernel]:
     kv_p = jax.eval_shape(lambda x: kv_operand(x, plan), kv)
     interm_s = jax.eval_shape(lambda: interm_s_init(p.q[0], plan))
     launches = launch_blocks(plan, cfg)
-    # bwd: launch 0; bwd_chunk: the last launch (a later block range; every launch but the
-    # last has launch 0's grid and runs its compiled kernel, the first block being an operand)
-    for j, blocks in enumerate(launches[:1] + launches[1:][-1:]):
+    # bwd: launch 0; bwd_chunk: the last launch, if its grid is shorter (every launch of
+    # launch 0's size runs launch 0's compiled kernel and CSR passes: the first block is an
+    # operand, not a constant), so nothing is compiled twice
+    picks = launches[:1] + [b for b in launches[-1:] if b[1] != launches[0][1]]
+    for j, blocks in enumerate(picks):
         name = "bwd" if j == 0 else "bwd_chunk"
 
         def bwd(q2, kv_p, idx, o2, lse_r, dlse_r, do2, interm_s, blocks=blocks):
