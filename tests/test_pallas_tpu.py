@@ -55,8 +55,8 @@ def test_config_validation_names_the_value():
         pt.Config(depth=5)
     with pytest.raises(ValueError, match="block_k=12"):
         pt.Config(block_k=12)
-    with pytest.raises(ValueError, match="slot_chunk=24"):
-        pt.Config(block_k=16, slot_chunk=24)
+    with pytest.raises(ValueError, match="token_chunk=6"):
+        pt.Config(block_t=4, token_chunk=6)
     with pytest.raises(ValueError, match="layout='diagonal'"):
         pt.Config(layout="diagonal")
     hash(pt.Config())
@@ -65,9 +65,10 @@ def test_config_validation_names_the_value():
 def test_default_config_rule():
     c = pt.default_config((1, 4096, 64, 512), (1, 4096 + 1024, 512), (1, 4096, 640), jnp.bfloat16)
     assert (c.block_k, c.block_t, c.depth) == (128, 8, 3)
-    assert c.slot_chunk is not None and c.slot_chunk % c.block_k == 0
+    assert c.token_chunk is not None and c.token_chunk % c.block_t == 0
+    assert c.token_chunk * 640 * 512 * 4 <= 1 << 30 < (c.token_chunk + 8) * 640 * 512 * 4
     c = pt.default_config((2, 5, 4, 32), (2, 9, 32), (2, 5, 3), jnp.float32)
-    assert (c.block_k, c.block_t, c.depth, c.slot_chunk) == (8, 5, 3, None)
+    assert (c.block_k, c.block_t, c.depth, c.token_chunk) == (8, 5, 3, None)
     c = pt.default_config((1, 4096, 8, 512), (1, 4128, 512), (1, 4096, 160), jnp.bfloat16,
                           layout="cr128", window=128, pool_ratio=128)
     assert (c.layout, c.block_t, c.block_k, c.window) == ("cr128", 32, 128, 128)
@@ -115,7 +116,7 @@ def test_golden_structured(name):
 
 FUZZ_CONFIGS = [
     pt.Config(block_t=8, block_k=8, depth=2, block_r=8),
-    pt.Config(block_t=4, block_k=8, depth=3, block_r=16, slot_chunk=8, fanin_split=3),
+    pt.Config(block_t=4, block_k=8, depth=3, block_r=16, token_chunk=8, fanin_split=3),
     pt.Config(block_t=3, block_k=16, depth=4, block_r=8, explicit_transpose=True),
 ]
 
@@ -187,7 +188,7 @@ def test_structured_layouts_against_oracle(rng, layout, dtype):
     """Window reuse (contiguous union / pool tiles, closed-form dkv) matches the oracle."""
     q, kv, idx, sink, lay = _structured_problem(rng, layout, dtype=dtype)
     cfg = (pt.Config(block_t=8, block_k=8, depth=3, block_r=16, **lay) if dtype == jnp.float32
-           else pt.Config(block_t=5, block_k=16, depth=2, slot_chunk=16,
+           else pt.Config(block_t=5, block_k=16, depth=2, token_chunk=10,
                           explicit_transpose=True, **lay))
     _check_against_oracle(rng, q, kv, idx, sink, scale=0.2, config=cfg)
 

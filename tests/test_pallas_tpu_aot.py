@@ -3,23 +3,33 @@
 No TPU is needed: libtpu compiles for a named topology on the CPU (csa_jax/kernels/tpu/aot.py).
 Skipped when libtpu is not installed (it is in the [tpu-aot] extra, which [dev], and so
 scripts/setup.sh and CI, install on Linux). One realistic size: V4-Flash (H = 64, D = 512),
-T = 4096, each layer type in its structured layout, the generic layout on the cr4 index shape,
-bf16, and f32 for cr4; every kernel (forward, backward, both CSR dkv reductions) must compile
-under the generation's default scoped VMEM limit, and the compiler's scoped VMEM for each is
-printed (pytest -s) and checked against that limit.
+T = 4096, every layout (cr0, cr4, cr128 each in its own layer's index shape, and the generic
+layout on the cr4 one), bf16 and f32: every kernel kind (forward; backward launch 0 and a
+shorter last token-chunk launch; both CSR dkv reductions of gathered slots) must compile under the
+generation's default scoped VMEM limit; the compiler's scoped VMEM, code size and HBM
+footprint (memory_analysis) of each are printed (pytest -s) and checked.
 """
 from __future__ import annotations
 
 import pytest
 
 from csa_jax.kernels.tpu import aot
+from csa_jax.kernels.tpu.backward import launch_blocks
 from csa_jax.kernels.tpu.config import generation_vmem
+from csa_jax.kernels.tpu.plan import _make_plan
 
 needs_libtpu = pytest.mark.skipif(not aot.libtpu_available(),
                                   reason="libtpu not installed (pip install -e '.[tpu-aot]')")
 
-CASES = [(0, "struct", "bfloat16"), (4, "struct", "bfloat16"), (128, "struct", "bfloat16"),
-         (4, "generic", "bfloat16"), (4, "struct", "float32")]
+CASES = [(ratio, layout, dtype) for ratio, layout in ((0, "struct"), (4, "struct"),
+                                                      (128, "struct"), (4, "generic"))
+         for dtype in ("bfloat16", "float32")]
+# what every problem launches, and what only those that gather slots do (cr4, generic: at
+# T = 4096 their per-slot intermediate, 4-5 GiB, is split into token-chunk launches of at most
+# 1 GiB; generic's last launch is shorter, so it is compiled too as bwd_chunk, dkv_*_chunk)
+ALWAYS = {"fwd", "bwd"}
+GATHERED = {"dkv_seg", "dkv_row"}
+SHORT_LAST_LAUNCH = {"bwd_chunk", "dkv_seg_chunk", "dkv_row_chunk"}
 
 
 @needs_libtpu
@@ -32,15 +42,21 @@ def test_kernels_compile_for_tpu(gen, ratio, layout, dtype):
     report = aot.table(rows)
     print("\n" + report)
     names = {r["kernel"] for r in rows}
-    assert {"fwd", "bwd"} <= names
-    if p.config.layout in ("generic", "cr4"):
-        assert {"dkv_seg", "dkv_row"} <= names          # gathered slots: the CSR reduce runs
+    gathers = p.config.layout in ("generic", "cr4")
+    want = ALWAYS | (GATHERED if gathers else set())
+    if gathers:
+        launches = launch_blocks(_make_plan(p.q, p.kv[1], p.idx[-1], p.config, p.dtype),
+                                 p.config)
+        assert len(launches) > 1                      # the token-chunk launches are exercised
+        if launches[-1][1] != launches[0][1]:
+            want |= SHORT_LAST_LAUNCH
+    assert want <= names, report
     bad = [r for r in rows if not r["ok"]]
     assert not bad, f"did not compile for {gen}:\n{report}"
     for r in rows:
         assert r["vmem_limit"] == generation_vmem(gen)[1]
         assert r["scoped_vmem"] is not None and 0 < r["scoped_vmem"] <= r["vmem_limit"], report
-        assert r["code_bytes"] > 0
+        assert r["code_bytes"] > 0 and r["hbm_peak"] > 0, report
 
 
 def test_scoped_vmem_parsers():

@@ -40,23 +40,32 @@ The tiles of a program, in stream order (Config.layout says which exist):
 "generic" works for every idx and is the default; the structured layouts are a promise by the
 caller (the model layer knows its layer type), checked by check_layout whenever idx is concrete.
 
-Backward (csa_spec.md section 3; deterministic, no atomics, no scatter):
+Backward (csa_spec.md section 3; deterministic, no atomics, no scatter), in launches of
+Config.token_chunk tokens (all T when None; the per-slot intermediate below is bounded by it),
+run one after another; each streams every tile of its own token blocks:
 1. `_bwd_kernel`, the same stream: re-fetch the tiles, recompute p = exp(s - lse) (delta = o.dO
-   fused in), ds = p * (dp - delta + dlse), dq += scale * ds @ tile, and the tile's dkv rows
+   fused in), ds = p * (dp - delta + dlse), dq += scale * ds @ tile (accumulated in f32 in
+   VMEM, written once per block over dO's HBM buffer: input_output_aliases, each program
+   reads its dO block before its dq block is written back), and the tile's dkv rows
    scale * ds^T q + p^T dO, written once per (program, tile) or per slot (one writer each)
    to HBM through a 2-slot write-back ring (stage in VMEM, async copy out, wait two steps
    later), so no intermediate block has to fit in VMEM.
+   lse, dlse and delta live in HBM as lane-dense [B, nb, block_t, H] blocks (token_rows; a
+   [T*H, 1] f32 column pads to 128 lanes) and become [block_t*H, 1] columns in VMEM by a select
+   and a sum (plan.rows_to_col / col_to_rows, exact).
    The transposed products are transposed-operand dots (dot_general contracting dim 0 of both);
    Config.explicit_transpose forces `x.T @ y` so the two can be compared on hardware.
-2. dkv of gathered slots: per-slot intermediate [T, K, D] f32 (in `slot_chunk` launches), a CSR
+2. dkv of gathered slots: per-slot intermediate [token_chunk, K, D] f32 per launch, a CSR
    inverse map (stable sort by kv row + searchsorted, XLA), then `_dkv_kernel` twice: over
    segments of at most `fanin_split` entries of one row (a program owns block_r segments and
    streams their entries through a ring, one DMA per intermediate row, adding them in sorted
-   order; a hot row is spread over many programs), then over rows (each row's segments in
-   order). Fixed summation order: bit-identical across runs and program orders.
-3. dkv of window / pool tiles: closed-form inverse maps (`_dkv_struct`): window row r gathers
-   the unions of blocks r // block_t .. (r + window - 1) // block_t at fixed offsets; pool row p
-   sums one partial per block (the fan-in of cr128 pool row 0 is split across all programs).
+   order, the next step's index window fetched while the current one is in flight; a hot row
+   is spread over many programs), then over rows (each row's segments in order). Fixed
+   summation order: bit-identical across runs and program orders.
+3. dkv of window / pool tiles: closed-form inverse maps (`_dkv_struct`) over the per-block
+   partials every launch fills in place: window row r gathers the unions of blocks
+   r // block_t .. (r + window - 1) // block_t at fixed offsets; pool row p sums one partial
+   per block (the fan-in of cr128 pool row 0 is split across all programs).
 4. dsink = sum_t exp(sink - lse) * (dlse - delta) from the kernel's delta (XLA).
 Launches and partials are added in a fixed order.
 

@@ -8,14 +8,18 @@ under `jax.default_device(device)` (without it, lowering asks the CPU device for
 
     PYTHONPATH=. python -m csa_jax.kernels.tpu.aot [--gens v5e,v6e] [--families flash,pro] \
         [--seqs 4096,16384] [--ratios 0,4,128] [--dtypes bfloat16,float32] [--layouts struct] \
-        [--json out.json]
+        [--kernels fwd,bwd] [--whole] [--json out.json]
 
-compiles every kernel of each problem (forward; backward = dq + per-tile / per-slot dkv
-intermediates; the two CSR dkv reductions of gathered slots) on its own, and prints one row per
-kernel and generation: compile time, code size, scoped VMEM (the compiler's own number: what
-XLA records for the kernel's custom call, or, over the limit, what the error says it asked
-for), the VMEM limit it was compiled under, and HBM traffic (counted from the launch geometry,
-see `hbm_traffic`). A kernel that does not compile shows the compiler's error.
+compiles every kernel of each problem on its own (fwd: the forward op; bwd: backward launch 0
+= dq + per-tile / per-slot dkv intermediates of its token blocks; bwd_chunk: the last
+token-chunk launch; dkv_seg / dkv_row: the two CSR dkv reductions of a launch's gathered
+slots, `_chunk` those of the last launch; with --whole also bwd_all, the whole backward op)
+and prints one row per kernel and generation: compile time, code size, scoped VMEM (the
+compiler's own number: what XLA records for the kernel's custom call, or, over the limit,
+what the error says it asked for), the VMEM limit it was compiled under, the program's HBM
+footprint (memory_analysis: arguments + outputs - aliased + temporaries) and HBM traffic
+(counted from the launch geometry, see `hbm_traffic`). A kernel that does not compile shows
+the compiler's error.
 """
 from __future__ import annotations
 
@@ -34,7 +38,7 @@ import jax.numpy as jnp
 
 from csa_jax import blockmath as bm
 from csa_jax.config import FAMILIES, PRESET_RATIOS, preset
-from csa_jax.kernels.tpu.backward import _bwd_launch, launch_plans
+from csa_jax.kernels.tpu.backward import _bwd_launch, backward, interm_s_init, launch_blocks
 from csa_jax.kernels.tpu.config import default_config, vmem_limit
 from csa_jax.kernels.tpu.dkv import _csr_reduce, csr_sizes
 from csa_jax.kernels.tpu.forward import forward
@@ -107,14 +111,17 @@ class Kernel:
     fn: object
     args: tuple           # jax.ShapeDtypeStruct (no sharding)
     hbm_bytes: int        # HBM bytes moved (read + written) by the kernel, see hbm_traffic
+    donate: tuple = ()    # args whose buffers the kernel overwrites (dO -> dq, interm_s)
 
 
 def _sds(shape, dtype):
     return jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype))
 
 
-def kernels(p: Problem) -> list[Kernel]:
-    """Every pallas_call that forward + backward of problem p launch, each on its own."""
+def kernels(p: Problem, whole=False) -> list[Kernel]:
+    """Every pallas_call that forward + backward of problem p launch, each on its own; with
+    `whole`, also "bwd_all": the whole backward op (every launch, the CSR maps, the XLA glue;
+    dO donated, as in a training step where nothing reads it after), for its HBM footprint."""
     cfg, dt = p.config, jnp.dtype(p.dtype)
     plan = _make_plan(p.q, p.kv[1], p.idx[-1], cfg, dt)
     scale = p.q[-1] ** -0.5
@@ -124,22 +131,27 @@ def kernels(p: Problem) -> list[Kernel]:
         q, kv, idx, sink, scale=scale, interpret=False, config=cfg), (q, kv, idx, sink),
         hbm_traffic(plan, dt, "fwd"))]
     rows = p.q[0], plan.t_pad * plan.h
-    tok, col = _sds(rows + (plan.d,), dt), _sds(rows + (1,), jnp.float32)
+    tok = _sds(rows + (plan.d,), dt)
+    lse_r = _sds((p.q[0], plan.nb, plan.bt, plan.h), jnp.float32)
     kv_p = jax.eval_shape(lambda x: kv_operand(x, plan), kv)
-    for j, lp in enumerate(launch_plans(plan, cfg)):
-        if j > 1:
-            break      # later chunk launches have the shapes of launch 1
+    interm_s = jax.eval_shape(lambda: interm_s_init(p.q[0], plan))
+    launches = launch_blocks(plan, cfg)
+    # bwd: launch 0; bwd_chunk: the last launch, if its grid is shorter (every launch of
+    # launch 0's size runs launch 0's compiled kernel and CSR passes: the first block is an
+    # operand, not a constant), so nothing is compiled twice
+    picks = launches[:1] + [b for b in launches[-1:] if b[1] != launches[0][1]]
+    for j, blocks in enumerate(picks):
         name = "bwd" if j == 0 else "bwd_chunk"
 
-        def bwd(q2, kv_p, idx, o2, lse2, do2, dlse2, lp=lp):
-            return _bwd_launch(q2, kv_p, idx, o2, lse2, do2, dlse2, lp, scale=scale,
-                                    interpret=False, config=cfg)
-        out.append(Kernel(name, bwd, (tok, kv_p, idx, tok, col, tok, col),
-                          hbm_traffic(lp, dt, "bwd")))
-        if lp.n_kg:
-            e = p.q[0], lp.t_pad * lp.n_kg * lp.bk
-            s_pad, r_pad = csr_sizes(e[1], p.kv[1], cfg)
-            for kname, (n_in, n_out) in (("dkv_seg", (e[1], s_pad)), ("dkv_row", (s_pad, r_pad))):
+        def bwd(q2, kv_p, idx, o2, lse_r, dlse_r, do2, interm_s, blocks=blocks):
+            return _bwd_launch(q2, kv_p, idx, o2, lse_r, dlse_r, do2, interm_s, plan, blocks,
+                               scale=scale, interpret=False, config=cfg)
+        out.append(Kernel(name, bwd, (tok, kv_p, idx, tok, lse_r, lse_r, tok, interm_s),
+                          hbm_traffic(plan, dt, "bwd", blocks), donate=(6, 7)))
+        if plan.n_kg:
+            e = blocks[1] * plan.bt * plan.n_kg * plan.bk
+            s_pad, r_pad = csr_sizes(e, p.kv[1], cfg)
+            for kname, (n_in, n_out) in (("dkv_seg", (e, s_pad)), ("dkv_row", (s_pad, r_pad))):
                 if j:
                     kname += "_chunk"
 
@@ -149,28 +161,46 @@ def kernels(p: Problem) -> list[Kernel]:
                 out.append(Kernel(kname, red, (_sds((p.q[0], n_in, plan.d), jnp.float32), ints,
                                                ints, _sds((p.q[0], n_out + 1), jnp.int32)),
                                   (n_in + n_out) * plan.d * 4 * p.q[0]))
+    if whole:
+        lse = _sds(p.q[:3], jnp.float32)
+
+        def bwd_all(q, kv, idx, sink, o, lse, do, dlse):
+            return backward(q, kv, idx, sink, o, lse, do, dlse, scale=scale, interpret=False,
+                            config=cfg)
+        total = 0
+        for blocks in launch_blocks(plan, cfg):
+            total += hbm_traffic(plan, dt, "bwd", blocks)
+            if plan.n_kg:
+                e = blocks[1] * plan.bt * plan.n_kg * plan.bk
+                s_pad, r_pad = csr_sizes(e, p.kv[1], cfg)
+                total += (e + 2 * s_pad + r_pad) * plan.d * 4 * p.q[0]
+        out.append(Kernel("bwd_all", bwd_all, (q, kv, idx, sink, q, lse, q, lse), total,
+                          donate=(6,)))
     return out
 
 
-def hbm_traffic(plan, dtype, kernel) -> int:
-    """HBM bytes the forward ("fwd") or backward ("bwd") kernel of one launch reads + writes
-    for B = 1, counted from the launch geometry: kv tiles as streamed (window / pool tiles per
-    program; gathered slots as if all were non-empty, an upper bound) plus the pipelined
-    blocks (q / o / dO / dq, lse / dlse / delta, idx and valid masks, the dkv intermediates)."""
+def hbm_traffic(plan, dtype, kernel, blocks=None) -> int:
+    """HBM bytes the forward ("fwd") or backward ("bwd") kernel of one launch (token blocks
+    `blocks` = (first, count), default all) reads + writes for B = 1, counted from the launch
+    geometry: kv tiles as streamed (window / pool tiles per program; gathered slots as if all
+    were non-empty, an upper bound) plus the pipelined blocks (q / o / dO / dq, lse / dlse /
+    delta, idx and valid masks, the dkv intermediates)."""
     s = jnp.dtype(dtype).itemsize
     d, bk, h = plan.d, plan.bk, plan.h
+    b0, nblk = blocks or (0, plan.nb)
     tiles = 0
-    for i in range(plan.nb):
+    for i in range(b0, b0 + nblk):
         n_win, n_pool = struct_tiles(plan, i)
         tiles += n_win + n_pool
-    gathered = plan.t_pad * plan.n_kg * bk
+    tokens = nblk * plan.bt
+    gathered = tokens * plan.n_kg * bk
     kv = (tiles * bk + gathered) * d * s
-    idx = plan.t_pad * plan.n_kg * bk * 4 * 2          # idx blocks (SMEM) + valid masks
-    rows = plan.t_pad * h
+    idx = gathered * 4 * 2                             # idx blocks (SMEM) + valid masks
+    rows = tokens * h
     if kernel == "fwd":
         return kv + idx + rows * (2 * d * s + 4)       # q in, o out, lse out
     interm = (tiles * bk + gathered) * d * 4           # per-tile / per-slot dkv parts, f32
-    return kv + idx + rows * (3 * d * s + d * 4 + 3 * 4) + interm   # q, o, dO; dq; lse, dlse, delta
+    return kv + idx + rows * (4 * d * s + 3 * 4) + interm   # q, o, dO in, dq out; lse, dlse, delta
 
 
 # ----------------------------------------------------------------------------- compiling
@@ -212,11 +242,13 @@ def _limit_on(config, dev):
         return vmem_limit(config, interpret=False)
 
 
-def _compile(fn, args, dev):
+def _compile(fn, args, dev, donate=()):
     sh = jax.sharding.SingleDeviceSharding(dev)
-    placed = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh) for a in args]
+    placed = [None if a is None else jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh)
+              for a in args]
+    donate = tuple(j for j in donate if placed[j] is not None)
     with jax.default_device(dev):
-        return jax.jit(fn).trace(*placed).lower().compile()
+        return jax.jit(fn, donate_argnums=donate).trace(*placed).lower().compile()
 
 
 def _first_line(msg: str) -> str:
@@ -227,16 +259,19 @@ def _first_line(msg: str) -> str:
     return str(msg)[:300]
 
 
-def compile_kernels(p: Problem, gen: str) -> list[dict]:
-    """Compile every kernel of p for generation gen; one result row per kernel."""
+def compile_kernels(p: Problem, gen: str, only=None, whole=False) -> list[dict]:
+    """Compile every kernel of p (those named in `only`, if given; `whole`: see kernels) for
+    generation gen; one result row per kernel."""
     dev = target_device(gen)
     rows = []
-    for k in kernels(p):
+    for k in kernels(p, whole):
+        if only is not None and k.name not in only:
+            continue
         row = dict(problem=p.name, generation=gen, kernel=k.name, hbm_bytes=k.hbm_bytes,
                    vmem_limit=_limit_on(p.config, dev), ok=False)
         t0 = time.perf_counter()
         try:
-            c = _compile(k.fn, k.args, dev)
+            c = _compile(k.fn, k.args, dev, k.donate)
         except Exception as e:            # the compiler's error is the result
             row.update(compile_s=time.perf_counter() - t0, error=_first_line(e),
                        scoped_vmem=scoped_vmem_from_error(str(e)))
@@ -245,7 +280,12 @@ def compile_kernels(p: Problem, gen: str) -> list[dict]:
         ma = c.memory_analysis()
         row.update(ok=True, compile_s=time.perf_counter() - t0,
                    code_bytes=ma.generated_code_size_in_bytes,
-                   temp_bytes=ma.temp_size_in_bytes, scoped_vmem=scoped_vmem_of(c))
+                   temp_bytes=ma.temp_size_in_bytes, arg_bytes=ma.argument_size_in_bytes,
+                   out_bytes=ma.output_size_in_bytes, alias_bytes=ma.alias_size_in_bytes,
+                   scoped_vmem=scoped_vmem_of(c))
+        # the program's HBM footprint: arguments + outputs (less the in-place ones) + temps
+        row["hbm_peak"] = (row["arg_bytes"] + row["out_bytes"] - row["alias_bytes"]
+                           + row["temp_bytes"])
         rows.append(row)
     return rows
 
@@ -255,21 +295,24 @@ def _mib(x):
 
 
 def table(rows) -> str:
-    """Markdown table of compile_kernels rows."""
+    """Markdown table of compile_kernels rows (HBM peak: the program's arguments + outputs, less
+    what is overwritten in place, + temporaries, from memory_analysis)."""
     out = ["| problem | gen | kernel | compiles | s | code KiB | scoped VMEM MiB | limit MiB "
-           "| HBM MiB |", "|---|---|---|---|---|---|---|---|---|"]
+           "| HBM peak MiB | HBM traffic MiB |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ok = "yes" if r["ok"] else f"**no**: {r['error']}"
         code = f"{r['code_bytes'] / 1024:.0f}" if r.get("code_bytes") else "-"
         out.append(f"| {r['problem']} | {r['generation']} | {r['kernel']} | {ok} "
                    f"| {r['compile_s']:.1f} | {code} | {_mib(r.get('scoped_vmem'))} "
-                   f"| {_mib(r['vmem_limit'])} | {_mib(r['hbm_bytes'])} |")
+                   f"| {_mib(r['vmem_limit'])} | {_mib(r.get('hbm_peak'))} "
+                   f"| {_mib(r['hbm_bytes'])} |")
     return "\n".join(out)
 
 
 def pivot(rows) -> str:
-    """Markdown table, one row per (problem, kernel), one column per generation: the scoped VMEM
-    (MiB) of a kernel that compiled, **no** and the VMEM it asked for (or the error) if not."""
+    """Markdown table, one row per (problem, kernel), one column per generation: for a kernel
+    that compiled, scoped VMEM MiB / code KiB / HBM peak GiB / HBM traffic GiB; **no** and the
+    VMEM it asked for (or the error) if not."""
     gens = sorted({r["generation"] for r in rows}, key=list(GENERATIONS).index)
     cells, order = {}, []
     for r in rows:
@@ -278,7 +321,10 @@ def pivot(rows) -> str:
             order.append(key)
             cells[key] = {}
         if r["ok"]:
-            cells[key][r["generation"]] = _mib(r.get("scoped_vmem"))
+            cells[key][r["generation"]] = (
+                f"{_mib(r.get('scoped_vmem'))} / {r['code_bytes'] / 1024:.0f} / "
+                f"{r['hbm_peak'] / 2**30:.2f} / {r['hbm_bytes'] / 2**30:.2f}"
+                if "hbm_peak" in r else _mib(r.get("scoped_vmem")))
         elif r.get("scoped_vmem"):
             cells[key][r["generation"]] = f"**no** ({_mib(r['scoped_vmem'])})"
         else:
@@ -331,6 +377,10 @@ def main(argv=None):
                     help="struct (the layer's own layout) and / or generic")
     ap.add_argument("--vmem-limit", type=int, default=None,
                     help="compile under this scoped VMEM limit (bytes) instead of the default")
+    ap.add_argument("--kernels", default=None,
+                    help="compile only these kernels (fwd,bwd,bwd_chunk,dkv_seg,...,bwd_all)")
+    ap.add_argument("--whole", action="store_true",
+                    help="also compile the whole backward op (kernel bwd_all)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--from-json", nargs="+", default=None,
                     help="print the tables of earlier --json results instead of compiling")
@@ -341,6 +391,7 @@ def main(argv=None):
         return 0
     if not libtpu_available():
         sys.exit("aot: libtpu is not installed (pip install -e '.[tpu-aot]')")
+    only = None if a.kernels is None else set(a.kernels.split(","))
     rows = []
     for gen in a.gens.split(","):
         for fam in a.families.split(","):
@@ -352,7 +403,7 @@ def main(argv=None):
                                 vmem_limit_bytes=a.vmem_limit)
                             p = layer_problem(fam, ratio, seq, dt, layout=lay,
                                               generation=gen, **over)
-                            rs = compile_kernels(p, gen)
+                            rs = compile_kernels(p, gen, only, a.whole)
                             rows += rs
                             print(table(rs).split("\n", 2)[2], flush=True)
     print(table(rows))

@@ -1,7 +1,6 @@
 """The TPU backward kernel (dq and per-tile dkv contributions), its launches, and backward()."""
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -15,52 +14,65 @@ from csa_jax import layouts
 from csa_jax.kernels.tpu.config import PLATFORMS, compiler_params, layout_broken
 from csa_jax.kernels.tpu.dkv import _dkv_csr, _dkv_struct
 from csa_jax.kernels.tpu.plan import (_dot_nn, _dot_nt, _dot_tn, _flat_tokens, _gather_inputs,
-                                      _gathered_idx, _make_plan, kv_operand, ring_scratch)
+                                      _gathered_idx, _make_plan, col_to_rows, kv_operand,
+                                      ring_scratch, rows_to_col, token_blocks_spec, token_rows)
 from csa_jax.kernels.tpu.ring import _program_stream, _stream, _tile_mask, _when
 
 
 def _bwd_kernel(
+        # scalar prefetch
+        b0_ref,      # [1] int32 (SMEM): the launch's first token block
         # inputs
-        idx_blk,     # [1, bt * Kg] int32 (SMEM): the block's gathered slots of this launch
+        idx_blk,     # [1, bt * Kg] int32 (SMEM): the block's gathered slots
         q_ref,       # [bt*H, D]
-        do_ref,      # [bt*H, D]
         o_ref,       # [bt*H, D]
-        lse_ref,     # [bt*H, 1] f32
-        dlse_ref,    # [bt*H, 1] f32
+        lse_ref,     # [bt, H] f32 (token_rows layout)
+        dlse_ref,    # [bt, H] f32
         valid_ref,   # [bt * n_kg, 1, bk] int32
         kv_hbm,      # [B, Np, D] or [B, Np, 1, D] (rows ring) in HBM: kv_operand
-        # outputs
-        dq_ref,      # [bt*H, D] f32: this launch's part of dq
-        delta_ref,   # [bt*H, 1] f32: o . dO (fused here, reused for dsink)
-        *rest,       # interm_s [B, nb * n_struct, bk, D] f32 HBM (structured layouts): the
-                     #   block's contribution to each row of its window union / pool tiles;
-                     # interm_g [B, Tp * n_kg, bk, D] f32 HBM (if gathering): per slot;
-                     # scratch: ring (ring_scratch), DMA sems [depth],
-                     #   stage [2, bk, D] f32 + DMA sems [2]: the write-back ring
+        do_ref,      # [bt*H, D]: dO, whose HBM buffer the dq output below overwrites
+        *rest,       # interm_s in (HBM, aliased to interm_s out; structured layouts);
+                     # outputs: dq [bt*H, D] (dO's dtype), delta [bt, H] f32 (o . dO, reused
+                     #   for dsink), interm_s [B, nb * n_struct, bk, D] f32 HBM (structured
+                     #   layouts): each block's contribution to each row of its window union /
+                     #   pool tiles; interm_g [B, launch tokens * n_kg, bk, D] f32 HBM (if
+                     #   gathering): per slot;
+                     # scratch: ring (ring_scratch), DMA sems [depth], stage [2, bk, D] f32 +
+                     #   DMA sems [2] (the write-back ring), lse / dlse / delta columns
+                     #   [bt*H, 1] f32, dq accumulator [bt*H, D] f32 (if dq is not f32)
         plan, scale, k_g, explicit_transpose):
     rest = list(rest)
+    if plan.n_struct:
+        rest.pop(0)                       # interm_s in: the same HBM buffer as interm_s out
+    dq_ref, delta_out = rest.pop(0), rest.pop(0)
     interm_s = rest.pop(0) if plan.n_struct else None
     interm_g = rest.pop(0) if plan.n_kg else None
-    ring_ref, sems, stage, out_sems = rest
-    b, i = pl.program_id(0), pl.program_id(1)
+    ring_ref, sems, stage, out_sems, lse_c, dlse_c, delta_c = rest[:7]
+    dq_acc = rest[7] if len(rest) > 7 else dq_ref
+    b, il = pl.program_id(0), pl.program_id(1)
+    i = b0_ref[0] + il                    # the block of the sequence (il: of this launch)
     h, n_kg = plan.h, plan.n_kg
     prec = bm.precision(q_ref.dtype)
     ring, n_win, n_pool, w0, n_steps = _program_stream(plan, b, i, kv_hbm.at[b], ring_ref,
                                                        sems, idx_blk, k_g)
     n_struct = n_win + n_pool
 
-    delta_ref[...] = jnp.sum(o_ref[...].astype(jnp.float32) * do_ref[...].astype(jnp.float32),
-                             axis=-1, keepdims=True)
-    dq_ref[...] = jnp.zeros(dq_ref.shape, jnp.float32)
+    rows_to_col(lse_ref[...], lse_c, h)
+    rows_to_col(dlse_ref[...], dlse_c, h)
+    delta = jnp.sum(o_ref[...].astype(jnp.float32) * do_ref[...].astype(jnp.float32), axis=-1,
+                    keepdims=True)
+    delta_c[...] = delta
+    col_to_rows(delta, delta_out, h)
+    dq_acc[...] = jnp.zeros(dq_acc.shape, jnp.float32)
 
     def grads(rows, v, valid):
         """dq rows += scale * ds @ v; returns the tile rows' dkv part scale*ds^T q + p^T dO."""
         q, do = q_ref[rows], do_ref[rows]
         s = scale * _dot_nt(q, v, prec)
-        p = bm.recompute_p(s, lse_ref[rows], valid)
+        p = bm.recompute_p(s, lse_c[rows], valid)
         dp = _dot_nt(do, v, prec)
-        ds = bm.softmax_grad(p, dp, delta_ref[rows], dlse_ref[rows])
-        dq_ref[rows] += scale * _dot_nn(ds.astype(v.dtype), v, prec)
+        ds = bm.softmax_grad(p, dp, delta_c[rows], dlse_c[rows])
+        dq_acc[rows] += scale * _dot_nn(ds.astype(v.dtype), v, prec)
         # Both transposed products contract the (token, head) axis of ds / p: transposed-
         # operand dots, so no [bk, H] transpose is materialised.
         return (scale * _dot_tn(ds.astype(q.dtype), q, prec, explicit_transpose)
@@ -74,7 +86,7 @@ def _bwd_kernel(
             j = jnp.where(step < n_win, step, plan.n_w + step - n_win) if plan.n_pm else step
             dst_s = interm_s.at[b, i * plan.n_struct + j]
         if n_kg:
-            dst_g = interm_g.at[b, i * plan.bt * n_kg + step - n_struct]
+            dst_g = interm_g.at[b, il * plan.bt * n_kg + step - n_struct]
         if not plan.n_struct:
             return dst_g
         if not n_kg:
@@ -122,76 +134,86 @@ def _bwd_kernel(
         return c
 
     lax.fori_loop(jnp.maximum(n_steps - 2, 0), n_steps, drain, 0)
+    if dq_acc is not dq_ref:
+        dq_ref[...] = dq_acc[...].astype(dq_ref.dtype)
 
 
 def _first(x):
     return x[0] if isinstance(x, tuple) else x
 
 
-def _bwd_launch(q2, kv_p, idx, o2, lse2, do2, dlse2, plan, *, scale, interpret, config):
-    """One backward launch. Returns (dq f32 [B,Tp*H,D], delta [B,Tp*H,1],
-    interm_s [B, nb, n_struct*bk, D] or None, interm_g [B, Tp*Kg, D] or None, idx_g or None).
-    interm_s rows of tiles a block did not stream are NOT written (uninitialised): _dkv_struct
-    reads only rows a block streamed."""
+def _bwd_launch(q2, kv_p, idx, o2, lse_r, dlse_r, do2, interm_s, plan, blocks, *, scale,
+                interpret, config):
+    """One backward launch over token blocks `blocks` = (first, count) of the sequence: every
+    tile (structured and gathered) of those tokens. dq is written over dO's buffer (do2
+    [B, Tp*H, D]: only this launch's blocks change, each after its program read its dO);
+    interm_s (structured layouts) is updated in place the same way (this launch's blocks).
+    Returns (dq-or-dO [B, Tp*H, D] (dO's dtype), delta [B, count, bt, H] f32,
+    interm_s [B, nb * n_struct, bk, D] or None, interm_g [B, count*bt*Kg, D] or None,
+    idx_g [B, count*bt, Kg] or None)."""
     bsz = q2.shape[0]
     h, d, bt, bk = plan.h, plan.d, plan.bt, plan.bk
-    (idx_b, idx_spec), (valid, valid_spec), k_g = _gather_inputs(idx, plan)
+    b0, nblk = blocks
+    (idx_b, idx_spec), (valid, valid_spec), k_g = _gather_inputs(idx, plan, blocks)
     kernel = functools.partial(_bwd_kernel, plan=plan, scale=scale, k_g=k_g,
                                explicit_transpose=config.explicit_transpose)
-    tok = pl.BlockSpec((None, bt * h, d), lambda b, i, *_: (b, i, 0))
-    col = pl.BlockSpec((None, bt * h, 1), lambda b, i, *_: (b, i, 0))
+    tok, rows = token_blocks_spec(plan, (d,), True), token_blocks_spec(plan, offset=True)
     hbm = pl.BlockSpec(memory_space=pltpu.HBM)
-    out_specs = [tok, col]
-    out_shape = [jax.ShapeDtypeStruct((bsz, plan.t_pad * h, d), jnp.float32),
-                 jax.ShapeDtypeStruct((bsz, plan.t_pad * h, 1), jnp.float32)]
+    in_specs = [idx_spec, tok, tok, rows, rows, valid_spec, hbm, tok]
+    args = [idx_b, q2, o2, lse_r, dlse_r, valid, kv_p, do2]
+    aliases = {len(args): 0}           # dO -> dq (operand numbers count b0 first)
+    out_specs = [tok, pl.BlockSpec((None, None, bt, h), lambda b, i, *_: (b, i, 0, 0))]
+    out_shape = [jax.ShapeDtypeStruct(do2.shape, do2.dtype),
+                 jax.ShapeDtypeStruct((bsz, nblk, bt, h), jnp.float32)]
     if plan.n_struct:
+        in_specs.append(hbm)
+        args.append(interm_s)
+        aliases[len(args)] = 2
         out_specs.append(hbm)
-        out_shape.append(jax.ShapeDtypeStruct((bsz, plan.nb * plan.n_struct, bk, d),
-                                              jnp.float32))
+        out_shape.append(jax.ShapeDtypeStruct(interm_s.shape, jnp.float32))
     if plan.n_kg:
         out_specs.append(hbm)
-        out_shape.append(jax.ShapeDtypeStruct((bsz, plan.t_pad * plan.n_kg, bk, d),
+        out_shape.append(jax.ShapeDtypeStruct((bsz, nblk * bt * plan.n_kg, bk, d),
                                               jnp.float32))
+    col = pltpu.VMEM((bt * h, 1), jnp.float32)
+    scratch = ring_scratch(plan, kv_p.dtype) + [
+        pltpu.VMEM((2, bk, d), jnp.float32), pltpu.SemaphoreType.DMA((2,)), col, col, col]
+    if do2.dtype != jnp.float32:
+        scratch.append(pltpu.VMEM((bt * h, d), jnp.float32))
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=0,
-        grid=(bsz, plan.nb),
-        in_specs=[idx_spec, tok, tok, tok, col, col, valid_spec, hbm],
-        out_specs=out_specs,
-        scratch_shapes=ring_scratch(plan, kv_p.dtype) + [
-                        pltpu.VMEM((2, bk, d), jnp.float32),
-                        pltpu.SemaphoreType.DMA((2,))],
-    )
+        num_scalar_prefetch=1, grid=(bsz, nblk), in_specs=in_specs, out_specs=out_specs,
+        scratch_shapes=scratch)
     outs = list(pl.pallas_call(
         kernel,
         grid_spec=grid_spec,
         out_shape=out_shape,
+        input_output_aliases=aliases,
         compiler_params=compiler_params(config, interpret),
         interpret=bm.resolve_interpret(interpret, PLATFORMS),
         name="csa_bwd_tpu",
-    )(idx_b, q2, do2, o2, lse2, dlse2, valid, kv_p))
+    )(jnp.full((1,), b0, jnp.int32), *args))
     dq, delta = outs[0], outs[1]
-    interm_s = interm_g = idx_g = None
-    if plan.n_struct:
-        interm_s = outs[2].reshape(bsz, plan.nb, plan.n_struct * bk, d)
+    interm_s = outs[2] if plan.n_struct else None
+    interm_g = idx_g = None
     if plan.n_kg:
-        interm_g = outs[-1].reshape(bsz, plan.t_pad * k_g, d)
-        idx_g = _gathered_idx(idx, plan, k_g)
+        interm_g = outs[-1].reshape(bsz, nblk * bt * k_g, d)
+        idx_g = _gathered_idx(idx, plan, k_g)[:, b0 * bt:(b0 + nblk) * bt]
     return dq, delta, interm_s, interm_g, idx_g
 
 
-def launch_plans(plan, config):
-    """The backward's launches: launch 0 streams the structured tiles and the first
-    config.slot_chunk gathered slots of each token; later launches only further chunks."""
-    k_g_all = plan.n_kg * plan.bk
-    chunk = config.slot_chunk or max(k_g_all, plan.bk)
-    launches = []
-    for c0 in range(0, max(k_g_all, 1), chunk):
-        n_g = min(chunk, k_g_all - c0)
-        lp = dataclasses.replace(plan, n_kg=bm.num_tiles(n_g, plan.bk), g_off=plan.g_off + c0)
-        if c0:
-            lp = dataclasses.replace(lp, n_w=0, n_pm=0)
-        launches.append(lp)
-    return launches
+def launch_blocks(plan, config):
+    """The backward's launches as (first block, blocks): config.token_chunk tokens each (all
+    T in one launch when None); each streams every tile of its own tokens."""
+    per = (config.token_chunk or plan.t_pad) // plan.bt
+    return [(b0, min(per, plan.nb - b0)) for b0 in range(0, plan.nb, max(per, 1))]
+
+
+def interm_s_init(bsz, plan):
+    """The structured-tile intermediate the launches fill in place (None without window /
+    pool tiles); zeros, so rows no block streams hold 0 (never read: see _dkv_struct)."""
+    if not plan.n_struct:
+        return None
+    return jnp.zeros((bsz, plan.nb * plan.n_struct, plan.bk, plan.d), jnp.float32)
 
 
 def backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, interpret, config):
@@ -213,28 +235,29 @@ def _backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, interpret, config):
     bsz, t, h, d = q.shape
     n = kv.shape[1]
     plan = _make_plan(q.shape, n, idx.shape[-1], config, kv.dtype)
-    q2, do2, o2 = (_flat_tokens(x, plan) for x in (q, do, o))
-    lse2 = _flat_tokens(lse[..., None].astype(jnp.float32), plan)
-    dlse2 = _flat_tokens(dlse[..., None].astype(jnp.float32), plan)
+    q2, o2, dq = (_flat_tokens(x, plan) for x in (q, o, do))   # dq: dO until overwritten
+    lse_r, dlse_r = token_rows(lse, plan), token_rows(dlse, plan)
     kv_p = kv_operand(kv, plan)
-    # Partial results of the launches are added in launch order (deterministic).
-    dq = dkv = delta = None
-    for lp in launch_plans(plan, config):
-        dq_c, delta, interm_s, interm_g, idx_g = _bwd_launch(
-            q2, kv_p, idx, o2, lse2, do2, dlse2, lp, scale=scale, interpret=interpret,
-            config=config)
-        dkv_c = None
-        if interm_s is not None:
-            dkv_c = _dkv_struct(interm_s, lp)
+    interm_s = interm_s_init(bsz, plan)
+    # Partial dkv of the launches are added in launch order (deterministic).
+    dkv, deltas = None, []
+    for blocks in launch_blocks(plan, config):
+        dq, delta, interm_s, interm_g, idx_g = _bwd_launch(
+            q2, kv_p, idx, o2, lse_r, dlse_r, dq, interm_s, plan, blocks, scale=scale,
+            interpret=interpret, config=config)
+        deltas.append(delta)
         if interm_g is not None:
             dkv_g = _dkv_csr(interm_g, idx_g, n, interpret=interpret, config=config)
-            dkv_c = dkv_g if dkv_c is None else dkv_c + dkv_g
-        dq = dq_c if dq is None else dq + dq_c
-        if dkv_c is not None:
-            dkv = dkv_c if dkv is None else dkv + dkv_c
+            dkv = dkv_g if dkv is None else dkv + dkv_g
+            # The next launch starts after this one's dkv is summed: one launch's per-slot
+            # intermediate (and one dkv partial) is live at a time, not all of them.
+            dq, interm_s, dkv = lax.optimization_barrier((dq, interm_s, dkv))
+    if interm_s is not None:
+        dkv_s = _dkv_struct(interm_s.reshape(bsz, plan.nb, plan.n_struct * plan.bk, d), plan)
+        dkv = dkv_s if dkv is None else dkv_s + dkv
     if dkv is None:
         dkv = jnp.zeros(kv.shape, jnp.float32)
-    delta = delta.reshape(bsz, plan.t_pad, h)[:, :t]
+    delta = jnp.concatenate(deltas, axis=1).reshape(bsz, plan.t_pad, h)[:, :t]
     dsink = jnp.sum(jnp.exp(sink[None, None, :] - lse) * (dlse - delta), axis=(0, 1))
     dq = dq.reshape(bsz, plan.t_pad, h, d)[:, :t]
     return dq.astype(q.dtype), dkv.astype(kv.dtype), dsink.astype(jnp.float32)

@@ -30,8 +30,9 @@ class Config:
     block_r      kv rows (or row segments) per program of the CSR gather-reduce forming dkv.
     fanin_split  slots per segment of that reduce: a row used by more slots is summed in
                  segments by several programs, then the segments are added (fixed order).
-    slot_chunk   gathered slots per backward launch (None = all): bounds the per-slot f32
-                 intermediate [T, slot_chunk, D]; a multiple of block_k.
+    token_chunk  tokens per backward launch (None = all T): bounds the per-slot f32
+                 intermediate of the gathered slots, [token_chunk, K_g, D] per launch; a
+                 multiple of block_t. Each launch streams every tile of its own tokens only.
     explicit_transpose  write ds^T q and p^T dO as x.T @ y instead of transposed-operand dots
                  (exists only to measure the difference on hardware).
     layout       what the caller promises about idx (csa_spec.md section 4):
@@ -52,7 +53,7 @@ class Config:
     block_k: int = 128
     depth: int = 2
     block_r: int = 64
-    slot_chunk: int | None = None
+    token_chunk: int | None = None
     explicit_transpose: bool = False
     layout: str = "generic"
     window: int = 128
@@ -71,11 +72,11 @@ class Config:
             raise ValueError(f"Config.block_r={self.block_r} must be a multiple of 8")
         if self.depth not in (2, 3, 4):
             raise ValueError(f"Config.depth={self.depth!r} must be 2, 3 or 4")
-        if self.slot_chunk is not None and (
-                isinstance(self.slot_chunk, bool) or not isinstance(self.slot_chunk, int)
-                or self.slot_chunk < 1 or self.slot_chunk % self.block_k):
-            raise ValueError(f"Config.slot_chunk={self.slot_chunk!r} must be None or a positive "
-                             f"multiple of block_k={self.block_k}")
+        c = self.token_chunk
+        if c is not None and (isinstance(c, bool) or not isinstance(c, int) or c < 1
+                              or c % self.block_t):
+            raise ValueError(f"Config.token_chunk={c!r} must be None or a positive multiple "
+                             f"of block_t={self.block_t}")
         if self.layout not in LAYOUTS:
             raise ValueError(f"Config.layout={self.layout!r} must be one of {LAYOUTS}")
         if self.pool_ratio < 2:
@@ -141,9 +142,10 @@ def default_config(q_shape, kv_shape, idx_shape, dtype, *, layout="generic", win
     (256 // H rounded down to 8, at least 8; T itself when T is smaller), because a larger block
     shares one window union among more tokens (DMAs per token ~ (block_t + window) / block_t /
     block_k). depth 3 when a program streams at least 4 tiles (two loads in flight), else 2.
-    block_r = 64, fanin_split = 512. slot_chunk = None (whole K) unless the f32 per-slot
-    intermediate T*K*D*4 of one sequence would exceed 1 GiB, then the largest multiple of
-    block_k that fits.
+    block_r = 64, fanin_split = 512. token_chunk = None (all T in one backward launch) unless
+    the f32 per-slot intermediate T*K_g*D*4 of one sequence (K_g: the gathered slots, K for
+    generic, K - window for cr4, none for cr0 / cr128) would exceed 1 GiB, then the largest
+    multiple of block_t that fits (at least block_t).
     On a TPU generation (`generation`, default: the one being compiled for; none on a CPU)
     block_t is then halved until the backward's scoped VMEM, about block_t*H*D*36 bytes (bf16)
     or *80 (f32), is at most 80% of the generation's limit (generation_vmem; the table per
@@ -169,10 +171,11 @@ def default_config(q_shape, kv_shape, idx_shape, dtype, *, layout="generic", win
     else:
         n_steps = bm.num_tiles(block_t + window - 1, block_k) + bm.num_tiles(k - window, block_k)
     depth = 3 if n_steps >= 4 else 2
-    slot_chunk = None
-    if t * k * d * 4 > (1 << 30):
-        slot_chunk = max(block_k, ((1 << 30) // (t * d * 4)) // block_k * block_k)
-    return Config(block_t=block_t, block_k=block_k, depth=depth, slot_chunk=slot_chunk,
+    k_g = {"generic": k, "cr4": k - window}.get(layout, 0)
+    token_chunk = None
+    if t * k_g * d * 4 > (1 << 30):
+        token_chunk = max(block_t, ((1 << 30) // (k_g * d * 4)) // block_t * block_t)
+    return Config(block_t=block_t, block_k=block_k, depth=depth, token_chunk=token_chunk,
                   layout=layout, window=window, pool_ratio=pool_ratio)
 
 

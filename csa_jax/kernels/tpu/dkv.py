@@ -33,7 +33,7 @@ def _dkv_kernel(
         # outputs
         dkv_ref,     # [block_r, D] f32
         # scratch
-        ring_ref, sems, perm_win, key_win, win_sems,   # windows [depth, W] int32 (SMEM)
+        ring_ref, sems, perm_win, key_win, win_sems,   # windows [depth+1, W] int32 (SMEM)
         *, entries_pad, num_rows):
     b, j = pl.program_id(0), pl.program_id(1)
     block_r = dkv_ref.shape[0]
@@ -48,21 +48,39 @@ def _dkv_kernel(
         w0 = e0 // 128 * 128
         return w0, e0 - w0
 
-    def fetch_index(g, slot):
-        # The step's perm / key entries into SMEM window `slot` (free: the ring slot's previous
-        # step was consumed), waited here, before its row DMAs are issued from perm.
+    n_steps = bm.num_tiles(end - start, rows)
+    n_win = perm_win.shape[0]                        # depth + 1 index windows
+
+    def index_copies(g):
+        """Step g's perm / key entries -> SMEM window g % n_win (two DMAs)."""
         w0, _ = window(g)
         src = pl.ds(pl.multiple_of(b * entries_pad + w0, 128), perm_win.shape[1])
-        copies = [pltpu.make_async_copy(h.at[src], w.at[slot], win_sems.at[k])
-                  for k, (h, w) in enumerate(((perm_hbm, perm_win), (key_hbm, key_win)))]
-        for c in copies:
-            c.start()
-        for c in copies:
+        return [pltpu.make_async_copy(h.at[src], w.at[g % n_win], win_sems.at[k])
+                for k, (h, w) in enumerate(((perm_hbm, perm_win), (key_hbm, key_win)))]
+
+    def fetch_index(g, slot):
+        # Runs when step g is issued, before its row DMAs (which read perm from the window):
+        # wait for step g's window (started when step g-1 was issued; step 0 starts its own),
+        # then start step g+1's, so the index fetch overlaps a whole step. Window g+1 reuses
+        # the window of step g+1-n_win = g-depth, already consumed: issue(g) runs in stream
+        # iteration g-depth+1, after step g-depth's consume.
+        del slot
+
+        @pl.when(g == 0)
+        def _():
+            for c in index_copies(g):
+                c.start()
+        for c in index_copies(g):
             c.wait()
+
+        @pl.when(g + 1 < n_steps)
+        def _():
+            for c in index_copies(g + 1):
+                c.start()
 
     def gather_row(g, r, slot):
         _, off = window(g)
-        return jnp.where(start + g * rows + r < end, perm_win[slot, off + r], -1)
+        return jnp.where(start + g * rows + r < end, perm_win[g % n_win, off + r], -1)
 
     dkv_ref[...] = jnp.zeros(dkv_ref.shape, jnp.float32)
 
@@ -74,7 +92,7 @@ def _dkv_kernel(
         def body(r, c):
             @pl.when(start + step * rows + r < end)
             def _():
-                row = key_win[slot, off + r] - r0
+                row = key_win[step % n_win, off + r] - r0
                 dkv_ref[pl.ds(row, 1), :] += ring_ref[slot, pl.ds(r, 1), :]
             return c
 
@@ -82,7 +100,7 @@ def _dkv_kernel(
 
     ring = _Ring(interm_hbm.at[b], ring_ref, sems, gather=True, gather_row=gather_row,
                  on_gather=fetch_index)
-    _stream(ring, bm.num_tiles(end - start, rows), consume)
+    _stream(ring, n_steps, consume)
 
 
 def _csr_reduce(values, perm, key, offs, *, interpret, config):
@@ -108,8 +126,8 @@ def _csr_reduce(values, perm, key, offs, *, interpret, config):
         out_specs=pl.BlockSpec((None, br, d), lambda b, j, *_: (b, j, 0)),
         scratch_shapes=[pltpu.VMEM((config.depth, bk, d), jnp.float32),
                         pltpu.SemaphoreType.DMA((config.depth,)),
-                        pltpu.SMEM((config.depth, win), jnp.int32),
-                        pltpu.SMEM((config.depth, win), jnp.int32),
+                        pltpu.SMEM((config.depth + 1, win), jnp.int32),
+                        pltpu.SMEM((config.depth + 1, win), jnp.int32),
                         pltpu.SemaphoreType.DMA((2,))],
     )
     return pl.pallas_call(

@@ -13,7 +13,8 @@ from csa_jax import layouts
 from csa_jax.kernels.tpu.config import (PLATFORMS, _maybe_check_layout, compiler_params,
                                         layout_broken)
 from csa_jax.kernels.tpu.plan import (_dot_nn, _dot_nt, _flat_tokens, _gather_inputs,
-                                      _make_plan, kv_operand, ring_scratch)
+                                      _make_plan, col_to_rows, kv_operand, ring_scratch,
+                                      token_blocks_spec)
 from csa_jax.kernels.tpu.ring import _program_stream, _stream, _tile_mask, _when
 
 
@@ -26,7 +27,7 @@ def _fwd_kernel(
         kv_hbm,      # [B, Np, D] or [B, Np, 1, D] (rows ring) in HBM: kv_operand
         # outputs
         o_ref,       # [bt*H, D]
-        lse_ref,     # [bt*H, 1] f32
+        lse_ref,     # [bt, H] f32 (token_rows layout)
         *rest,       # (dma count [1] int32 SMEM, if counted) + scratch:
                      # ring (ring_scratch), DMA sems [depth], m, l [bt*H, 1] f32, acc [bt*H, D]
         plan, scale, k_g, broken, count):
@@ -76,7 +77,7 @@ def _fwd_kernel(
     _stream(ring, n_steps, consume, broken_wait_after_read=broken)
     o, lse = bm.finalize(m_ref[...], l_ref[...], acc_ref[...], sink_ref[...])
     o_ref[...] = o.astype(o_ref.dtype)
-    lse_ref[...] = lse
+    col_to_rows(lse, lse_ref, h)
 
 
 def _forward_impl(q, kv, idx, sink, *, scale, interpret, config, broken=False,
@@ -95,15 +96,14 @@ def _forward_impl(q, kv, idx, sink, *, scale, interpret, config, broken=False,
 def _forward_jit(q, kv, idx, sink, *, scale, interpret, config, broken, count_dmas):
     bsz, _, h, d = q.shape
     plan = _make_plan(q.shape, kv.shape[1], idx.shape[-1], config, kv.dtype)
-    bt, bk = plan.bt, plan.bk
+    bt = plan.bt
     (idx_b, idx_spec), (valid, valid_spec), k_g = _gather_inputs(idx, plan)
     kernel = functools.partial(_fwd_kernel, plan=plan, scale=scale, k_g=k_g, broken=broken,
                                count=count_dmas)
-    tok = pl.BlockSpec((None, bt * h, d), lambda b, i, *_: (b, i, 0))
-    col = pl.BlockSpec((None, bt * h, 1), lambda b, i, *_: (b, i, 0))
-    out_specs = [tok, col]
+    tok = token_blocks_spec(plan, tail=(d,))
+    out_specs = [tok, token_blocks_spec(plan)]
     out_shape = [jax.ShapeDtypeStruct((bsz, plan.t_pad * h, d), q.dtype),
-                 jax.ShapeDtypeStruct((bsz, plan.t_pad * h, 1), jnp.float32)]
+                 jax.ShapeDtypeStruct((bsz, plan.nb, bt, h), jnp.float32)]
     if count_dmas:
         out_specs.append(pl.BlockSpec((None, None, 1), lambda b, i, *_: (b, i, 0),
                                       memory_space=pltpu.SMEM))

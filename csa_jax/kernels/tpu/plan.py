@@ -143,11 +143,55 @@ def _valid_tiles(idx_g, block_k):
     return (idx_g >= 0).astype(jnp.int32).reshape(b, t * (k // block_k), 1, block_k)
 
 
+def token_blocks_spec(plan, tail=(), offset=False):
+    """BlockSpec of program (b, i)'s token block of a [B, nb, bt, H] (token_rows) array, or of
+    [B, Tp*H, D] token rows (tail=(D,): block [bt*H, D]): block i, or with `offset` block
+    b0 + i, b0 the first scalar-prefetch operand (a backward launch's first block: a runtime
+    value, so every launch runs the same compiled kernel)."""
+    def blk(i, pre):
+        return pre[0][0] + i if offset else i
+    if tail:
+        return pl.BlockSpec((None, plan.bt * plan.h) + tail,
+                            lambda b, i, *pre: (b, blk(i, pre), 0))
+    return pl.BlockSpec((None, None, plan.bt, plan.h), lambda b, i, *pre: (b, blk(i, pre), 0, 0))
+
+
 def _flat_tokens(x, plan):
     """[B, T, H, ...] -> [B, Tp*H, ...] (pad T; rows of one token are H consecutive rows)."""
     pad = [(0, 0), (0, plan.t_pad - plan.t)] + [(0, 0)] * (x.ndim - 2)
     x = jnp.pad(x, pad)
     return x.reshape((x.shape[0], plan.t_pad * plan.h) + x.shape[3:])
+
+
+def token_rows(x, plan):
+    """[B, T, H] f32 per-(token, head) values (lse, dlse) -> [B, nb, bt, H]: one [bt, H] block
+    per program, lane-dense in HBM (a [T*H, 1] column is padded to 128 lanes there: 1 GiB per
+    column at Pro T = 16384). Kernels turn it into their [bt*H, 1] column with rows_to_col."""
+    x = jnp.pad(x.astype(jnp.float32), ((0, 0), (0, plan.t_pad - plan.t), (0, 0)))
+    return x.reshape(x.shape[0], plan.nb, plan.bt, plan.h)
+
+
+def _eye(h):
+    return (lax.broadcasted_iota(jnp.int32, (h, h), 0)
+            == lax.broadcasted_iota(jnp.int32, (h, h), 1))
+
+
+def rows_to_col(rows, col_ref, h):
+    """rows [bt, H] (a token_rows block) -> col_ref [bt*H, 1] (row t*H + j = rows[t, j]): per
+    token, the diagonal of its row broadcast over H sublanes, by a select and a lane sum of
+    one value and zeros (exact; no lane-to-sublane reshape, which Mosaic does not lower)."""
+    e = _eye(h)
+    for t in range(rows.shape[0]):
+        col_ref[t * h:(t + 1) * h, :] = jnp.sum(jnp.where(e, rows[t:t + 1, :], 0.0), axis=1,
+                                                keepdims=True)
+
+
+def col_to_rows(col, rows_ref, h):
+    """The inverse: col [bt*H, 1] -> rows_ref [bt, H], by a select and a sublane sum."""
+    e = _eye(h)
+    for t in range(rows_ref.shape[0]):
+        rows_ref[t:t + 1, :] = jnp.sum(jnp.where(e, col[t * h:(t + 1) * h, :], 0.0), axis=0,
+                                       keepdims=True)
 
 
 def kv_operand(kv, plan):
@@ -169,22 +213,24 @@ def ring_scratch(plan, dtype):
     return [pltpu.VMEM(shape, dtype), pltpu.SemaphoreType.DMA((plan.depth,))]
 
 
-def _gather_inputs(idx, plan):
+def _gather_inputs(idx, plan, blocks=None):
     """The gathered part of idx as kernel inputs: (idx blocks [B, nb, 1, bt*k_g], their SMEM
     BlockSpec, valid tiles [B, Tp*n_kg, 1, bk] with their BlockSpec, k_g slots per token);
     small dummies when nothing is gathered (cr0 / cr128), so the kernel signature is fixed.
-    Each program gets only its own block's index list in SMEM (a few KiB), not all of idx."""
+    Each program gets only its own block's index list in SMEM (a few KiB), not all of idx.
+    `blocks` = (first, count): only those token blocks (a backward launch), indexed from 0."""
     bsz, bt, bk = idx.shape[0], plan.bt, plan.bk
+    b0, nb = blocks or (0, plan.nb)
     if plan.n_kg == 0:
-        idx_b, valid, k_g, v_rows = (jnp.zeros((bsz, plan.nb, 1, 1), jnp.int32),
-                                     jnp.zeros((bsz, plan.nb, 1, bk), jnp.int32), 0, 1)
+        idx_b, valid, k_g, v_rows = (jnp.zeros((bsz, nb, 1, 1), jnp.int32),
+                                     jnp.zeros((bsz, nb, 1, bk), jnp.int32), 0, 1)
     else:
         k_g = plan.n_kg * bk
-        idx_g = _gathered_idx(idx, plan, k_g)
-        idx_b, valid, v_rows = (idx_g.reshape(bsz, plan.nb, 1, bt * k_g),
+        idx_g = _gathered_idx(idx, plan, k_g)[:, b0 * bt:(b0 + nb) * bt]
+        idx_b, valid, v_rows = (idx_g.reshape(bsz, nb, 1, bt * k_g),
                                 _valid_tiles(idx_g, bk), bt * plan.n_kg)
     # [.., 1, L] so the block's last two dims are the array's (a TPU block-shape rule)
-    idx_spec = pl.BlockSpec((None, None, 1, idx_b.shape[-1]), lambda b, i: (b, i, 0, 0),
+    idx_spec = pl.BlockSpec((None, None, 1, idx_b.shape[-1]), lambda b, i, *_: (b, i, 0, 0),
                             memory_space=pltpu.SMEM)
-    valid_spec = pl.BlockSpec((None, v_rows, 1, bk), lambda b, i: (b, i, 0, 0))
+    valid_spec = pl.BlockSpec((None, v_rows, 1, bk), lambda b, i, *_: (b, i, 0, 0))
     return (idx_b, idx_spec), (valid, valid_spec), k_g
