@@ -1,0 +1,250 @@
+"""The CSA forward in Gluon for AMD: CDNA3 (gfx942), CDNA4 (gfx950) and gfx1250 (compile-only).
+
+NOTHING HERE HAS RUN ON AN AMD GPU: the kernels are compiled on a CPU (the triton 3.6.0 wheel's
+AMD backend) and their resources read from the .amdgcn metadata (benchmarks/gluon_resources.py,
+docs/perf/gpu_resources.md); their numerics are unchecked.
+
+One program = 64 heads of one token (H = 128: two programs side by side), the NVIDIA kernel's
+work split (fwd.py); heads are the M dimension of the matrix instructions. 8 warps (wave64 on
+CDNA: 512 threads; wave32 on gfx1250: 256), all of them both data movers and compute: Triton
+3.6.0's CDNA backends have no mbarriers, so instead of a producer partition every warp issues
+the gathers of tile i + STAGES - 1 (CDNA4: async `buffer_load_to_shared`, the LDS ring's
+commit groups; CDNA3: `buffer_load` into registers, stored to LDS after tile i's products) while
+tile i is computed. On gfx1250 q arrives by the Tensor Data Mover (`tdm.async_load` of the
+[64, D] block, an LDS mbarrier) and kv rows are gathered by `async_copy.global_to_shared` into the
+ring; see `LOADER`.
+
+Per tile (BK gathered kv rows): S = q kv^T (MFMA 16x16 / WMMA 16x16x32, warps_per_cta [4, 2]:
+each warp owns 16 heads and half of S's columns, half of O's D columns), the online softmax of
+fwd.py (`_softmax_step`: exp2 domain, scores masked by slot validity), O += P kv with the same
+LDS tile as the B operand (K and V are the same rows: read transposed for QK^T, plainly for PV).
+-1 slots are never read: their copies are masked (buffer ops: hardware out-of-range = zeros)
+and their scores are -inf. The tile loop stops at the token's last non-empty tile (ntiles), and
+the epilogue (sink, lse, o per csa_spec.md section 3) is fwd.py's `_finish`.
+
+q stays in registers (the A operand of QK^T, 64 VGPRs a lane on wave64): the LDS is left to the
+ring, which at D = 512 is what decides the tiles (`TARGET_DEFAULTS`): gfx942's 64 KiB hold one
+32-row stage (32 KiB) plus the compiler's scratch for the P / row-max exchanges, the next
+tile waiting in registers; gfx950's 160 KiB hold two 64-row stages; gfx1250 (320 KiB) holds q
+(64 KiB, delivered by the TDM) and three 64-row stages.
+"""
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.amd import AMDMFMALayout, AMDWMMALayout, cdna3, gfx1250
+from triton.experimental.gluon.language.amd.cdna4 import async_copy as cdna4_copy
+from triton.experimental.gluon.language.amd.gfx1250 import async_copy as g1250_copy
+from triton.experimental.gluon.language.amd.gfx1250 import mbarrier as g1250_bar
+from triton.experimental.gluon.language.amd.gfx1250 import tdm
+
+from csa_jax.kernels.gluon.dims import AMD_DEFAULTS
+from csa_jax.kernels.gluon.fwd import LOG2E, _finish, _softmax_step
+
+HBC_ = gl.constexpr(64)
+# LOADER: how kv tiles reach LDS. 0 = buffer_load into registers, then a local store (CDNA3:
+# 3.6.0 has no async copy for gfx942); 1 = async buffer_load_to_shared + commit groups (CDNA4);
+# 2 = q by TDM + mbarrier, kv rows by async global_to_shared + commit groups (gfx1250).
+ARCH = {"gfx942": dict(mma=3, loader=0, warp=64), "gfx950": dict(mma=4, loader=1, warp=64),
+        "gfx1250": dict(mma=0, loader=2, warp=32)}
+TARGET_DEFAULTS = AMD_DEFAULTS          # per target at D = 512: dims.py says why
+
+
+@gluon.constexpr_function
+def _mma_layout(MMA, NW):
+    """The accumulator layout of S and O: 16 x 16 tiles, warps [4, 2] (16 heads, half the
+    columns each). MMA 3 / 4 = MFMA of CDNA3 / CDNA4, 0 = WMMA v3 (gfx1250)."""
+    if MMA == 0:
+        return AMDWMMALayout(3, transposed=True, warps_per_cta=[4, NW // 4],
+                             instr_shape=[16, 16, 32])
+    k = 16 if MMA == 3 else 32
+    return AMDMFMALayout(version=MMA, instr_shape=[16, 16, k], transposed=True,
+                         warps_per_cta=[4, NW // 4])
+
+
+@gluon.constexpr_function
+def _k_width(MMA):
+    return 4 if MMA == 3 else 8
+
+
+@gluon.constexpr_function
+def _row_layout(D, WARP, NW):
+    """Gather layout: 8 contiguous elements (16 B) a thread, a whole D = 512 row per wave64."""
+    tc = min(WARP, D // 8)
+    return gl.BlockedLayout([1, 8], [WARP // tc, tc], [NW, 1], [1, 0])
+
+
+@gluon.constexpr_function
+def _lds_layout(BK, D, STAGES):
+    # 16 bytes of padding after every row: consecutive rows start on different banks.
+    return gl.PaddedSharedLayout.with_identity_for([[D, 8]], [BK, D], [1, 0])
+
+
+@gluon.jit
+def _tile_ids(idx_ptr, j, krows, ntiles, BK: gl.constexpr):
+    """Row ids of tile j (-1 for slots at or past the token's last walked tile)."""
+    pos = j * BK + krows
+    return gl.load(idx_ptr + pos, mask=j < ntiles, other=-1)
+
+
+@gluon.jit
+def _kv_offsets(ids, cols, D: gl.constexpr):
+    """(int32 element offsets of the rows within the batch's kv, validity); -1 -> row 0."""
+    valid = ids >= 0
+    return gl.where(valid, ids, 0)[:, None] * D + cols[None, :], valid[:, None]
+
+
+@gluon.jit
+def csa_fwd_amd_kernel(q_ptr, kv_ptr, idx_ptr, ntiles_ptr, sink_ptr, o_ptr, lse_ptr,
+                       T: gl.constexpr, N: gl.constexpr, NHB: gl.constexpr, D: gl.constexpr,
+                       K: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
+                       QK_SCALE: gl.constexpr, MMA: gl.constexpr, LOADER: gl.constexpr,
+                       WARP: gl.constexpr):
+    HBC: gl.constexpr = HBC_
+    NW: gl.constexpr = gl.num_warps()
+    row = gl.program_id(0)
+    tok = row // NHB
+    hb = row % NHB
+    b = tok // T
+    ntiles = gl.load(ntiles_ptr + tok)
+    idx_tok = idx_ptr + tok.to(gl.int64) * K
+    dtype: gl.constexpr = q_ptr.dtype.element_ty
+    mma: gl.constexpr = _mma_layout(MMA, NW)
+    KW: gl.constexpr = _k_width(MMA)
+    a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=KW)
+    b_op: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=KW)
+    rl: gl.constexpr = _row_layout(D, WARP, NW)
+    srow: gl.constexpr = gl.SliceLayout(1, mma)
+    scol: gl.constexpr = gl.SliceLayout(0, mma)
+    cols = gl.arange(0, D, layout=gl.SliceLayout(0, rl))
+    krows = gl.arange(0, BK, layout=gl.SliceLayout(1, rl))
+    kv_b = kv_ptr + b.to(gl.int64) * (N * D)           # int32 offsets inside one batch's kv
+    q_blk = q_ptr + row.to(gl.int64) * (HBC * D)
+    ring = gl.allocate_shared_memory(dtype, [STAGES, BK, D], _lds_layout(BK, D, STAGES))
+
+    # ---- q into registers (the A operand of every QK^T) and the ring's first tiles
+    if LOADER == 2:
+        q_smem = gl.allocate_shared_memory(
+            dtype, [HBC, D], gl.PaddedSharedLayout.with_identity_for([[D, 8]], [HBC, D], [1, 0]))
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], g1250_bar.MBarrierLayout())
+        # the TDM splits the block over the warps: each warp's tensor_load_to_lds (8 rows at
+        # 8 warps) carries the barrier and arrives once, hence one arrival per warp
+        g1250_bar.init(q_bar, count=NW)
+        # this program's [HBC, D] block of q as a (one-block) tensor for the TDM
+        q_desc = tdm.make_tensor_descriptor(q_blk, shape=[HBC, D], strides=[D, 1],
+                                            block_shape=[HBC, D], layout=q_smem.layout)
+    else:
+        qr = gl.arange(0, HBC, layout=gl.SliceLayout(1, a_op))
+        qc = gl.arange(0, D, layout=gl.SliceLayout(0, a_op))
+        q = cdna3.buffer_load(q_blk, qr[:, None] * D + qc[None, :])
+    if LOADER == 0:
+        ids = _tile_ids(idx_tok, 0, krows, ntiles, BK)
+        offs, valid = _kv_offsets(ids, cols, D)
+        nxt = cdna3.buffer_load(kv_b, offs, mask=valid, other=0.0)
+    else:
+        for j in gl.static_range(STAGES - 1):
+            ids = _tile_ids(idx_tok, j, krows, ntiles, BK)
+            offs, valid = _kv_offsets(ids, cols, D)
+            if LOADER == 1:
+                cdna4_copy.buffer_load_to_shared(ring.index(j), kv_b, offs, mask=valid,
+                                                 other=0.0)
+            else:
+                g1250_copy.global_to_shared(ring.index(j), kv_b + offs, mask=valid, other=0.0)
+            cdna4_copy.commit_group()
+    if LOADER == 2:
+        tdm.async_load(q_desc, [0, 0], q_smem, mbarrier=q_bar)
+        g1250_bar.wait(q_bar, 0)
+        q = q_smem.load(a_op)
+
+    m = gl.full([HBC], -1.0e30, gl.float32, srow)
+    l = gl.zeros([HBC], gl.float32, srow)
+    acc = gl.zeros([HBC, D], gl.float32, mma)
+    s_zero = gl.zeros([HBC, BK], gl.float32, mma)
+    kcols = gl.arange(0, BK, layout=scol)
+    for i in range(ntiles):
+        if LOADER == 0:
+            # tile i waits in registers: into the (single) LDS stage once tile i-1's reads end
+            gl.thread_barrier()
+            ring.index(0).store(nxt)
+            gl.thread_barrier()
+            tile = ring.index(0)
+            ids = _tile_ids(idx_tok, i + 1, krows, ntiles, BK)
+            offs, valid = _kv_offsets(ids, cols, D)
+            nxt = cdna3.buffer_load(kv_b, offs, mask=valid, other=0.0)
+        else:
+            # refill the stage tile i-1 used (every warp is past its reads: the barrier), then
+            # wait for tile i's own group (STAGES - 1 newer groups may stay in flight)
+            jn = i + STAGES - 1
+            gl.thread_barrier()
+            ids = _tile_ids(idx_tok, jn, krows, ntiles, BK)
+            offs, valid = _kv_offsets(ids, cols, D)
+            if LOADER == 1:
+                cdna4_copy.buffer_load_to_shared(ring.index(jn % STAGES), kv_b, offs,
+                                                 mask=valid, other=0.0)
+            else:
+                g1250_copy.global_to_shared(ring.index(jn % STAGES), kv_b + offs, mask=valid,
+                                            other=0.0)
+            cdna4_copy.commit_group()
+            cdna4_copy.wait_group(STAGES - 1)
+            gl.thread_barrier()
+            tile = ring.index(i % STAGES)
+        sid = gl.load(idx_tok + i * BK + kcols)
+        kt = tile.permute((1, 0)).load(b_op)
+        sc = _mma(q, kt, s_zero, MMA)
+        p, alpha, m, l = _softmax_step(sc, sid, m, l, QK_SCALE)
+        acc = acc * alpha[:, None]
+        pa = gl.convert_layout(p.to(dtype), a_op)
+        acc = _mma(pa, tile.load(b_op), acc, MMA)
+
+    hrows = gl.arange(0, HBC, layout=srow)
+    lse, o_scale = _finish(m, l, sink_ptr + hb * HBC + hrows)
+    gl.store(lse_ptr + row * HBC + hrows, lse)
+    o = (acc * o_scale[:, None]).to(o_ptr.dtype.element_ty)
+    ocols = gl.arange(0, D, layout=scol)
+    gl.store(o_ptr + row.to(gl.int64) * (HBC * D) + hrows[:, None] * D + ocols[None, :], o)
+
+
+@gluon.jit
+def _mma(a, b, acc, MMA: gl.constexpr):
+    if MMA == 0:
+        out = gfx1250.wmma(a, b, acc)
+    else:
+        out = cdna3.mfma(a, b, acc)
+    return out
+
+
+def constexprs(*, target, T, N, NHB, D, K, BK, stages, scale):
+    a = ARCH[target]
+    return dict(T=T, N=N, NHB=NHB, D=D, K=K, BK=BK, STAGES=stages,
+                QK_SCALE=float(scale) * LOG2E, MMA=a["mma"], LOADER=a["loader"], WARP=a["warp"])
+
+
+ARG_TYPES = ("*{dt}", "*{dt}", "*i32", "*i32", "*fp32", "*{dt}", "*fp32")
+
+
+def arg_types(dt="bf16"):
+    return [t.format(dt=dt) for t in ARG_TYPES]
+
+
+def forward(q, kv, idx, sink, *, scale, arch, block_k=None, stages=None):
+    """o [B, T, H, D] (q.dtype), lse [B, T, H] f32 through csa_fwd_amd_kernel on a ROCm GPU of
+    architecture `arch` (a key of ARCH). NEVER RUN: no AMD GPU was available; the launch goes
+    through adapter.gluon_call's ROCm branch, itself untested."""
+    from csa_jax.kernels.gluon.adapter import gluon_call
+    from csa_jax.kernels.gluon.fwd import out_shapes, prepare, unpad
+    if arch not in ARCH:
+        raise NotImplementedError(f"no AMD Gluon forward for arch={arch!r}; built for "
+                                  f"{sorted(ARCH)}")
+    d = TARGET_DEFAULTS[arch]
+    bk, st = block_k or d["block_k"], stages or d["stages"]
+    q_p, kv_p, idx_p, ntiles, sink_p, dims = prepare(q, kv, idx, sink, bk)
+    B, T, H, D, N, Hp, Dp, Kp, nhb = dims
+    if N * Dp >= 2 ** 31:
+        raise ValueError(f"kv rows N={N} x D={Dp} per batch exceed the buffer loads' int32 "
+                         f"offsets")
+    o, lse = gluon_call(
+        q_p, kv_p, idx_p, ntiles, sink_p, kernel=csa_fwd_amd_kernel,
+        out_shape=out_shapes(q, dims), grid=(B * T * nhb,), num_warps=d["warps"],
+        name="csa_gluon_fwd_amd",
+        **constexprs(target=arch, T=T, N=N, NHB=nhb, D=Dp, K=Kp, BK=bk, stages=st, scale=scale))
+    return unpad(o, lse, dims)
