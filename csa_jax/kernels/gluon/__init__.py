@@ -14,9 +14,9 @@ Needs the optional extra `csa_jax[gluon]` (triton==3.6.0, jax-triton==0.3.1) and
 compute capability 9.0 (sm_90a: wgmma, setmaxnreg). Gluon has no CPU interpreter: on a CPU the
 kernels can only be compiled (adapter.compile_kernel), never run.
 
-AMD (ROCm): on a gfx942 / gfx950 / gfx1250 device the forward is amd_fwd.py's kernel (Config
-defaults per target from dims.AMD_DEFAULTS) and the backward pallas_triton's (the Gluon dq kernel
-is NVIDIA-only). COMPILED FOR THOSE TARGETS ON A CPU, NEVER RUN: no AMD GPU was available, so
+AMD (ROCm): on a gfx942 / gfx950 / gfx1250 device the forward is amd_fwd.py's kernel and the
+backward's dq kernel amd_bwd.py's (Config defaults per target from dims.AMD_DEFAULTS /
+AMD_DQ_DEFAULTS; dkv as on NVIDIA, the pallas_triton GEMM + reduce). COMPILED FOR THOSE TARGETS ON A CPU, NEVER RUN: no AMD GPU was available, so
 neither the kernels' numerics nor the ROCm launch path (adapter.gluon_call) are tested; auto
 never picks gluon on ROCm.
 """
@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from csa_jax.kernels.gluon.adapter import missing as _missing_triton
-from csa_jax.kernels.gluon.dims import AMD_DEFAULTS, amd_arch
+from csa_jax.kernels.gluon.dims import AMD_DEFAULTS, AMD_DQ_DEFAULTS, amd_arch
 
 _GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 
@@ -119,8 +119,9 @@ def default_config(q_shape, kv_shape, idx_shape, dtype) -> Config:
     D = q_shape[3]
     arch = _amd()
     if arch in AMD_DEFAULTS:
-        d = AMD_DEFAULTS[arch]
-        return Config(block_k=d["block_k"], stages=d["stages"], bwd="pallas_triton")
+        d, b = AMD_DEFAULTS[arch], AMD_DQ_DEFAULTS[arch]
+        return Config(block_k=d["block_k"], stages=d["stages"], bwd_block_k=b["block_k"],
+                      bwd_stages=b["stages"])
     cfg = _bwd_default(D, Config())
     for stages in (4, 3, 2):
         c = dataclasses.replace(cfg, stages=stages)
@@ -224,12 +225,12 @@ def forward(q, kv, idx, sink, *, scale, interpret, config):
 def backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, interpret, config):
     """(dq, dkv, dsink): Config.bwd picks the Gluon dq kernel or the pallas_triton backward."""
     _check(q, kv, idx, interpret)
-    if config.bwd == "gluon" and not _amd():
+    if config.bwd == "gluon":
         from csa_jax.kernels.gluon import bwd as _bwd
         return _bwd.backward(q, kv, idx, sink, o, lse, do, dlse, scale=float(scale),
                              block_k=config.bwd_block_k, stages=config.bwd_stages,
                              producer_regs=config.producer_regs, prefetch=config.bwd_prefetch,
-                             ablate=config.bwd_ablate)
+                             ablate=config.bwd_ablate, amd=_amd())
     from csa_jax.kernels import triton as pt      # the pallas_triton impl module
     cfg = pt.default_config(q.shape, kv.shape, idx.shape, q.dtype)
     return pt.backward(q, kv, idx, sink, o, lse, do, dlse, scale=scale, interpret=False,

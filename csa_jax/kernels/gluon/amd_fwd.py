@@ -95,11 +95,23 @@ def _kv_offsets(ids, cols, D: gl.constexpr):
 
 
 @gluon.jit
+def _tile_operand(tile, b_op: gl.constexpr, rl: gl.constexpr, TRANS: gl.constexpr):
+    """The kv tile [BK, D] as the B operand of P kv / dS kv (K = BK: a transposed read of the
+    row-major LDS tile): TRANS 0 = straight into the operand layout, 1 = 16-byte row reads and
+    a register transpose (constexprs' trans)."""
+    if TRANS == 0:
+        v = tile.load(b_op)
+    else:
+        v = gl.convert_layout(tile.load(rl), b_op)
+    return v
+
+
+@gluon.jit
 def csa_fwd_amd_kernel(q_ptr, kv_ptr, idx_ptr, ntiles_ptr, sink_ptr, o_ptr, lse_ptr,
                        T: gl.constexpr, N: gl.constexpr, NHB: gl.constexpr, D: gl.constexpr,
                        K: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
                        QK_SCALE: gl.constexpr, MMA: gl.constexpr, LOADER: gl.constexpr,
-                       WARP: gl.constexpr):
+                       WARP: gl.constexpr, TRANS: gl.constexpr):
     HBC: gl.constexpr = HBC_
     NW: gl.constexpr = gl.num_warps()
     row = gl.program_id(0)
@@ -194,7 +206,7 @@ def csa_fwd_amd_kernel(q_ptr, kv_ptr, idx_ptr, ntiles_ptr, sink_ptr, o_ptr, lse_
         p, alpha, m, l = _softmax_step(sc, sid, m, l, QK_SCALE)
         acc = acc * alpha[:, None]
         pa = gl.convert_layout(p.to(dtype), a_op)
-        acc = _mma(pa, tile.load(b_op), acc, MMA)
+        acc = _mma(pa, _tile_operand(tile, b_op, rl, TRANS), acc, MMA)
 
     hrows = gl.arange(0, HBC, layout=srow)
     lse, o_scale = _finish(m, l, sink_ptr + hb * HBC + hrows)
@@ -213,10 +225,17 @@ def _mma(a, b, acc, MMA: gl.constexpr):
     return out
 
 
-def constexprs(*, target, T, N, NHB, D, K, BK, stages, scale):
+def constexprs(*, target, T, N, NHB, D, K, BK, stages, scale, trans=0):
+    """The kernel's compile-time parameters for an AMD target (also the CPU compile checks).
+    trans: how PV reads its B operand (the kv tile, K = BK rows, row-major in LDS, so read
+    transposed): 0 = the operand layout straight from LDS (the compiler's choice: gfx950
+    ds_read_b64_tr_b16, gfx942 2-byte strided ds_read_u16, CDNA3 has no transpose-load);
+    1 = 16-byte row reads into registers, then a layout conversion (a register transpose,
+    through the compiler's LDS scratch). Issue 14's switch; only 0 is a default."""
     a = ARCH[target]
     return dict(T=T, N=N, NHB=NHB, D=D, K=K, BK=BK, STAGES=stages,
-                QK_SCALE=float(scale) * LOG2E, MMA=a["mma"], LOADER=a["loader"], WARP=a["warp"])
+                QK_SCALE=float(scale) * LOG2E, MMA=a["mma"], LOADER=a["loader"], WARP=a["warp"],
+                TRANS=int(trans))
 
 
 ARG_TYPES = ("*{dt}", "*{dt}", "*i32", "*i32", "*fp32", "*{dt}", "*fp32")

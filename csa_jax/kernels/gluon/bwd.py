@@ -198,13 +198,15 @@ def constexprs(*, T, N, NHB, D, K, BK, stages, scale, producer_regs, prefetch=Fa
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_k", "stages", "producer_regs",
-                                             "prefetch", "ablate", "interpret_reduce"))
+                                             "prefetch", "ablate", "interpret_reduce", "amd"))
 def backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, block_k, stages, producer_regs,
-             prefetch=False, ablate=0, interpret_reduce=False):
+             prefetch=False, ablate=0, interpret_reduce=False, amd=None):
     """(dq, dkv, dsink): dq by csa_dq_kernel, dkv by the deterministic interm GEMM + inverse-map
     reduce of the Pallas Triton impl, dsink and delta in XLA (CUDA only). idx must already be
     sanitized (-1 for every empty or out-of-range slot). interpret_reduce runs the reduce kernel
-    in the Pallas interpreter (the CPU test of this wrapper, with the dq kernel emulated)."""
+    in the Pallas interpreter (the CPU test of this wrapper, with the dq kernel emulated).
+    amd: a gfx architecture (amd_bwd.DQ_DEFAULTS) -> amd_bwd.csa_dq_amd_kernel, same contract,
+    at block_k / stages (producer_regs, prefetch, ablate unused); NEVER RUN (no AMD GPU)."""
     import jax.numpy as jnp
     from csa_jax.kernels.gluon.adapter import gluon_call
     # The Pallas Triton impl's padding helpers and its dkv path (kernels/triton: plan.py,
@@ -217,7 +219,7 @@ def backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, block_k, stages, prod
     N, K = kv.shape[1], idx.shape[2]
     Hp, Dp, Kp = padded_dims(H, D, K, block_k)
     need = shared_bytes(D, block_k, stages)
-    if need > SMEM_LIMIT:
+    if amd is None and need > SMEM_LIMIT:
         raise ValueError(f"dq kernel tiles bwd_block_k={block_k}, bwd_stages={stages} at D={D} "
                          f"need {need} B of shared memory; the H200 has {SMEM_LIMIT} per block")
     d = _Dims(B, T, H, D, N, K, Hp, Dp, Kp)
@@ -232,15 +234,24 @@ def backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, block_k, stages, prod
     lse_p = pad(lse.astype(f32), 2, Hp).reshape(-1)
     dc_p = pad(dlse.astype(f32) - delta, 2, Hp).reshape(-1)
     nhb = Hp // HB
+    if amd is None:
+        kernel, warps, name = csa_dq_kernel, CONSUMER_WARPS, "csa_gluon_dq"
+        consts = constexprs(T=T, N=N, NHB=nhb, D=Dp, K=Kp, BK=block_k, stages=stages,
+                            scale=scale, producer_regs=producer_regs, prefetch=prefetch,
+                            ablate=ablate)
+    else:
+        from csa_jax.kernels.gluon import amd_bwd
+        a = amd_bwd.DQ_DEFAULTS[amd]
+        kernel, warps, name = amd_bwd.csa_dq_amd_kernel, a["warps"], "csa_gluon_dq_amd"
+        consts = amd_bwd.constexprs(target=amd, T=T, N=N, NHB=nhb, D=Dp, K=Kp, BK=block_k,
+                                    stages=stages, scale=scale, qdo=a["qdo"])
     dq, dsp = gluon_call(
         q_p.reshape(B * T * Hp, Dp), do_p.reshape(B * T * Hp, Dp), kv_p.reshape(B * N, Dp),
         idx_p.reshape(B * T, Kp), ntiles, lse_p, dc_p,
-        kernel=csa_dq_kernel,
+        kernel=kernel,
         out_shape=[jax.ShapeDtypeStruct((B * T * Hp, Dp), q.dtype),
                    jax.ShapeDtypeStruct((B * T, 2, Hp, Kp), q.dtype)],
-        grid=(B * T * nhb,), num_warps=CONSUMER_WARPS, name="csa_gluon_dq",
-        **constexprs(T=T, N=N, NHB=nhb, D=Dp, K=Kp, BK=block_k, stages=stages, scale=scale,
-                     producer_regs=producer_regs, prefetch=prefetch, ablate=ablate))
+        grid=(B * T * nhb,), num_warps=warps, name=name, **consts)
     # dkv: the Pallas Triton impl's deterministic per-slot GEMM + inverse-map gather-reduce.
     ptc = pt_default_config(q.shape, kv.shape, idx.shape, q.dtype)
     interm = _interm_gemm(dsp.reshape(B, T, 2, Hp, Kp), q_p, do_p, None, q.dtype)

@@ -31,6 +31,14 @@ def dq_shared_bytes(D, block_k, stages, itemsize=2):
 AMD_DEFAULTS = {"gfx942": dict(block_k=32, stages=1, warps=4),
                 "gfx950": dict(block_k=64, stages=2, warps=8),
                 "gfx1250": dict(block_k=64, stages=3, warps=8)}
+# The AMD dq kernel (amd_bwd.py) at D = 512, from the same report: q and dO are both A operands
+# (qdo 0: both in registers; 1: dO in LDS). gfx942: 4 warps, one 32-row stage (8 warps spill, as
+# the forward); gfx950: 8 warps, four 32-row stages, q and dO in registers (252 VGPRs);
+# gfx1250 (wave32: twice the registers a lane): dO in LDS, four 32-row stages (in registers:
+# 8 VGPRs spill; 64-row tiles spill 118+).
+AMD_DQ_DEFAULTS = {"gfx942": dict(block_k=32, stages=1, warps=4, qdo=0),
+                   "gfx950": dict(block_k=32, stages=4, warps=8, qdo=0),
+                   "gfx1250": dict(block_k=32, stages=4, warps=8, qdo=1)}
 # device kinds of ROCm GPUs -> architecture, where jax reports no gfx name
 AMD_KINDS = (("mi300", "gfx942"), ("mi325", "gfx942"), ("mi350", "gfx950"), ("mi355", "gfx950"))
 
