@@ -94,3 +94,92 @@ def test_check_fails_on_spills_overflow_and_refusals():
     sm90 = dict(name="csa_triton_dq", target="sm_90a", shared=1, spill_stores=40)
     assert gluon_resources.check(sm90, True, True) is None                  # KNOWN_SPILLS
     assert "spills 48" in gluon_resources.check({**sm90, "spill_stores": 48}, True, True)
+
+
+# ----------------------------------------------------------------------------- ROCm dispatch
+# The launch itself cannot be tested here (no ROCm jaxlib, no AMD GPU): the kernel call is
+# replaced by a jnp emulation of its contract, which checks the host side (which kernel, grid,
+# warps, padding, ntiles, unpadding) against the float64 oracle.
+
+def _emulated_fwd_kernel(q, kv, idx, ntiles, sink, *, kernel, out_shape, grid, num_warps, name,
+                         T, N, NHB, D, K, BK, QK_SCALE, **_):
+    """What csa_fwd_amd_kernel computes (amd_fwd.py docstring, csa_spec.md section 3)."""
+    import jax.numpy as jnp
+    from csa_jax.common import EMPTY_LSE
+    assert kernel is amd_fwd.csa_fwd_amd_kernel and name == "csa_gluon_fwd_amd"
+    BT = idx.shape[0]
+    Hp, B = NHB * 64, BT // T
+    assert grid == (BT * NHB,) and q.shape == (BT * Hp, D) and kv.shape == (B * N, D)
+    assert num_warps == _emulated_fwd_kernel.warps
+    f32 = jnp.float32
+    rows = kv.reshape(B, N, D)[jnp.arange(BT)[:, None] // T, jnp.maximum(idx, 0)].astype(f32)
+    valid = ((idx >= 0) & (jnp.arange(K)[None, :] < (ntiles * BK)[:, None]))[:, None, :]
+    s = jnp.einsum("thd,tkd->thk", q.reshape(BT, Hp, D).astype(f32), rows) * (QK_SCALE / LOG2E)
+    s = jnp.where(valid, s, -jnp.inf)
+    m = jnp.maximum(jnp.max(s, axis=2), sink[None, :])
+    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+    e = jnp.exp(s - m_safe[..., None])
+    l_tot = jnp.sum(e, axis=2) + jnp.exp(sink[None, :] - m_safe)
+    o = jnp.einsum("thk,tkd->thd", e, rows) / jnp.where(l_tot > 0, l_tot, 1.0)[..., None]
+    lse = jnp.where(l_tot > 0, m_safe + jnp.log(jnp.where(l_tot > 0, l_tot, 1.0)), EMPTY_LSE)
+    return o.reshape(BT * Hp, D).astype(out_shape[0].dtype), lse.reshape(-1)
+
+
+LOG2E = 1.4426950408889634
+
+
+@pytest.mark.parametrize("cc, kind, arch", [("gfx942:sramecc+:xnack-", "AMD Instinct MI300X",
+                                             "gfx942"),
+                                            (None, "AMD Instinct MI355X", "gfx950")])
+def test_rocm_forward_dispatch_against_oracle(rng, monkeypatch, cc, kind, arch):
+    import jax.numpy as jnp
+    from conftest import assert_close, dense_oracle, random_problem
+    from csa_jax.common import sanitize_indices
+    from csa_jax.kernels import gluon as impl
+    monkeypatch.setattr(impl, "_device", lambda: ("rocm", kind, cc))
+    monkeypatch.setattr(adapter, "gluon_call", _emulated_fwd_kernel)
+    _emulated_fwd_kernel.warps = amd_fwd.TARGET_DEFAULTS[arch]["warps"]
+    cfg = impl.default_config((1, 8, 70, 40), None, None, jnp.bfloat16)
+    assert (cfg.block_k, cfg.stages) == (amd_fwd.TARGET_DEFAULTS[arch]["block_k"],
+                                         amd_fwd.TARGET_DEFAULTS[arch]["stages"])
+    assert "never run" in impl.unsupported((1, 8, 128, 512), None, None, jnp.bfloat16)
+    q, kv, idx, sink = random_problem(rng, T=10, H=70, D=40, K=75, dtype=jnp.bfloat16,
+                                      empty_rows=2)
+    idx = sanitize_indices(idx, kv.shape[1]).at[:, :, 40:].set(-1)   # empty tail tiles
+    o, lse = impl.forward(q, kv, idx, sink, scale=0.2, interpret=False, config=cfg)
+    ro, rlse = dense_oracle(q, kv, idx, sink, 0.2)
+    assert o.shape == q.shape and lse.shape == q.shape[:3]
+    assert o.dtype == jnp.bfloat16
+    assert_close(o, ro, jnp.bfloat16, what="o")
+    assert_close(lse, rlse, jnp.bfloat16, what="lse")
+
+
+def test_rocm_unknown_arch_and_backward_route(monkeypatch):
+    import jax.numpy as jnp
+    from csa_jax.kernels import gluon as impl
+    from csa_jax.kernels.gluon import dims
+    assert dims.amd_arch("AMD Instinct MI300X") == "gfx942"
+    assert dims.amd_arch("whatever", "gfx1250") == "gfx1250"
+    assert dims.amd_arch("AMD Radeon", None) is None
+    monkeypatch.setattr(impl, "_device", lambda: ("rocm", "AMD Radeon RX 7900", "gfx1100"))
+    assert "gfx1100" in impl._cannot_run((1, 8, 64, 512), jnp.bfloat16)
+    monkeypatch.setattr(impl, "_device", lambda: ("rocm", "AMD Instinct MI300X", "gfx942"))
+    cfg = impl.default_config((1, 8, 128, 512), None, None, jnp.bfloat16)
+    from csa_jax.kernels.gluon import amd_bwd
+    d = amd_bwd.DQ_DEFAULTS["gfx942"]
+    assert (cfg.bwd, cfg.bwd_block_k, cfg.bwd_stages) == ("gluon", d["block_k"], d["stages"])
+
+
+@pytest.mark.parametrize("target", AMD)
+def test_amd_dq_kernel_compiles_without_spills(target):
+    from csa_jax.kernels.gluon import amd_bwd
+    d = amd_bwd.DQ_DEFAULTS[target]
+    c = adapter.compile_kernel(
+        amd_bwd.csa_dq_amd_kernel, amd_bwd.arg_types("bf16"),
+        amd_bwd.constexprs(target=target, T=64, N=300, NHB=2, D=512, K=192, BK=d["block_k"],
+                           stages=d["stages"], scale=0.05, qdo=d["qdo"]),
+        target=target, num_warps=d["warps"])
+    r = adapter.resources(c, target)
+    assert r["shared"] <= r["shared_limit"] and r["vgpr_spill"] == 0, r
+    mm = re.findall(r"^\s+(v_mfma\w*|v_wmma\w*)", c.asm["amdgcn"], re.M)
+    assert mm and len(set(mm)) == 1, set(mm)      # S, dP and dq products on one instruction

@@ -19,32 +19,16 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.amd import cdna3
-from triton.experimental.gluon.language.amd.cdna4 import async_copy as cdna4_copy
-from triton.experimental.gluon.language.amd.gfx1250 import async_copy as g1250_copy
 
 from csa_jax.kernels.gluon.amd_fwd import (
-    ARCH, HBC_, _k_width, _kv_offsets, _lds_layout, _mma, _mma_layout, _row_layout, _tile_ids,
-    _tile_operand)
+    ARCH, HBC_, _first_tiles, _k_width, _lds_layout, _load_block, _mma, _mma_layout, _next_tile,
+    _row_layout, _tile_operand)
 from csa_jax.kernels.gluon.dims import AMD_DQ_DEFAULTS
-from csa_jax.kernels.gluon.fwd import LOG2E
+from csa_jax.kernels.gluon.fwd import LOG2E, _program
 
 _LOG2E = gl.constexpr(LOG2E)
 
 DQ_DEFAULTS = AMD_DQ_DEFAULTS            # per target at D = 512: dims.py says why
-
-
-@gluon.jit
-def _issue(ring, stage, kv_b, idx_tok, j, krows, cols, ntiles, BK: gl.constexpr,
-           D: gl.constexpr, LOADER: gl.constexpr):
-    """Tile j's async gather into ring stage `stage` (LOADER 1 / 2), one commit group."""
-    ids = _tile_ids(idx_tok, j, krows, ntiles, BK)
-    offs, valid = _kv_offsets(ids, cols, D)
-    if LOADER == 1:
-        cdna4_copy.buffer_load_to_shared(ring.index(stage), kv_b, offs, mask=valid, other=0.0)
-    else:
-        g1250_copy.global_to_shared(ring.index(stage), kv_b + offs, mask=valid, other=0.0)
-    cdna4_copy.commit_group()
 
 
 @gluon.jit
@@ -56,17 +40,11 @@ def csa_dq_amd_kernel(q_ptr, do_ptr, kv_ptr, idx_ptr, ntiles_ptr, lse_ptr, dc_pt
                       TRANS: gl.constexpr):
     HBC: gl.constexpr = HBC_
     NW: gl.constexpr = gl.num_warps()
-    row = gl.program_id(0)
-    tok = row // NHB
-    hb = row % NHB
-    b = tok // T
-    ntiles = gl.load(ntiles_ptr + tok)
-    idx_tok = idx_ptr + tok.to(gl.int64) * K
+    row, tok, hb, b, ntiles, idx_tok = _program(ntiles_ptr, idx_ptr, T, NHB, K)
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     mma: gl.constexpr = _mma_layout(MMA, NW)
-    KW: gl.constexpr = _k_width(MMA)
-    a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=KW)
-    b_op: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=KW)
+    a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=_k_width(MMA))
+    b_op: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=_k_width(MMA))
     rl: gl.constexpr = _row_layout(D, WARP, NW)
     srow: gl.constexpr = gl.SliceLayout(1, mma)
     scol: gl.constexpr = gl.SliceLayout(0, mma)
@@ -76,21 +54,13 @@ def csa_dq_amd_kernel(q_ptr, do_ptr, kv_ptr, idx_ptr, ntiles_ptr, lse_ptr, dc_pt
     blk = row.to(gl.int64) * (HBC * D)                  # this program's rows of q / dO / dq
     ring = gl.allocate_shared_memory(dtype, [STAGES, BK, D], _lds_layout(BK, D, STAGES))
 
-    qr = gl.arange(0, HBC, layout=gl.SliceLayout(1, a_op))
-    qc = gl.arange(0, D, layout=gl.SliceLayout(0, a_op))
-    q = cdna3.buffer_load(q_ptr + blk, qr[:, None] * D + qc[None, :])
+    q = _load_block(q_ptr + blk, HBC, D, a_op)
     if QDO == 1:
         do_smem = gl.allocate_shared_memory(dtype, [HBC, D], _lds_layout(HBC, D, 1))
-        do_smem.store(gl.load(do_ptr + blk + qr[:, None] * D + qc[None, :]))
+        do_smem.store(_load_block(do_ptr + blk, HBC, D, rl))
     else:
-        do = cdna3.buffer_load(do_ptr + blk, qr[:, None] * D + qc[None, :])
-    if LOADER == 0:
-        ids = _tile_ids(idx_tok, 0, krows, ntiles, BK)
-        offs, valid = _kv_offsets(ids, cols, D)
-        nxt = cdna3.buffer_load(kv_b, offs, mask=valid, other=0.0)
-    else:
-        for j in gl.static_range(STAGES - 1):
-            _issue(ring, j, kv_b, idx_tok, j, krows, cols, ntiles, BK, D, LOADER)
+        do = _load_block(do_ptr + blk, HBC, D, a_op)
+    nxt = _first_tiles(ring, kv_b, idx_tok, krows, cols, ntiles, BK, D, STAGES, LOADER)
 
     hrows = gl.arange(0, HBC, layout=srow)
     kcols = gl.arange(0, BK, layout=scol)
@@ -106,21 +76,8 @@ def csa_dq_amd_kernel(q_ptr, do_ptr, kv_ptr, idx_ptr, ntiles_ptr, lse_ptr, dc_pt
     if QDO == 1:
         gl.thread_barrier()
     for i in range(ntiles):
-        if LOADER == 0:
-            gl.thread_barrier()
-            ring.index(0).store(nxt)
-            gl.thread_barrier()
-            tile = ring.index(0)
-            ids = _tile_ids(idx_tok, i + 1, krows, ntiles, BK)
-            offs, valid = _kv_offsets(ids, cols, D)
-            nxt = cdna3.buffer_load(kv_b, offs, mask=valid, other=0.0)
-        else:
-            jn = i + STAGES - 1
-            gl.thread_barrier()             # every warp is past its reads of tile i - 1
-            _issue(ring, jn % STAGES, kv_b, idx_tok, jn, krows, cols, ntiles, BK, D, LOADER)
-            cdna4_copy.wait_group(STAGES - 1)
-            gl.thread_barrier()
-            tile = ring.index(i % STAGES)
+        tile, nxt = _next_tile(ring, nxt, i, kv_b, idx_tok, krows, cols, ntiles, BK, D,
+                               STAGES, LOADER)
         sid = gl.load(idx_tok + i * BK + kcols)
         kt = tile.permute((1, 0)).load(b_op)
         sc = _mma(q, kt, s_zero, MMA)

@@ -39,7 +39,7 @@ from triton.experimental.gluon.language.amd.gfx1250 import mbarrier as g1250_bar
 from triton.experimental.gluon.language.amd.gfx1250 import tdm
 
 from csa_jax.kernels.gluon.dims import AMD_DEFAULTS
-from csa_jax.kernels.gluon.fwd import LOG2E, _finish, _softmax_step
+from csa_jax.kernels.gluon.fwd import LOG2E, _finish, _program, _softmax_step
 
 HBC_ = gl.constexpr(64)
 # LOADER: how kv tiles reach LDS. 0 = buffer_load into registers, then a local store (CDNA3:
@@ -95,6 +95,14 @@ def _kv_offsets(ids, cols, D: gl.constexpr):
 
 
 @gluon.jit
+def _load_block(ptr, R: gl.constexpr, C: gl.constexpr, layout: gl.constexpr):
+    """A contiguous [R, C] block at ptr (an operand: q, dO) straight into registers."""
+    r = gl.arange(0, R, layout=gl.SliceLayout(1, layout))
+    c = gl.arange(0, C, layout=gl.SliceLayout(0, layout))
+    return cdna3.buffer_load(ptr, r[:, None] * C + c[None, :])
+
+
+@gluon.jit
 def _tile_operand(tile, b_op: gl.constexpr, rl: gl.constexpr, TRANS: gl.constexpr):
     """The kv tile [BK, D] as the B operand of P kv / dS kv (K = BK: a transposed read of the
     row-major LDS tile): TRANS 0 = straight into the operand layout, 1 = 16-byte row reads and
@@ -107,6 +115,65 @@ def _tile_operand(tile, b_op: gl.constexpr, rl: gl.constexpr, TRANS: gl.constexp
 
 
 @gluon.jit
+def _load_tile(ring, stage, kv_b, idx_tok, j, krows, cols, ntiles, BK: gl.constexpr,
+               D: gl.constexpr, LOADER: gl.constexpr):
+    """Tile j's gather: LOADER 0 returns it in registers (buffer_load; masked rows read as
+    hardware out-of-range zeros); 1 / 2 copy it asynchronously into ring stage `stage` (one
+    commit group; 2's masked-off rows get a plain LDS store of zeros) and return 0."""
+    ids = _tile_ids(idx_tok, j, krows, ntiles, BK)
+    offs, valid = _kv_offsets(ids, cols, D)
+    if LOADER == 0:
+        out = cdna3.buffer_load(kv_b, offs, mask=valid, other=0.0)
+    else:
+        if LOADER == 1:
+            cdna4_copy.buffer_load_to_shared(ring.index(stage), kv_b, offs, mask=valid,
+                                             other=0.0)
+        else:
+            g1250_copy.global_to_shared(ring.index(stage), kv_b + offs, mask=valid, other=0.0)
+        cdna4_copy.commit_group()
+        out = 0
+    return out
+
+
+@gluon.jit
+def _first_tiles(ring, kv_b, idx_tok, krows, cols, ntiles, BK: gl.constexpr, D: gl.constexpr,
+                 STAGES: gl.constexpr, LOADER: gl.constexpr):
+    """The prologue: tile 0 into registers (LOADER 0), or tiles 0..STAGES-2 in flight."""
+    if LOADER == 0:
+        nxt = _load_tile(ring, 0, kv_b, idx_tok, 0, krows, cols, ntiles, BK, D, LOADER)
+    else:
+        for j in gl.static_range(STAGES - 1):
+            _load_tile(ring, j, kv_b, idx_tok, j, krows, cols, ntiles, BK, D, LOADER)
+        nxt = 0
+    return nxt
+
+
+@gluon.jit
+def _next_tile(ring, nxt, i, kv_b, idx_tok, krows, cols, ntiles, BK: gl.constexpr,
+               D: gl.constexpr, STAGES: gl.constexpr, LOADER: gl.constexpr):
+    """(LDS tile i, registers carried to the next call) at the top of iteration i."""
+    if LOADER == 0:
+        # tile i waits in registers: into the (single) LDS stage once tile i-1's reads end,
+        # then tile i+1's loads fly while tile i is computed
+        gl.thread_barrier()
+        ring.index(0).store(nxt)
+        gl.thread_barrier()
+        tile = ring.index(0)
+        nxt = _load_tile(ring, 0, kv_b, idx_tok, i + 1, krows, cols, ntiles, BK, D, LOADER)
+    else:
+        # refill the stage tile i-1 used (every warp is past its reads: the barrier), then wait
+        # for tile i's own group (STAGES - 1 newer groups may stay in flight) and make every
+        # thread's copies visible (the second barrier)
+        gl.thread_barrier()
+        jn = i + STAGES - 1
+        _load_tile(ring, jn % STAGES, kv_b, idx_tok, jn, krows, cols, ntiles, BK, D, LOADER)
+        cdna4_copy.wait_group(STAGES - 1)
+        gl.thread_barrier()
+        tile = ring.index(i % STAGES)
+    return tile, nxt
+
+
+@gluon.jit
 def csa_fwd_amd_kernel(q_ptr, kv_ptr, idx_ptr, ntiles_ptr, sink_ptr, o_ptr, lse_ptr,
                        T: gl.constexpr, N: gl.constexpr, NHB: gl.constexpr, D: gl.constexpr,
                        K: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
@@ -114,17 +181,11 @@ def csa_fwd_amd_kernel(q_ptr, kv_ptr, idx_ptr, ntiles_ptr, sink_ptr, o_ptr, lse_
                        WARP: gl.constexpr, TRANS: gl.constexpr):
     HBC: gl.constexpr = HBC_
     NW: gl.constexpr = gl.num_warps()
-    row = gl.program_id(0)
-    tok = row // NHB
-    hb = row % NHB
-    b = tok // T
-    ntiles = gl.load(ntiles_ptr + tok)
-    idx_tok = idx_ptr + tok.to(gl.int64) * K
+    row, tok, hb, b, ntiles, idx_tok = _program(ntiles_ptr, idx_ptr, T, NHB, K)
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     mma: gl.constexpr = _mma_layout(MMA, NW)
-    KW: gl.constexpr = _k_width(MMA)
-    a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=KW)
-    b_op: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=KW)
+    a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=_k_width(MMA))
+    b_op: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=_k_width(MMA))
     rl: gl.constexpr = _row_layout(D, WARP, NW)
     srow: gl.constexpr = gl.SliceLayout(1, mma)
     scol: gl.constexpr = gl.SliceLayout(0, mma)
@@ -136,8 +197,7 @@ def csa_fwd_amd_kernel(q_ptr, kv_ptr, idx_ptr, ntiles_ptr, sink_ptr, o_ptr, lse_
 
     # ---- q into registers (the A operand of every QK^T) and the ring's first tiles
     if LOADER == 2:
-        q_smem = gl.allocate_shared_memory(
-            dtype, [HBC, D], gl.PaddedSharedLayout.with_identity_for([[D, 8]], [HBC, D], [1, 0]))
+        q_smem = gl.allocate_shared_memory(dtype, [HBC, D], _lds_layout(HBC, D, 1))
         q_bar = gl.allocate_shared_memory(gl.int64, [1], g1250_bar.MBarrierLayout())
         # the TDM splits the block over the warps: each warp's tensor_load_to_lds (8 rows at
         # 8 warps) carries the barrier and arrives once, hence one arrival per warp
@@ -145,26 +205,11 @@ def csa_fwd_amd_kernel(q_ptr, kv_ptr, idx_ptr, ntiles_ptr, sink_ptr, o_ptr, lse_
         # this program's [HBC, D] block of q as a (one-block) tensor for the TDM
         q_desc = tdm.make_tensor_descriptor(q_blk, shape=[HBC, D], strides=[D, 1],
                                             block_shape=[HBC, D], layout=q_smem.layout)
-    else:
-        qr = gl.arange(0, HBC, layout=gl.SliceLayout(1, a_op))
-        qc = gl.arange(0, D, layout=gl.SliceLayout(0, a_op))
-        q = cdna3.buffer_load(q_blk, qr[:, None] * D + qc[None, :])
-    if LOADER == 0:
-        ids = _tile_ids(idx_tok, 0, krows, ntiles, BK)
-        offs, valid = _kv_offsets(ids, cols, D)
-        nxt = cdna3.buffer_load(kv_b, offs, mask=valid, other=0.0)
-    else:
-        for j in gl.static_range(STAGES - 1):
-            ids = _tile_ids(idx_tok, j, krows, ntiles, BK)
-            offs, valid = _kv_offsets(ids, cols, D)
-            if LOADER == 1:
-                cdna4_copy.buffer_load_to_shared(ring.index(j), kv_b, offs, mask=valid,
-                                                 other=0.0)
-            else:
-                g1250_copy.global_to_shared(ring.index(j), kv_b + offs, mask=valid, other=0.0)
-            cdna4_copy.commit_group()
-    if LOADER == 2:
         tdm.async_load(q_desc, [0, 0], q_smem, mbarrier=q_bar)
+    else:
+        q = _load_block(q_blk, HBC, D, a_op)
+    nxt = _first_tiles(ring, kv_b, idx_tok, krows, cols, ntiles, BK, D, STAGES, LOADER)
+    if LOADER == 2:
         g1250_bar.wait(q_bar, 0)
         q = q_smem.load(a_op)
 
@@ -174,32 +219,8 @@ def csa_fwd_amd_kernel(q_ptr, kv_ptr, idx_ptr, ntiles_ptr, sink_ptr, o_ptr, lse_
     s_zero = gl.zeros([HBC, BK], gl.float32, mma)
     kcols = gl.arange(0, BK, layout=scol)
     for i in range(ntiles):
-        if LOADER == 0:
-            # tile i waits in registers: into the (single) LDS stage once tile i-1's reads end
-            gl.thread_barrier()
-            ring.index(0).store(nxt)
-            gl.thread_barrier()
-            tile = ring.index(0)
-            ids = _tile_ids(idx_tok, i + 1, krows, ntiles, BK)
-            offs, valid = _kv_offsets(ids, cols, D)
-            nxt = cdna3.buffer_load(kv_b, offs, mask=valid, other=0.0)
-        else:
-            # refill the stage tile i-1 used (every warp is past its reads: the barrier), then
-            # wait for tile i's own group (STAGES - 1 newer groups may stay in flight)
-            jn = i + STAGES - 1
-            gl.thread_barrier()
-            ids = _tile_ids(idx_tok, jn, krows, ntiles, BK)
-            offs, valid = _kv_offsets(ids, cols, D)
-            if LOADER == 1:
-                cdna4_copy.buffer_load_to_shared(ring.index(jn % STAGES), kv_b, offs,
-                                                 mask=valid, other=0.0)
-            else:
-                g1250_copy.global_to_shared(ring.index(jn % STAGES), kv_b + offs, mask=valid,
-                                            other=0.0)
-            cdna4_copy.commit_group()
-            cdna4_copy.wait_group(STAGES - 1)
-            gl.thread_barrier()
-            tile = ring.index(i % STAGES)
+        tile, nxt = _next_tile(ring, nxt, i, kv_b, idx_tok, krows, cols, ntiles, BK, D,
+                               STAGES, LOADER)
         sid = gl.load(idx_tok + i * BK + kcols)
         kt = tile.permute((1, 0)).load(b_op)
         sc = _mma(q, kt, s_zero, MMA)

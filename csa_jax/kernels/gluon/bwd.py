@@ -38,7 +38,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from csa_jax.kernels.gluon.dims import HB, SMEM_LIMIT, padded_dims
 from csa_jax.kernels.gluon.dims import dq_shared_bytes as shared_bytes
 from csa_jax.kernels.gluon.fwd import (
-    CONSUMER_WARPS, LOG2E, PRODUCER_WARPS, _next_ids, _producer, _release)
+    CONSUMER_WARPS, LOG2E, PRODUCER_WARPS, _next_ids, _producer, _program, _release)
 
 __all__ = ["csa_dq_kernel", "arg_types", "constexprs", "backward", "shared_bytes", "SMEM_LIMIT"]
 _LOG2E = gl.constexpr(LOG2E)
@@ -139,13 +139,7 @@ def csa_dq_kernel(q_ptr, do_ptr, kv_ptr, idx_ptr, ntiles_ptr, lse_ptr, dc_ptr, d
                   K: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, EW_C: gl.constexpr,
                   QK_SCALE: gl.constexpr, SCALE: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                   PREFETCH: gl.constexpr, ABLATE: gl.constexpr):
-    # program = (b, t, head block), head block fastest; `row` indexes [B*T*NHB] head blocks.
-    row = gl.program_id(0)
-    tok = row // NHB
-    hb = row % NHB
-    b = tok // T
-    ntiles = gl.load(ntiles_ptr + tok)
-    idx_tok = idx_ptr + tok.to(gl.int64) * K
+    row, tok, hb, b, ntiles, idx_tok = _program(ntiles_ptr, idx_ptr, T, NHB, K)
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     HBC: gl.constexpr = 64
     qdo_smem = gl.allocate_shared_memory(

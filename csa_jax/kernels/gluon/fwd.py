@@ -86,6 +86,17 @@ def _softmax_step(sc, ids, m, l, QK_SCALE: gl.constexpr):
 
 
 @gluon.jit
+def _program(ntiles_ptr, idx_ptr, T: gl.constexpr, NHB: gl.constexpr, K: gl.constexpr):
+    """(row, tok, hb, b, ntiles, idx_tok) of this program: program = (b, t, head block), head
+    block fastest; `row` indexes the [B*T*NHB] head blocks (rows row*64.. of q / o), idx_tok
+    the token's K slots. Shared by every Gluon CSA kernel (fwd, bwd, amd_fwd, amd_bwd)."""
+    row = gl.program_id(0)
+    tok = row // NHB
+    hb = row % NHB
+    return row, tok, hb, tok // T, gl.load(ntiles_ptr + tok), idx_ptr + tok.to(gl.int64) * K
+
+
+@gluon.jit
 def _finish(m, l, sink_ptrs):
     """Join the sink (natural-log logits, converted to the exp2 domain) to the running (m, l):
     (lse, o_scale) per csa_spec.md section 3: natural-log lse, EMPTY_LSE (NEG) and o = 0 for an
@@ -213,13 +224,7 @@ def csa_fwd_kernel(q_ptr, kv_ptr, idx_ptr, ntiles_ptr, sink_ptr, o_ptr, lse_ptr,
                    QK_SCALE: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                    PIPELINE: gl.constexpr, SMEM_EPILOGUE: gl.constexpr, ABLATE: gl.constexpr,
                    PREFETCH: gl.constexpr):
-    # program = (b, t, head block), head block fastest; `row` indexes [B*T*NHB] head blocks.
-    row = gl.program_id(0)
-    tok = row // NHB
-    hb = row % NHB
-    b = tok // T
-    ntiles = gl.load(ntiles_ptr + tok)
-    idx_tok = idx_ptr + tok.to(gl.int64) * K
+    row, tok, hb, b, ntiles, idx_tok = _program(ntiles_ptr, idx_ptr, T, NHB, K)
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     HBC: gl.constexpr = 64
     op_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HBC, D], dtype)
