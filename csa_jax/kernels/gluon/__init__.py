@@ -16,9 +16,9 @@ kernels can only be compiled (adapter.compile_kernel), never run.
 
 AMD (ROCm): on a gfx942 / gfx950 / gfx1250 device the forward is amd_fwd.py's kernel and the
 backward's dq kernel amd_bwd.py's (Config defaults per target from dims.AMD_DEFAULTS /
-AMD_DQ_DEFAULTS; dkv as on NVIDIA, the pallas_triton GEMM + reduce). COMPILED FOR THOSE TARGETS ON A CPU, NEVER RUN: no AMD GPU was available, so
-neither the kernels' numerics nor the ROCm launch path (adapter.gluon_call) are tested; auto
-never picks gluon on ROCm.
+AMD_DQ_DEFAULTS; dkv as on NVIDIA, the pallas_triton GEMM + reduce). COMPILED FOR THOSE TARGETS
+ON A CPU, NEVER RUN: no AMD GPU was available, so neither the kernels' numerics nor the ROCm
+launch path (adapter.gluon_call) are tested; auto never picks gluon on ROCm.
 """
 from __future__ import annotations
 
