@@ -200,7 +200,8 @@ def csa_fwd_amd_kernel(q_ptr, kv_ptr, idx_ptr, ntiles_ptr, sink_ptr, o_ptr, lse_
         q_smem = gl.allocate_shared_memory(dtype, [HBC, D], _lds_layout(HBC, D, 1))
         q_bar = gl.allocate_shared_memory(gl.int64, [1], g1250_bar.MBarrierLayout())
         # the TDM splits the block over the warps: each warp's tensor_load_to_lds (8 rows at
-        # 8 warps) carries the barrier and arrives once, hence one arrival per warp
+        # 8 warps) carries the barrier and arrives once, hence count = warps (as triton's own
+        # gfx1250 TDM + mbarrier tests initialise it)
         g1250_bar.init(q_bar, count=NW)
         # this program's [HBC, D] block of q as a (one-block) tensor for the TDM
         q_desc = tdm.make_tensor_descriptor(q_blk, shape=[HBC, D], strides=[D, 1],
