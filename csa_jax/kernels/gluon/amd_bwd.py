@@ -21,8 +21,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from csa_jax.kernels.gluon.amd_fwd import (
-    ARCH, HBC_, _first_tiles, _k_width, _lds_layout, _load_block, _mma, _mma_layout, _next_tile,
-    _row_layout, _tile_operand)
+    ARCH, HBC_, _drain, _first_tiles, _k_width, _lds_layout, _load_block, _mma, _mma_layout,
+    _next_tile, _row_layout, _tile_operand)
 from csa_jax.kernels.gluon.dims import AMD_DQ_DEFAULTS
 from csa_jax.kernels.gluon.fwd import LOG2E, _program
 
@@ -91,6 +91,7 @@ def csa_dq_amd_kernel(q_ptr, do_ptr, kv_ptr, idx_ptr, ntiles_ptr, lse_ptr, dc_pt
         gl.store(p_ptrs + i * BK, p.to(dtype))
         acc = _mma(gl.convert_layout(ds.to(dtype), a_op), _tile_operand(tile, b_op, rl, TRANS),
                    acc, MMA)
+    _drain(LOADER)
     zero = gl.zeros([HBC, BK], dtype, mma)
     for i in range(ntiles, K // BK):          # past the last non-empty tile: exact zeros
         gl.store(ds_ptrs + i * BK, zero)
