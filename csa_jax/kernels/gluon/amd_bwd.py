@@ -52,11 +52,11 @@ def csa_dq_amd_kernel(q_ptr, do_ptr, kv_ptr, idx_ptr, ntiles_ptr, lse_ptr, dc_pt
     krows = gl.arange(0, BK, layout=gl.SliceLayout(1, rl))
     kv_b = kv_ptr + b.to(gl.int64) * (N * D)
     blk = row.to(gl.int64) * (HBC * D)                  # this program's rows of q / dO / dq
-    ring = gl.allocate_shared_memory(dtype, [STAGES, BK, D], _lds_layout(BK, D, STAGES))
+    ring = gl.allocate_shared_memory(dtype, [STAGES, BK, D], _lds_layout(BK, D))
 
     q = _load_block(q_ptr + blk, HBC, D, a_op)
     if QDO == 1:
-        do_smem = gl.allocate_shared_memory(dtype, [HBC, D], _lds_layout(HBC, D, 1))
+        do_smem = gl.allocate_shared_memory(dtype, [HBC, D], _lds_layout(HBC, D))
         do_smem.store(_load_block(do_ptr + blk, HBC, D, rl))
     else:
         do = _load_block(do_ptr + blk, HBC, D, a_op)

@@ -5,28 +5,32 @@ AMD backend) and their resources read from the .amdgcn metadata (benchmarks/gluo
 docs/perf/gpu_resources.md); their numerics are unchecked.
 
 One program = 64 heads of one token (H = 128: two programs side by side), the NVIDIA kernel's
-work split (fwd.py); heads are the M dimension of the matrix instructions. 8 warps (wave64 on
-CDNA: 512 threads; wave32 on gfx1250: 256), all of them both data movers and compute: Triton
-3.6.0's CDNA backends have no mbarriers, so instead of a producer partition every warp issues
-the gathers of tile i + STAGES - 1 (CDNA4: async `buffer_load_to_shared`, the LDS ring's
+work split (fwd.py); heads are the M dimension of the matrix instructions. 8 warps (4 on gfx942;
+wave64 on CDNA, wave32 on gfx1250), all of them both data movers and compute: triton 3.6.0's AMD
+backend does not lower `gl.warp_specialize` (gfx1250: "failed to legalize 'ttg.warp_specialize'")
+and its CDNA modules have no mbarrier, so instead of a producer partition every warp issues the
+gathers of tile i + STAGES - 1 (CDNA4: async `buffer_load_to_shared`, the LDS ring's
 commit groups; CDNA3: `buffer_load` into registers, stored to LDS after tile i's products) while
 tile i is computed. On gfx1250 q arrives by the Tensor Data Mover (`tdm.async_load` of the
 [64, D] block, an LDS mbarrier) and kv rows are gathered by `async_copy.global_to_shared` into the
 ring; see `LOADER`.
 
-Per tile (BK gathered kv rows): S = q kv^T (MFMA 16x16 / WMMA 16x16x32, warps_per_cta [4, 2]:
-each warp owns 16 heads and half of S's columns, half of O's D columns), the online softmax of
-fwd.py (`_softmax_step`: exp2 domain, scores masked by slot validity), O += P kv with the same
-LDS tile as the B operand (K and V are the same rows: read transposed for QK^T, plainly for PV).
+Per tile (BK gathered kv rows): S = q kv^T (MFMA 16x16 / WMMA 16x16x32, warps_per_cta [4, NW/4]:
+each warp owns 16 heads and, at 8 warps, half of S's columns and half of O's D columns), the
+online softmax of fwd.py (`_softmax_step`: exp2 domain, scores masked by slot validity), O += P kv
+with the same LDS tile as the B operand (K and V are the same rows). The matrix instructions want
+K contiguous in each lane: QK^T's kv^T (K = D) is a plain read of the row-major tile, PV's kv
+(K = BK rows) a transposed one (gfx950: ds_read_b64_tr_b16; `trans` in constexprs).
 -1 slots are never read: their copies are masked (buffer ops: hardware out-of-range = zeros)
 and their scores are -inf. The tile loop stops at the token's last non-empty tile (ntiles), and
 the epilogue (sink, lse, o per csa_spec.md section 3) is fwd.py's `_finish`.
 
 q stays in registers (the A operand of QK^T, 64 VGPRs a lane on wave64): the LDS is left to the
-ring, which at D = 512 is what decides the tiles (`TARGET_DEFAULTS`): gfx942's 64 KiB hold one
-32-row stage (32 KiB) plus the compiler's scratch for the P / row-max exchanges, the next
-tile waiting in registers; gfx950's 160 KiB hold two 64-row stages; gfx1250 (320 KiB) holds q
-(64 KiB, delivered by the TDM) and three 64-row stages.
+ring, which at D = 512 is what decides the tiles (`TARGET_DEFAULTS`, dims.py): gfx942's 64 KiB
+hold one 32-row stage (32 KiB) plus the compiler's scratch for the P / row-max exchanges, the next
+tile waiting in registers, at 4 warps (8 spill: no transpose-load on CDNA3); gfx950's 160 KiB hold
+two 64-row stages; gfx1250 (320 KiB) holds q (64 KiB, delivered by the TDM) and three 64-row
+stages. docs/perf/gpu_resources.md has the arithmetic and the compile report.
 """
 from __future__ import annotations
 
@@ -75,9 +79,9 @@ def _row_layout(D, WARP, NW):
 
 
 @gluon.constexpr_function
-def _lds_layout(BK, D, STAGES):
+def _lds_layout(R, D):
     # 16 bytes of padding after every row: consecutive rows start on different banks.
-    return gl.PaddedSharedLayout.with_identity_for([[D, 8]], [BK, D], [1, 0])
+    return gl.PaddedSharedLayout.with_identity_for([[D, 8]], [R, D], [1, 0])
 
 
 @gluon.jit
@@ -200,11 +204,11 @@ def csa_fwd_amd_kernel(q_ptr, kv_ptr, idx_ptr, ntiles_ptr, sink_ptr, o_ptr, lse_
     krows = gl.arange(0, BK, layout=gl.SliceLayout(1, rl))
     kv_b = kv_ptr + b.to(gl.int64) * (N * D)           # int32 offsets inside one batch's kv
     q_blk = q_ptr + row.to(gl.int64) * (HBC * D)
-    ring = gl.allocate_shared_memory(dtype, [STAGES, BK, D], _lds_layout(BK, D, STAGES))
+    ring = gl.allocate_shared_memory(dtype, [STAGES, BK, D], _lds_layout(BK, D))
 
     # ---- q into registers (the A operand of every QK^T) and the ring's first tiles
     if LOADER == 2:
-        q_smem = gl.allocate_shared_memory(dtype, [HBC, D], _lds_layout(HBC, D, 1))
+        q_smem = gl.allocate_shared_memory(dtype, [HBC, D], _lds_layout(HBC, D))
         q_bar = gl.allocate_shared_memory(gl.int64, [1], g1250_bar.MBarrierLayout())
         # the TDM splits the block over the warps: each warp's tensor_load_to_lds (8 rows at
         # 8 warps) carries the barrier and arrives once, hence count = warps (as triton's own
