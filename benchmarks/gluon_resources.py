@@ -11,7 +11,8 @@ config for the target:
   NVIDIA-only ops; the row says which op);
 - gluon_amd: the AMD Gluon forward (amd_fwd.py) and dq kernel (amd_bwd.py) at
   dims.AMD_DEFAULTS / AMD_DQ_DEFAULTS on their three targets, and each with its
-  transposed-operand switch (trans=1, issue 14) as a non-default row;
+  transposed-operand switch (trans=1, issue 14) as a non-default row, and gfx1250's forward
+  with kv rows by per-row TDM loads (tdm_rows, non-default);
 - triton: the pallas_triton kernels (forward, dq, dkv reduce) lowered by Pallas for the target's
   platform with the impl's default config for that device kind, compiled by
   benchmarks/triton_compile.py.
@@ -120,6 +121,11 @@ def gluon_amd_kernels():
                                         trans=trans, **shape)
             yield (f"csa_fwd_amd[{tag}]", trans == 0, (target,),
                    _gluon(amd_fwd.csa_fwd_amd_kernel, amd_fwd.arg_types(), consts, d["warps"]))
+        if trans == 0:        # gfx1250's kv rows by per-row TDM loads (32 rows x 2 stages)
+            consts = amd_fwd.constexprs(target="gfx1250", BK=32, stages=2, tdm_rows=True,
+                                        **shape)
+            yield ("csa_fwd_amd[tdm_rows]", False, ("gfx1250",),
+                   _gluon(amd_fwd.csa_fwd_amd_kernel, amd_fwd.arg_types(), consts, 8))
         for target, d in amd_bwd.DQ_DEFAULTS.items():
             consts = amd_bwd.constexprs(target=target, BK=d["block_k"], stages=d["stages"],
                                         qdo=d["qdo"], trans=trans, **shape)

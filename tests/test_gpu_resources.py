@@ -69,6 +69,23 @@ def test_transposed_operand_switch_on_cdna4():
     assert r0["vgpr"] < r1["vgpr"] or r1["vgpr_spill"] > 0, (r0, r1)
 
 
+def test_gfx1250_kv_rows_by_tdm():
+    """tdm_rows: one TDM block load per kv row (the TDM has no gather in triton 3.6.0), waited by
+    tensor count (BK per tile and wave); refused for the CDNA targets, which have no TDM."""
+    c = adapter.compile_kernel(
+        amd_fwd.csa_fwd_amd_kernel, amd_fwd.arg_types(),
+        amd_fwd.constexprs(target="gfx1250", T=64, N=300, NHB=2, D=512, K=192, BK=32, stages=2,
+                           scale=0.05, tdm_rows=True), target="gfx1250", num_warps=8)
+    r = adapter.resources(c, "gfx1250")
+    gcn = c.asm["amdgcn"]
+    assert r["vgpr_spill"] == 0 and r["shared"] <= r["shared_limit"], r
+    assert gcn.count("tensor_load_to_lds") == 1 + 2 * 32      # q, prologue tile, loop tile
+    assert "s_wait_tensorcnt 0x20" in gcn and "global_load_async_to_lds" not in gcn
+    with pytest.raises(ValueError, match="tdm_rows needs gfx1250"):
+        amd_fwd.constexprs(target="gfx950", T=1, N=1, NHB=1, D=64, K=64, BK=64, stages=2,
+                           scale=1.0, tdm_rows=True)
+
+
 def test_resource_report_amd_gluon_passes(capsys):
     assert gluon_resources.main(["--targets", ",".join(AMD), "--kernels", "gluon_amd"]) == 0
     out = capsys.readouterr().out

@@ -21,8 +21,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from csa_jax.kernels.gluon.amd_fwd import (
-    ARCH, HBC_, _drain, _first_tiles, _k_width, _lds_layout, _load_block, _mma, _mma_layout,
-    _next_tile, _row_layout, _tile_operand)
+    ARCH, HBC_, _drain, _first_tiles, _k_width, _kv_source, _lds_layout, _load_block, _mma,
+    _mma_layout, _next_tile, _row_layout, _tile_operand)
 from csa_jax.kernels.gluon.dims import AMD_DQ_DEFAULTS
 from csa_jax.kernels.gluon.fwd import LOG2E, _program
 
@@ -50,7 +50,7 @@ def csa_dq_amd_kernel(q_ptr, do_ptr, kv_ptr, idx_ptr, ntiles_ptr, lse_ptr, dc_pt
     scol: gl.constexpr = gl.SliceLayout(0, mma)
     cols = gl.arange(0, D, layout=gl.SliceLayout(0, rl))
     krows = gl.arange(0, BK, layout=gl.SliceLayout(1, rl))
-    kv_b = kv_ptr + b.to(gl.int64) * (N * D)
+    kv_src = _kv_source(kv_ptr + b.to(gl.int64) * (N * D), N, D, LOADER)
     blk = row.to(gl.int64) * (HBC * D)                  # this program's rows of q / dO / dq
     ring = gl.allocate_shared_memory(dtype, [STAGES, BK, D], _lds_layout(BK, D))
 
@@ -60,7 +60,7 @@ def csa_dq_amd_kernel(q_ptr, do_ptr, kv_ptr, idx_ptr, ntiles_ptr, lse_ptr, dc_pt
         do_smem.store(_load_block(do_ptr + blk, HBC, D, rl))
     else:
         do = _load_block(do_ptr + blk, HBC, D, a_op)
-    nxt = _first_tiles(ring, kv_b, idx_tok, krows, cols, ntiles, BK, D, STAGES, LOADER)
+    nxt = _first_tiles(ring, kv_src, idx_tok, krows, cols, ntiles, N, BK, D, STAGES, LOADER)
 
     hrows = gl.arange(0, HBC, layout=srow)
     kcols = gl.arange(0, BK, layout=scol)
@@ -76,7 +76,7 @@ def csa_dq_amd_kernel(q_ptr, do_ptr, kv_ptr, idx_ptr, ntiles_ptr, lse_ptr, dc_pt
     if QDO == 1:
         gl.thread_barrier()
     for i in range(ntiles):
-        tile, nxt = _next_tile(ring, nxt, i, kv_b, idx_tok, krows, cols, ntiles, BK, D,
+        tile, nxt = _next_tile(ring, nxt, i, kv_src, idx_tok, krows, cols, ntiles, N, BK, D,
                                STAGES, LOADER)
         sid = gl.load(idx_tok + i * BK + kcols)
         kt = tile.permute((1, 0)).load(b_op)

@@ -48,7 +48,8 @@ from csa_jax.kernels.gluon.fwd import LOG2E, _finish, _program, _softmax_step
 HBC_ = gl.constexpr(64)
 # LOADER: how kv tiles reach LDS. 0 = buffer_load into registers, then a local store (CDNA3:
 # 3.6.0 has no async copy for gfx942); 1 = async buffer_load_to_shared + commit groups (CDNA4);
-# 2 = q by TDM + mbarrier, kv rows by async global_to_shared + commit groups (gfx1250).
+# 2 = q by TDM + mbarrier, kv rows by async global_to_shared + commit groups (gfx1250); 3 = as 2
+# but kv rows by per-row TDM block loads (gfx1250, constexprs(tdm_rows=True), not a default).
 ARCH = {"gfx942": dict(mma=3, loader=0, warp=64), "gfx950": dict(mma=4, loader=1, warp=64),
         "gfx1250": dict(mma=0, loader=2, warp=32)}
 TARGET_DEFAULTS = AMD_DEFAULTS          # per target at D = 512: dims.py says why
@@ -119,42 +120,53 @@ def _tile_operand(tile, b_op: gl.constexpr, rl: gl.constexpr, TRANS: gl.constexp
 
 
 @gluon.jit
-def _load_tile(ring, stage, kv_b, idx_tok, j, krows, cols, ntiles, BK: gl.constexpr,
-               D: gl.constexpr, LOADER: gl.constexpr):
-    """Tile j's gather: LOADER 0 returns it in registers (buffer_load; masked rows read as
+def _load_tile(ring, stage, kv_src, idx_tok, j, krows, cols, ntiles, N: gl.constexpr,
+               BK: gl.constexpr, D: gl.constexpr, LOADER: gl.constexpr):
+    """Tile j's gather from kv_src (the batch's kv rows: a pointer, or for LOADER 3 a TDM
+    descriptor of them). LOADER 0 returns the tile in registers (buffer_load; masked rows read as
     hardware out-of-range zeros); 1 / 2 copy it asynchronously into ring stage `stage` (one
-    commit group; 2's masked-off rows get a plain LDS store of zeros) and return 0."""
-    ids = _tile_ids(idx_tok, j, krows, ntiles, BK)
-    offs, valid = _kv_offsets(ids, cols, D)
-    if LOADER == 0:
-        out = cdna3.buffer_load(kv_b, offs, mask=valid, other=0.0)
-    else:
-        if LOADER == 1:
-            cdna4_copy.buffer_load_to_shared(ring.index(stage), kv_b, offs, mask=valid,
-                                             other=0.0)
-        else:
-            g1250_copy.global_to_shared(ring.index(stage), kv_b + offs, mask=valid, other=0.0)
-        cdna4_copy.commit_group()
+    commit group; 2's masked-off rows get a plain LDS store of zeros); 3 issues one TDM block
+    load per row (row N, out of the descriptor's range, for an empty slot: zero-filled). 1-3
+    return 0."""
+    if LOADER == 3:
+        for r in gl.static_range(BK):
+            rid = gl.load(idx_tok + j * BK + r, mask=j < ntiles, other=-1)
+            tdm.async_load(kv_src, [gl.where(rid >= 0, rid, N), 0],
+                           ring.index(stage).slice(r, 1))
         out = 0
+    else:
+        ids = _tile_ids(idx_tok, j, krows, ntiles, BK)
+        offs, valid = _kv_offsets(ids, cols, D)
+        if LOADER == 0:
+            out = cdna3.buffer_load(kv_src, offs, mask=valid, other=0.0)
+        else:
+            if LOADER == 1:
+                cdna4_copy.buffer_load_to_shared(ring.index(stage), kv_src, offs, mask=valid,
+                                                 other=0.0)
+            else:
+                g1250_copy.global_to_shared(ring.index(stage), kv_src + offs, mask=valid,
+                                            other=0.0)
+            cdna4_copy.commit_group()
+            out = 0
     return out
 
 
 @gluon.jit
-def _first_tiles(ring, kv_b, idx_tok, krows, cols, ntiles, BK: gl.constexpr, D: gl.constexpr,
-                 STAGES: gl.constexpr, LOADER: gl.constexpr):
+def _first_tiles(ring, kv_src, idx_tok, krows, cols, ntiles, N: gl.constexpr,
+                 BK: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, LOADER: gl.constexpr):
     """The prologue: tile 0 into registers (LOADER 0), or tiles 0..STAGES-2 in flight."""
     if LOADER == 0:
-        nxt = _load_tile(ring, 0, kv_b, idx_tok, 0, krows, cols, ntiles, BK, D, LOADER)
+        nxt = _load_tile(ring, 0, kv_src, idx_tok, 0, krows, cols, ntiles, N, BK, D, LOADER)
     else:
         for j in gl.static_range(STAGES - 1):
-            _load_tile(ring, j, kv_b, idx_tok, j, krows, cols, ntiles, BK, D, LOADER)
+            _load_tile(ring, j, kv_src, idx_tok, j, krows, cols, ntiles, N, BK, D, LOADER)
         nxt = 0
     return nxt
 
 
 @gluon.jit
-def _next_tile(ring, nxt, i, kv_b, idx_tok, krows, cols, ntiles, BK: gl.constexpr,
-               D: gl.constexpr, STAGES: gl.constexpr, LOADER: gl.constexpr):
+def _next_tile(ring, nxt, i, kv_src, idx_tok, krows, cols, ntiles, N: gl.constexpr,
+               BK: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, LOADER: gl.constexpr):
     """(LDS tile i, registers carried to the next call) at the top of iteration i."""
     if LOADER == 0:
         # tile i waits in registers: into the (single) LDS stage once tile i-1's reads end,
@@ -163,24 +175,43 @@ def _next_tile(ring, nxt, i, kv_b, idx_tok, krows, cols, ntiles, BK: gl.constexp
         ring.index(0).store(nxt)
         gl.thread_barrier()
         tile = ring.index(0)
-        nxt = _load_tile(ring, 0, kv_b, idx_tok, i + 1, krows, cols, ntiles, BK, D, LOADER)
+        nxt = _load_tile(ring, 0, kv_src, idx_tok, i + 1, krows, cols, ntiles, N, BK, D,
+                         LOADER)
     else:
         # refill the stage tile i-1 used (every warp is past its reads: the barrier), then wait
         # for tile i's own group (STAGES - 1 newer groups may stay in flight) and make every
         # thread's copies visible (the second barrier)
         gl.thread_barrier()
         jn = i + STAGES - 1
-        _load_tile(ring, jn % STAGES, kv_b, idx_tok, jn, krows, cols, ntiles, BK, D, LOADER)
-        cdna4_copy.wait_group(STAGES - 1)
+        _load_tile(ring, jn % STAGES, kv_src, idx_tok, jn, krows, cols, ntiles, N, BK, D,
+                   LOADER)
+        if LOADER == 3:
+            tdm.async_wait((STAGES - 1) * BK)     # per wave: BK TDM ops a tile, in order
+        else:
+            cdna4_copy.wait_group(STAGES - 1)
         gl.thread_barrier()
         tile = ring.index(i % STAGES)
     return tile, nxt
 
 
 @gluon.jit
+def _kv_source(kv_b, N: gl.constexpr, D: gl.constexpr, LOADER: gl.constexpr):
+    """What the gathers read: the batch's kv base pointer (int32 offsets from it), or for
+    LOADER 3 a TDM descriptor of its [N, D] rows with [1, D] blocks (zero padding)."""
+    if LOADER == 3:
+        src = tdm.make_tensor_descriptor(kv_b, shape=[N, D], strides=[D, 1], block_shape=[1, D],
+                                         layout=_lds_layout(1, D))
+    else:
+        src = kv_b
+    return src
+
+
+@gluon.jit
 def _drain(LOADER: gl.constexpr):
     """No async copy outlives the program (ntiles = 0 or the masked tail still issued groups)."""
-    if LOADER != 0:
+    if LOADER == 3:
+        tdm.async_wait(0)
+    elif LOADER != 0:
         cdna4_copy.wait_group(0)
 
 
@@ -202,12 +233,12 @@ def csa_fwd_amd_kernel(q_ptr, kv_ptr, idx_ptr, ntiles_ptr, sink_ptr, o_ptr, lse_
     scol: gl.constexpr = gl.SliceLayout(0, mma)
     cols = gl.arange(0, D, layout=gl.SliceLayout(0, rl))
     krows = gl.arange(0, BK, layout=gl.SliceLayout(1, rl))
-    kv_b = kv_ptr + b.to(gl.int64) * (N * D)           # int32 offsets inside one batch's kv
+    kv_src = _kv_source(kv_ptr + b.to(gl.int64) * (N * D), N, D, LOADER)
     q_blk = q_ptr + row.to(gl.int64) * (HBC * D)
     ring = gl.allocate_shared_memory(dtype, [STAGES, BK, D], _lds_layout(BK, D))
 
     # ---- q into registers (the A operand of every QK^T) and the ring's first tiles
-    if LOADER == 2:
+    if LOADER >= 2:
         q_smem = gl.allocate_shared_memory(dtype, [HBC, D], _lds_layout(HBC, D))
         q_bar = gl.allocate_shared_memory(gl.int64, [1], g1250_bar.MBarrierLayout())
         # the TDM splits the block over the warps: each warp's tensor_load_to_lds (8 rows at
@@ -220,8 +251,8 @@ def csa_fwd_amd_kernel(q_ptr, kv_ptr, idx_ptr, ntiles_ptr, sink_ptr, o_ptr, lse_
         tdm.async_load(q_desc, [0, 0], q_smem, mbarrier=q_bar)
     else:
         q = _load_block(q_blk, HBC, D, a_op)
-    nxt = _first_tiles(ring, kv_b, idx_tok, krows, cols, ntiles, BK, D, STAGES, LOADER)
-    if LOADER == 2:
+    nxt = _first_tiles(ring, kv_src, idx_tok, krows, cols, ntiles, N, BK, D, STAGES, LOADER)
+    if LOADER >= 2:
         g1250_bar.wait(q_bar, 0)
         q = q_smem.load(a_op)
 
@@ -231,7 +262,7 @@ def csa_fwd_amd_kernel(q_ptr, kv_ptr, idx_ptr, ntiles_ptr, sink_ptr, o_ptr, lse_
     s_zero = gl.zeros([HBC, BK], gl.float32, mma)
     kcols = gl.arange(0, BK, layout=scol)
     for i in range(ntiles):
-        tile, nxt = _next_tile(ring, nxt, i, kv_b, idx_tok, krows, cols, ntiles, BK, D,
+        tile, nxt = _next_tile(ring, nxt, i, kv_src, idx_tok, krows, cols, ntiles, N, BK, D,
                                STAGES, LOADER)
         sid = gl.load(idx_tok + i * BK + kcols)
         kt = tile.permute((1, 0)).load(b_op)
@@ -259,17 +290,21 @@ def _mma(a, b, acc, MMA: gl.constexpr):
     return out
 
 
-def constexprs(*, target, T, N, NHB, D, K, BK, stages, scale, trans=0):
+def constexprs(*, target, T, N, NHB, D, K, BK, stages, scale, trans=0, tdm_rows=False):
     """The kernel's compile-time parameters for an AMD target (also the CPU compile checks).
     trans: how PV reads its B operand (the kv tile, K = BK rows, row-major in LDS, so read
     transposed): 0 = the operand layout straight from LDS (the compiler's choice: gfx950
     ds_read_b64_tr_b16, gfx942 2-byte strided ds_read_u16, CDNA3 has no transpose-load);
     1 = 16-byte row reads into registers, then a layout conversion (a register transpose,
-    through the compiler's LDS scratch). Issue 14's switch; only 0 is a default."""
+    through the compiler's LDS scratch). Issue 14's switch; only 0 is a default.
+    tdm_rows (gfx1250 only, not a default): kv rows by one TDM block load per row (LOADER 3)
+    instead of async_copy's pointer gather (the TDM has no gather form in triton 3.6.0)."""
     a = ARCH[target]
+    if tdm_rows and target != "gfx1250":
+        raise ValueError(f"tdm_rows needs gfx1250's Tensor Data Mover, not {target}")
     return dict(T=T, N=N, NHB=NHB, D=D, K=K, BK=BK, STAGES=stages,
-                QK_SCALE=float(scale) * LOG2E, MMA=a["mma"], LOADER=a["loader"], WARP=a["warp"],
-                TRANS=int(trans))
+                QK_SCALE=float(scale) * LOG2E, MMA=a["mma"],
+                LOADER=3 if tdm_rows else a["loader"], WARP=a["warp"], TRANS=int(trans))
 
 
 ARG_TYPES = ("*{dt}", "*{dt}", "*i32", "*i32", "*fp32", "*{dt}", "*fp32")
