@@ -44,6 +44,10 @@ def test_amd_forward_compiles_without_spills(target):
     assert r["launch_problem"] is None, r
     assert r["shared"] <= r["shared_limit"], r
     assert r["vgpr_spill"] == 0 and r["scratch"] == 0, r
+    from csa_jax.kernels.gluon.dims import amd_lds_bytes
+    d = amd_fwd.TARGET_DEFAULTS[target]
+    est = amd_lds_bytes(target, 512, d["block_k"], d["stages"], int(target == "gfx1250"))
+    assert est - 1024 <= r["shared"] <= est + 8192, (r["shared"], est)   # the wrapper's check
     gcn = c.asm["amdgcn"]
     missing = [w for w in WANT[target] if w not in gcn]
     assert not missing, (target, missing)
@@ -200,3 +204,15 @@ def test_amd_dq_kernel_compiles_without_spills(target):
     assert r["shared"] <= r["shared_limit"] and r["vgpr_spill"] == 0, r
     mm = re.findall(r"^\s+(v_mfma\w*|v_wmma\w*)", c.asm["amdgcn"], re.M)
     assert mm and len(set(mm)) == 1, set(mm)      # S, dP and dq products on one instruction
+
+
+def test_amd_forward_refuses_tiles_over_lds():
+    import jax.numpy as jnp
+    q = jnp.zeros((1, 2, 64, 512), jnp.bfloat16)
+    kv = jnp.zeros((1, 8, 512), jnp.bfloat16)
+    idx = jnp.zeros((1, 2, 64), jnp.int32)
+    with pytest.raises(ValueError, match="block_k=64, stages=2 at D=512 need .* gfx942 has 65536"):
+        amd_fwd.forward(q, kv, idx, jnp.zeros(64), scale=0.1, arch="gfx942", block_k=64,
+                        stages=2)
+    with pytest.raises(NotImplementedError, match="gfx90a"):
+        amd_fwd.forward(q, kv, idx, jnp.zeros(64), scale=0.1, arch="gfx90a")

@@ -42,7 +42,7 @@ from triton.experimental.gluon.language.amd.gfx1250 import async_copy as g1250_c
 from triton.experimental.gluon.language.amd.gfx1250 import mbarrier as g1250_bar
 from triton.experimental.gluon.language.amd.gfx1250 import tdm
 
-from csa_jax.kernels.gluon.dims import AMD_DEFAULTS
+from csa_jax.kernels.gluon.dims import AMD_DEFAULTS, AMD_LDS, amd_lds_bytes
 from csa_jax.kernels.gluon.fwd import LOG2E, _finish, _program, _softmax_step
 
 HBC_ = gl.constexpr(64)
@@ -327,6 +327,10 @@ def forward(q, kv, idx, sink, *, scale, arch, block_k=None, stages=None):
     bk, st = block_k or d["block_k"], stages or d["stages"]
     q_p, kv_p, idx_p, ntiles, sink_p, dims = prepare(q, kv, idx, sink, bk)
     B, T, H, D, N, Hp, Dp, Kp, nhb = dims
+    need = amd_lds_bytes(arch, D, bk, st, extra_blocks=int(arch == "gfx1250"))
+    if need > AMD_LDS[arch] - 8192:
+        raise ValueError(f"block_k={bk}, stages={st} at D={D} need {need} B of LDS; {arch} has "
+                         f"{AMD_LDS[arch]} (8 KiB kept for the compiler's scratch)")
     if N * Dp >= 2 ** 31:
         raise ValueError(f"kv rows N={N} x D={Dp} per batch exceed the buffer loads' int32 "
                          f"offsets")

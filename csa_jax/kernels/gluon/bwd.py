@@ -235,7 +235,12 @@ def backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, block_k, stages, prod
                             ablate=ablate)
     else:
         from csa_jax.kernels.gluon import amd_bwd
+        from csa_jax.kernels.gluon.dims import AMD_LDS, amd_lds_bytes
         a = amd_bwd.DQ_DEFAULTS[amd]
+        need = amd_lds_bytes(amd, D, block_k, stages, extra_blocks=a["qdo"])
+        if need > AMD_LDS[amd] - 8192:
+            raise ValueError(f"dq kernel tiles bwd_block_k={block_k}, bwd_stages={stages} at "
+                             f"D={D} need {need} B of LDS; {amd} has {AMD_LDS[amd]}")
         kernel, warps, name = amd_bwd.csa_dq_amd_kernel, a["warps"], "csa_gluon_dq_amd"
         consts = amd_bwd.constexprs(target=amd, T=T, N=N, NHB=nhb, D=Dp, K=Kp, BK=block_k,
                                     stages=stages, scale=scale, qdo=a["qdo"])

@@ -39,6 +39,18 @@ AMD_DEFAULTS = {"gfx942": dict(block_k=32, stages=1, warps=4),
 AMD_DQ_DEFAULTS = {"gfx942": dict(block_k=32, stages=1, warps=4, qdo=0),
                    "gfx950": dict(block_k=32, stages=4, warps=8, qdo=0),
                    "gfx1250": dict(block_k=32, stages=4, warps=8, qdo=1)}
+AMD_LDS = {"gfx942": 65_536, "gfx950": 163_840, "gfx1250": 327_680}
+
+
+def amd_lds_bytes(arch, D, block_k, stages, extra_blocks=0, itemsize=2):
+    """LDS of an AMD kernel's buffers (amd_fwd / amd_bwd): the ring of padded rows (16 B after
+    each row) plus `extra_blocks` [64, D] blocks (gfx1250's q; the dq kernel's dO with qdo 1);
+    the compiler adds a few KiB of scratch (8 KiB is kept free)."""
+    del arch
+    Dp = padded_dims(HB, D, block_k, block_k)[1]
+    return (stages * block_k + extra_blocks * HB) * (Dp + 8) * itemsize
+
+
 # device kinds of ROCm GPUs -> architecture, where jax reports no gfx name
 AMD_KINDS = (("mi300", "gfx942"), ("mi325", "gfx942"), ("mi350", "gfx950"), ("mi355", "gfx950"))
 
