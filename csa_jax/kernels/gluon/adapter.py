@@ -17,7 +17,9 @@ only its kernel-building step for Gluon kernels:
    scratch, tensor memory, PDL, cooperative grids, clusters).
 5. The patched builder hands jaxlib `TritonKernel(name, md.num_warps, ...)` with the TOTAL warp
    count, worker partitions included (the PTX has `.reqntid`; the user's num_warps fails at
-   launch with CUDA_ERROR_INVALID_VALUE).
+   launch with CUDA_ERROR_INVALID_VALUE). On ROCm it compiles for the device's gfx arch
+   (`hip_target`) and passes the code object's file path, as jax-triton does for its own ROCm
+   kernels: UNTESTED, no ROCm device was available (the AMD kernels are compile-only here).
 
 Launch facts (checked on the H200, ../shared/gpu_kernels.md): the PTX entry takes the user
 pointers plus a global-scratch and a profile-scratch pointer, which jaxlib appends; jaxlib launches
