@@ -214,5 +214,8 @@ def test_amd_forward_refuses_tiles_over_lds():
     with pytest.raises(ValueError, match="block_k=64, stages=2 at D=512 need .* gfx942 has 65536"):
         amd_fwd.forward(q, kv, idx, jnp.zeros(64), scale=0.1, arch="gfx942", block_k=64,
                         stages=2)
+    with pytest.raises(ValueError, match="2 GiB byte-offset range"):
+        amd_fwd.check_buffer_range(2 ** 21, 512, 2)             # 2 GiB of kv rows
+    amd_fwd.check_buffer_range(2 ** 20, 512, 2)                 # 1 GiB: fine
     with pytest.raises(NotImplementedError, match="gfx90a"):
         amd_fwd.forward(q, kv, idx, jnp.zeros(64), scale=0.1, arch="gfx90a")

@@ -314,6 +314,14 @@ def arg_types(dt="bf16"):
     return [t.format(dt=dt) for t in ARG_TYPES]
 
 
+def check_buffer_range(N, Dp, itemsize):
+    """Buffer loads address a batch's kv rows with 32-bit byte offsets (range 2**31 - 2, the
+    descriptor's num_records; out-of-range offsets are how masked rows read zeros)."""
+    if N * Dp * itemsize > 2 ** 31 - 2:
+        raise ValueError(f"kv of N={N} rows x D={Dp} ({itemsize} B) per batch exceeds the AMD "
+                         f"buffer loads' 2 GiB byte-offset range")
+
+
 def forward(q, kv, idx, sink, *, scale, arch, block_k=None, stages=None):
     """o [B, T, H, D] (q.dtype), lse [B, T, H] f32 through csa_fwd_amd_kernel on a ROCm GPU of
     architecture `arch` (a key of ARCH). NEVER RUN: no AMD GPU was available; the launch goes
@@ -331,9 +339,7 @@ def forward(q, kv, idx, sink, *, scale, arch, block_k=None, stages=None):
     if need > AMD_LDS[arch] - 8192:
         raise ValueError(f"block_k={bk}, stages={st} at D={D} need {need} B of LDS; {arch} has "
                          f"{AMD_LDS[arch]} (8 KiB kept for the compiler's scratch)")
-    if N * Dp >= 2 ** 31:
-        raise ValueError(f"kv rows N={N} x D={Dp} per batch exceed the buffer loads' int32 "
-                         f"offsets")
+    check_buffer_range(N, Dp, q.dtype.itemsize)
     o, lse = gluon_call(
         q_p, kv_p, idx_p, ntiles, sink_p, kernel=csa_fwd_amd_kernel,
         out_shape=out_shapes(q, dims), grid=(B * T * nhb,), num_warps=d["warps"],

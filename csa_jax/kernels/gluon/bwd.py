@@ -241,6 +241,8 @@ def backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, block_k, stages, prod
         if need > AMD_LDS[amd] - 8192:
             raise ValueError(f"dq kernel tiles bwd_block_k={block_k}, bwd_stages={stages} at "
                              f"D={D} need {need} B of LDS; {amd} has {AMD_LDS[amd]}")
+        from csa_jax.kernels.gluon.amd_fwd import check_buffer_range
+        check_buffer_range(N, Dp, q.dtype.itemsize)
         kernel, warps, name = amd_bwd.csa_dq_amd_kernel, a["warps"], "csa_gluon_dq_amd"
         consts = amd_bwd.constexprs(target=amd, T=T, N=N, NHB=nhb, D=Dp, K=Kp, BK=block_k,
                                     stages=stages, scale=scale, qdo=a["qdo"])
