@@ -21,8 +21,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from csa_jax.kernels.gluon.amd_fwd import (
-    ARCH, HBC_, _drain, _first_tiles, _k_width, _kv_source, _lds_layout, _load_block, _mma,
-    _mma_layout, _next_tile, _row_layout, _tile_operand)
+    ARCH, HBC_, _drain, _first_tiles, _gather_setup, _lds_layout, _load_block, _mma,
+    _mma_layout, _next_tile, _operand, _row_layout, _tile_operand)
 from csa_jax.kernels.gluon.dims import AMD_DQ_DEFAULTS
 from csa_jax.kernels.gluon.fwd import LOG2E, _program
 
@@ -43,16 +43,13 @@ def csa_dq_amd_kernel(q_ptr, do_ptr, kv_ptr, idx_ptr, ntiles_ptr, lse_ptr, dc_pt
     row, tok, hb, b, ntiles, idx_tok = _program(ntiles_ptr, idx_ptr, T, NHB, K)
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     mma: gl.constexpr = _mma_layout(MMA, NW)
-    a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=_k_width(MMA))
-    b_op: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=_k_width(MMA))
+    a_op: gl.constexpr = _operand(0, MMA, NW)
+    b_op: gl.constexpr = _operand(1, MMA, NW)
     rl: gl.constexpr = _row_layout(D, WARP, NW)
     srow: gl.constexpr = gl.SliceLayout(1, mma)
     scol: gl.constexpr = gl.SliceLayout(0, mma)
-    cols = gl.arange(0, D, layout=gl.SliceLayout(0, rl))
-    krows = gl.arange(0, BK, layout=gl.SliceLayout(1, rl))
-    kv_src = _kv_source(kv_ptr + b.to(gl.int64) * (N * D), N, D, LOADER)
+    ring, kv_src, cols, krows = _gather_setup(kv_ptr, b, dtype, N, D, BK, STAGES, WARP, LOADER)
     blk = row.to(gl.int64) * (HBC * D)                  # this program's rows of q / dO / dq
-    ring = gl.allocate_shared_memory(dtype, [STAGES, BK, D], _lds_layout(BK, D))
 
     q = _load_block(q_ptr + blk, HBC, D, a_op)
     if QDO == 1:

@@ -73,6 +73,12 @@ def _k_width(MMA):
 
 
 @gluon.constexpr_function
+def _operand(i, MMA, NW):
+    """Operand i (0 = A, 1 = B) layout of the products on _mma_layout."""
+    return gl.DotOperandLayout(operand_index=i, parent=_mma_layout(MMA, NW), k_width=_k_width(MMA))
+
+
+@gluon.constexpr_function
 def _row_layout(D, WARP, NW):
     """Gather layout: 8 contiguous elements (16 B) a thread, a whole D = 512 row per wave64."""
     tc = min(WARP, D // 8)
@@ -207,6 +213,20 @@ def _kv_source(kv_b, N: gl.constexpr, D: gl.constexpr, LOADER: gl.constexpr):
 
 
 @gluon.jit
+def _gather_setup(kv_ptr, b, dtype: gl.constexpr, N: gl.constexpr, D: gl.constexpr,
+                  BK: gl.constexpr, STAGES: gl.constexpr, WARP: gl.constexpr,
+                  LOADER: gl.constexpr):
+    """(LDS ring [STAGES, BK, D], the gathers' source for batch b, the gather layout's column
+    and row indices)."""
+    rl: gl.constexpr = _row_layout(D, WARP, gl.num_warps())
+    cols = gl.arange(0, D, layout=gl.SliceLayout(0, rl))
+    krows = gl.arange(0, BK, layout=gl.SliceLayout(1, rl))
+    kv_src = _kv_source(kv_ptr + b.to(gl.int64) * (N * D), N, D, LOADER)
+    ring = gl.allocate_shared_memory(dtype, [STAGES, BK, D], _lds_layout(BK, D))
+    return ring, kv_src, cols, krows
+
+
+@gluon.jit
 def _drain(LOADER: gl.constexpr):
     """No async copy outlives the program (ntiles = 0 or the masked tail still issued groups)."""
     if LOADER == 3:
@@ -226,16 +246,13 @@ def csa_fwd_amd_kernel(q_ptr, kv_ptr, idx_ptr, ntiles_ptr, sink_ptr, o_ptr, lse_
     row, tok, hb, b, ntiles, idx_tok = _program(ntiles_ptr, idx_ptr, T, NHB, K)
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     mma: gl.constexpr = _mma_layout(MMA, NW)
-    a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=_k_width(MMA))
-    b_op: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=_k_width(MMA))
+    a_op: gl.constexpr = _operand(0, MMA, NW)
+    b_op: gl.constexpr = _operand(1, MMA, NW)
     rl: gl.constexpr = _row_layout(D, WARP, NW)
     srow: gl.constexpr = gl.SliceLayout(1, mma)
     scol: gl.constexpr = gl.SliceLayout(0, mma)
-    cols = gl.arange(0, D, layout=gl.SliceLayout(0, rl))
-    krows = gl.arange(0, BK, layout=gl.SliceLayout(1, rl))
-    kv_src = _kv_source(kv_ptr + b.to(gl.int64) * (N * D), N, D, LOADER)
+    ring, kv_src, cols, krows = _gather_setup(kv_ptr, b, dtype, N, D, BK, STAGES, WARP, LOADER)
     q_blk = q_ptr + row.to(gl.int64) * (HBC * D)
-    ring = gl.allocate_shared_memory(dtype, [STAGES, BK, D], _lds_layout(BK, D))
 
     # ---- q into registers (the A operand of every QK^T) and the ring's first tiles
     if LOADER >= 2:
