@@ -21,7 +21,7 @@ AMD = ("gfx942", "gfx950", "gfx1250")
 # What each target's default kernel must contain (the design's data movers and matrix ops).
 WANT = {
     "gfx942": ("buffer_load_dwordx4", "v_mfma_f32_16x16x16_bf16", "ds_write_b128"),
-    "gfx950": ("buffer_load_dwordx4 ", "v_mfma_f32_16x16x32_bf16", "ds_read_b64_tr_b16"),
+    "gfx950": ("offen lds", "v_mfma_f32_16x16x32_bf16", "ds_read_b64_tr_b16"),   # async copies
     "gfx1250": ("tensor_load_to_lds", "global_load_async_to_lds_b128",
                 "v_wmma_f32_16x16x32_bf16", "s_wait_asynccnt"),
 }
