@@ -219,3 +219,46 @@ def test_amd_forward_refuses_tiles_over_lds():
     amd_fwd.check_buffer_range(2 ** 20, 512, 2)                 # 1 GiB: fine
     with pytest.raises(NotImplementedError, match="gfx90a"):
         amd_fwd.forward(q, kv, idx, jnp.zeros(64), scale=0.1, arch="gfx90a")
+
+
+def test_rocm_launch_plumbing_with_a_fake_jaxlib(monkeypatch, tmp_path):
+    """adapter's ROCm branch up to jaxlib (no ROCm jaxlib here): the patched kernel builder
+    compiles for the device's gfx arch and hands TritonKernel the code object's file path, as
+    jax-triton does for its own ROCm kernels. What jaxlib then does with it is untested."""
+    import sys
+    import types
+    made = {}
+
+    class FakeLib:
+        @staticmethod
+        def get_arch_details(device):
+            return "gfx942:sramecc+:xnack-"
+
+        @staticmethod
+        def get_compute_capability(device):
+            return 0
+
+        @staticmethod
+        def TritonKernel(*args):
+            made["args"] = args
+            return "kernel"
+
+    triton_lib = types.SimpleNamespace(get_or_create_triton_kernel=lambda *a, **k: None,
+                                       triton_kernel_call_lib=FakeLib)
+    monkeypatch.setitem(sys.modules, "jax_triton", types.SimpleNamespace(triton_lib=triton_lib))
+    monkeypatch.setitem(sys.modules, "jax_triton.triton_lib", triton_lib)
+    monkeypatch.setattr(adapter, "_PATCHED", False)
+    adapter._install()
+    d = amd_fwd.TARGET_DEFAULTS["gfx942"]
+    consts = amd_fwd.constexprs(target="gfx942", T=64, N=300, NHB=2, D=512, K=192,
+                                BK=d["block_k"], stages=d["stages"], scale=0.05)
+    kernel, attrs = triton_lib.get_or_create_triton_kernel(
+        None, "rocm", amd_fwd.csa_fwd_amd_kernel, amd_fwd.arg_types(), [],
+        num_warps=d["warps"], num_stages=None, num_ctas=1, compute_capability=None,
+        enable_fp_fusion=True, metaparams=consts, dump=False)
+    name, warps, ctas, shared, path, ttgir, cc = made["args"]
+    assert kernel == "kernel" and name == "csa_fwd_amd_kernel" and (warps, ctas) == (4, 1)
+    assert shared == 33264 and "amd_mfma" in ttgir and cc == 0
+    with open(path, "rb") as f:
+        assert f.read(4) == b"\x7fELF"                # the gfx942 code object
+    assert attrs[(0,)] == [["tt.divisibility", 16]]
