@@ -9,7 +9,9 @@ Triton launch with its grid, threads per program and the shared memory Triton as
 variant whose shared memory is over the limit shows the compiler's error instead.
 
 Registers per thread and spills are not in XLA's dump (it holds no PTX for the Triton kernels;
-seen on the H200 with jax 0.11.2). They come from Nsight Compute: benchmarks/triton_ncu.sh.
+seen on the H200 with jax 0.11.2). They come from Nsight Compute (benchmarks/triton_ncu.sh) or,
+without a GPU and for the AMD targets too, from the CPU compile report:
+`python -m benchmarks.gluon_resources --kernels triton` (docs/perf/gpu_resources.md).
 Needs a GPU. Table last, JSON with --out.
 """
 from __future__ import annotations

@@ -92,7 +92,10 @@ def test_oversized_tiles_are_refused_by_name():
 def _emulated_dq_kernel(q, do, kv, idx, ntiles, lse, dc, *, kernel, out_shape, grid, num_warps,
                         name, T, N, NHB, D, K, BK, SCALE, **_):
     """What csa_dq_kernel computes, in jnp (its contract; see the bwd.py docstring)."""
-    assert kernel is bwd.csa_dq_kernel and num_warps == bwd.CONSUMER_WARPS
+    from csa_jax.kernels.gluon import amd_bwd
+    amd_warps = amd_bwd.DQ_DEFAULTS["gfx950"]["warps"]
+    assert (kernel, num_warps) in ((bwd.csa_dq_kernel, bwd.CONSUMER_WARPS),
+                                   (amd_bwd.csa_dq_amd_kernel, amd_warps))
     BT = idx.shape[0]
     Hp, B = NHB * bwd.HB, BT // T
     assert grid == (BT * NHB,) and q.shape == (BT * Hp, D) and kv.shape == (B * N, D)
@@ -112,8 +115,10 @@ def _emulated_dq_kernel(q, do, kv, idx, ntiles, lse, dc, *, kernel, out_shape, g
     return dq.reshape(BT * Hp, D).astype(dt), dsp.astype(out_shape[1].dtype)
 
 
-@pytest.mark.parametrize("H,D,K,bk", [(20, 24, 40, 16), (64, 64, 70, 32)])
-def test_wrapper_against_dense_oracle(rng, monkeypatch, H, D, K, bk):
+@pytest.mark.parametrize("H,D,K,bk,amd", [(20, 24, 40, 16, None), (64, 64, 70, 32, None),
+                                           (70, 40, 75, 32, "gfx950")])
+def test_wrapper_against_dense_oracle(rng, monkeypatch, H, D, K, bk, amd):
+    """amd: the ROCm route (amd_bwd.csa_dq_amd_kernel, same contract; never run on a GPU)."""
     from csa_jax.common import sanitize_indices
     monkeypatch.setattr(adapter, "gluon_call", _emulated_dq_kernel)
     q, kv, idx, sink = random_problem(rng, T=10, H=H, D=D, K=K, dtype=jnp.float32, empty_rows=2)
@@ -124,7 +129,7 @@ def test_wrapper_against_dense_oracle(rng, monkeypatch, H, D, K, bk):
     o, lse = dense_oracle(q, kv, idx, sink, scale)
     o, lse = jnp.asarray(o, jnp.float32), jnp.asarray(lse, jnp.float32)
     dq, dkv, dsink = bwd.backward(q, kv, idx, sink, o, lse, do, dlse, scale=scale, block_k=bk,
-                                  stages=2, producer_regs=96, interpret_reduce=True)
+                                  stages=2, producer_regs=96, interpret_reduce=True, amd=amd)
     _, _, rdq, rdkv, rdsink = dense_oracle(q, kv, idx, sink, scale, do, dlse)
     for what, got, want in (("dq", dq, rdq), ("dkv", dkv, rdkv), ("dsink", dsink, rdsink)):
         assert got.shape == want.shape, (what, got.shape, want.shape)

@@ -15,7 +15,7 @@ from jax import lax
 from jax.experimental.pallas import triton as pltriton
 
 import csa_jax
-import triton_ir
+from benchmarks import triton_ir
 from csa_jax import blockmath
 from csa_jax.kernels import triton as pallas_triton
 from csa_jax.kernels.triton import testing as tt

@@ -13,6 +13,12 @@ on the forward's (o, lse), which follow the same contract.
 Needs the optional extra `csa_jax[gluon]` (triton==3.6.0, jax-triton==0.3.1) and an NVIDIA GPU of
 compute capability 9.0 (sm_90a: wgmma, setmaxnreg). Gluon has no CPU interpreter: on a CPU the
 kernels can only be compiled (adapter.compile_kernel), never run.
+
+AMD (ROCm): on a gfx942 / gfx950 / gfx1250 device the forward is amd_fwd.py's kernel and the
+backward's dq kernel amd_bwd.py's (Config defaults per target from dims.AMD_DEFAULTS /
+AMD_DQ_DEFAULTS; dkv as on NVIDIA, the pallas_triton GEMM + reduce). COMPILED FOR THOSE TARGETS
+ON A CPU, NEVER RUN: no AMD GPU was available, so neither the kernels' numerics nor the ROCm
+launch path (adapter.gluon_call) are tested; auto never picks gluon on ROCm.
 """
 from __future__ import annotations
 
@@ -22,8 +28,9 @@ import jax
 import jax.numpy as jnp
 
 from csa_jax.kernels.gluon.adapter import missing as _missing_triton
+from csa_jax.kernels.gluon.dims import AMD_DEFAULTS, AMD_DQ_DEFAULTS, amd_arch
 
-_GPU_PLATFORMS = ("gpu", "cuda")
+_GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +117,11 @@ def default_config(q_shape, kv_shape, idx_shape, dtype) -> Config:
     smaller D while they fit; block_k 32 if even 2 stages of 64 rows would not fit."""
     del kv_shape, idx_shape
     D = q_shape[3]
+    arch = _amd()
+    if arch in AMD_DEFAULTS:
+        d, b = AMD_DEFAULTS[arch], AMD_DQ_DEFAULTS[arch]
+        return Config(block_k=d["block_k"], stages=d["stages"], bwd_block_k=b["block_k"],
+                      bwd_stages=b["stages"])
     cfg = _bwd_default(D, Config())
     for stages in (4, 3, 2):
         c = dataclasses.replace(cfg, stages=stages)
@@ -137,12 +149,27 @@ def _device():
     return d.platform, d.device_kind, cc
 
 
+def _amd():
+    """The gfx architecture of the first device if it is an AMD GPU, else None."""
+    platform, kind, cc = _device()
+    if platform == "rocm" or "amd" in kind.lower() or kind.lower().startswith("gfx"):
+        return amd_arch(kind, cc) or f"unknown AMD GPU ({kind!r}, {cc!r})"
+    return None
+
+
 def _cannot_run(q_shape, dtype):
     """Why the kernel cannot run here at all (None = it can)."""
     why = _missing_triton(launch=True)
     if why:
         return why
     platform, kind, cc = _device()
+    arch = _amd()
+    if arch is not None:
+        if arch not in AMD_DEFAULTS:
+            return f"{arch}: AMD Gluon kernels are built for {sorted(AMD_DEFAULTS)} only"
+        if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+            return f"dtype {jnp.dtype(dtype).name}: the Gluon kernels take bf16/f16"
+        return None
     if platform not in _GPU_PLATFORMS or "nvidia" not in kind.lower():
         return f"needs an NVIDIA Hopper GPU (platform={platform!r}, device_kind={kind!r})"
     if cc is not None and not str(cc).startswith("9"):
@@ -164,6 +191,9 @@ def unsupported(q_shape, kv_shape, idx_shape, dtype):
     why = _cannot_run(q_shape, dtype)
     if why:
         return why
+    if _amd():
+        return (f"{_amd()}: the AMD Gluon forward is compiled, never run (no AMD GPU was "
+                f"available); request impl='gluon' explicitly")
     H, D = q_shape[2], q_shape[3]
     if H % 64 or D != 512:
         return f"H={H}, D={D}: measured only for H a multiple of 64 and D = 512"
@@ -183,6 +213,11 @@ def _check(q, kv, idx, interpret):
 def forward(q, kv, idx, sink, *, scale, interpret, config):
     """o [B, T, H, D] (q.dtype), lse [B, T, H] f32 (the impl interface: csa_jax/registry.py)."""
     _check(q, kv, idx, interpret)
+    arch = _amd()
+    if arch:
+        from csa_jax.kernels.gluon import amd_fwd
+        return amd_fwd.forward(q, kv, idx, sink, scale=float(scale), arch=arch,
+                               block_k=config.block_k, stages=config.stages)
     from csa_jax.kernels.gluon import fwd as _fwd
     return _fwd.forward(q, kv, idx, sink, scale=float(scale), config=config)
 
@@ -195,7 +230,7 @@ def backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, interpret, config):
         return _bwd.backward(q, kv, idx, sink, o, lse, do, dlse, scale=float(scale),
                              block_k=config.bwd_block_k, stages=config.bwd_stages,
                              producer_regs=config.producer_regs, prefetch=config.bwd_prefetch,
-                             ablate=config.bwd_ablate)
+                             ablate=config.bwd_ablate, amd=_amd())
     from csa_jax.kernels import triton as pt      # the pallas_triton impl module
     cfg = pt.default_config(q.shape, kv.shape, idx.shape, q.dtype)
     return pt.backward(q, kv, idx, sink, o, lse, do, dlse, scale=scale, interpret=False,

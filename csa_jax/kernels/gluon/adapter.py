@@ -17,7 +17,9 @@ only its kernel-building step for Gluon kernels:
    scratch, tensor memory, PDL, cooperative grids, clusters).
 5. The patched builder hands jaxlib `TritonKernel(name, md.num_warps, ...)` with the TOTAL warp
    count, worker partitions included (the PTX has `.reqntid`; the user's num_warps fails at
-   launch with CUDA_ERROR_INVALID_VALUE).
+   launch with CUDA_ERROR_INVALID_VALUE). On ROCm it compiles for the device's gfx arch
+   (`hip_target`) and passes the code object's file path, as jax-triton does for its own ROCm
+   kernels: UNTESTED, no ROCm device was available (the AMD kernels are compile-only here).
 
 Launch facts (checked on the H200, ../shared/gpu_kernels.md): the PTX entry takes the user
 pointers plus a global-scratch and a profile-scratch pointer, which jaxlib appends; jaxlib launches
@@ -127,15 +129,37 @@ def _ensure_cache_dir():
 
 
 def make_target(target):
-    """A triton GPUTarget from a name in TARGETS, a (backend, arch, warp_size) tuple or itself."""
+    """A triton GPUTarget from a name in TARGETS, another gfx name (hip_target), a (backend, arch,
+    warp_size) tuple ("hip", "gfx942", 64) or itself."""
     from triton.backends.compiler import GPUTarget
     if isinstance(target, str):
+        if target.startswith("gfx") and target not in TARGETS:
+            return hip_target(target)
         if target not in TARGETS:
-            raise ValueError(f"target={target!r} is unknown; choose one of {sorted(TARGETS)}")
+            raise ValueError(f"target={target!r} is unknown; choose one of {sorted(TARGETS)} "
+                             f"or a gfx architecture name")
         target = TARGETS[target]
     if isinstance(target, tuple):
         target = GPUTarget(*target)
     return target
+
+
+def hip_target(arch):
+    """GPUTarget of a ROCm architecture name ("gfx942", "gfx942:sramecc+:xnack-"): wave64 on
+    gfx9 (CDNA), wave32 on gfx10+ (RDNA, gfx1250)."""
+    from triton.backends.compiler import GPUTarget
+    arch = str(arch).split(":")[0]
+    if not re.fullmatch(r"gfx[0-9a-f]+", arch):
+        raise ValueError(f"arch={arch!r} is not a gfx architecture name")
+    return GPUTarget("hip", arch, 64 if arch.startswith("gfx9") else 32)
+
+
+def _hsaco_file(asm):
+    """jaxlib's ROCm TritonKernel takes the code object's path (as jax-triton passes it)."""
+    fd, path = tempfile.mkstemp(suffix=".hsaco")
+    with os.fdopen(fd, "wb") as f:
+        f.write(asm["hsaco"])
+    return path
 
 
 @functools.lru_cache(maxsize=None)
@@ -217,12 +241,17 @@ def _grep_ints(text, fields):
 def resources(compiled, target="sm_90a") -> dict:
     """Compile-time resources of a CompiledKernel: shared memory, warps, registers, spills."""
     md = compiled.metadata
+    return asm_resources(compiled.asm, target, name=md.name, num_warps=md.num_warps,
+                         shared=md.shared, launch_problem=launch_problem(md))
+
+
+def asm_resources(asm, target, **fields) -> dict:
+    """Registers / VGPRs, spills, scratch, occupancy from a compile's assembly ({"ptx": ...} or
+    {"amdgcn": ...}), with `fields` (name, num_warps, shared, ...) and the target's limit."""
     name = target if isinstance(target, str) else None
-    out = {"target": name, "name": md.name, "num_warps": md.num_warps, "shared": md.shared,
-           "launch_problem": launch_problem(md)}
+    out = {"target": name, **fields}
     if name in SHARED_LIMIT:
         out["shared_limit"] = SHARED_LIMIT[name]
-    asm = compiled.asm
     if "ptx" in asm:
         out.update(ptxas_resources(asm["ptx"]))
     elif "amdgcn" in asm:
@@ -256,20 +285,24 @@ def _install():
                             num_warps=num_warps, num_stages=num_stages, num_ctas=num_ctas,
                             compute_capability=compute_capability,
                             enable_fp_fusion=enable_fp_fusion, metaparams=metaparams, dump=dump)
-        if platform != "cuda":
-            raise NotImplementedError(f"Gluon launch from JAX is wired for CUDA only, not "
-                                      f"{platform!r} (AMD kernels are compile-only here)")
+        if platform not in ("cuda", "rocm"):
+            raise NotImplementedError(f"Gluon launch from JAX: no {platform!r} path")
         if scalar_args:
             raise TypeError("Gluon kernels take arrays at run time; pass scalars as constexprs")
         cc = compute_capability or lib.get_compute_capability(0)
-        compiled = compile_kernel(fn, arg_dtypes, metaparams, target=("cuda", cc, 32),
+        if platform == "cuda":
+            target = ("cuda", cc, 32)
+        else:          # NEVER RUN (no ROCm device here): jax-triton's own ROCm path, mirrored
+            target = hip_target(lib.get_arch_details(0))
+        compiled = compile_kernel(fn, arg_dtypes, metaparams, target=target,
                                   num_warps=num_warps or 4)
         md = compiled.metadata
         why = launch_problem(md)
         if why:
             raise NotImplementedError(f"Gluon kernel {md.name}: {why}")
-        kernel = lib.TritonKernel(md.name, md.num_warps, md.num_ctas, md.shared,
-                                  compiled.asm["ptx"], compiled.asm["ttgir"], cc)
+        binary = compiled.asm["ptx"] if platform == "cuda" else _hsaco_file(compiled.asm)
+        kernel = lib.TritonKernel(md.name, md.num_warps, md.num_ctas, md.shared, binary,
+                                  compiled.asm["ttgir"], cc)
         _, attrs, _ = build_signature(fn, arg_dtypes, metaparams)
         return kernel, attrs
 

@@ -38,7 +38,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from csa_jax.kernels.gluon.dims import HB, SMEM_LIMIT, padded_dims
 from csa_jax.kernels.gluon.dims import dq_shared_bytes as shared_bytes
 from csa_jax.kernels.gluon.fwd import (
-    CONSUMER_WARPS, LOG2E, PRODUCER_WARPS, _next_ids, _producer, _release)
+    CONSUMER_WARPS, LOG2E, PRODUCER_WARPS, _next_ids, _producer, _program, _release)
 
 __all__ = ["csa_dq_kernel", "arg_types", "constexprs", "backward", "shared_bytes", "SMEM_LIMIT"]
 _LOG2E = gl.constexpr(LOG2E)
@@ -139,13 +139,7 @@ def csa_dq_kernel(q_ptr, do_ptr, kv_ptr, idx_ptr, ntiles_ptr, lse_ptr, dc_ptr, d
                   K: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, EW_C: gl.constexpr,
                   QK_SCALE: gl.constexpr, SCALE: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                   PREFETCH: gl.constexpr, ABLATE: gl.constexpr):
-    # program = (b, t, head block), head block fastest; `row` indexes [B*T*NHB] head blocks.
-    row = gl.program_id(0)
-    tok = row // NHB
-    hb = row % NHB
-    b = tok // T
-    ntiles = gl.load(ntiles_ptr + tok)
-    idx_tok = idx_ptr + tok.to(gl.int64) * K
+    row, tok, hb, b, ntiles, idx_tok = _program(ntiles_ptr, idx_ptr, T, NHB, K)
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     HBC: gl.constexpr = 64
     qdo_smem = gl.allocate_shared_memory(
@@ -198,13 +192,15 @@ def constexprs(*, T, N, NHB, D, K, BK, stages, scale, producer_regs, prefetch=Fa
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_k", "stages", "producer_regs",
-                                             "prefetch", "ablate", "interpret_reduce"))
+                                             "prefetch", "ablate", "interpret_reduce", "amd"))
 def backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, block_k, stages, producer_regs,
-             prefetch=False, ablate=0, interpret_reduce=False):
+             prefetch=False, ablate=0, interpret_reduce=False, amd=None):
     """(dq, dkv, dsink): dq by csa_dq_kernel, dkv by the deterministic interm GEMM + inverse-map
     reduce of the Pallas Triton impl, dsink and delta in XLA (CUDA only). idx must already be
     sanitized (-1 for every empty or out-of-range slot). interpret_reduce runs the reduce kernel
-    in the Pallas interpreter (the CPU test of this wrapper, with the dq kernel emulated)."""
+    in the Pallas interpreter (the CPU test of this wrapper, with the dq kernel emulated).
+    amd: a gfx architecture (amd_bwd.DQ_DEFAULTS) -> amd_bwd.csa_dq_amd_kernel, same contract,
+    at block_k / stages (producer_regs, prefetch, ablate unused); NEVER RUN (no AMD GPU)."""
     import jax.numpy as jnp
     from csa_jax.kernels.gluon.adapter import gluon_call
     # The Pallas Triton impl's padding helpers and its dkv path (kernels/triton: plan.py,
@@ -217,7 +213,7 @@ def backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, block_k, stages, prod
     N, K = kv.shape[1], idx.shape[2]
     Hp, Dp, Kp = padded_dims(H, D, K, block_k)
     need = shared_bytes(D, block_k, stages)
-    if need > SMEM_LIMIT:
+    if amd is None and need > SMEM_LIMIT:
         raise ValueError(f"dq kernel tiles bwd_block_k={block_k}, bwd_stages={stages} at D={D} "
                          f"need {need} B of shared memory; the H200 has {SMEM_LIMIT} per block")
     d = _Dims(B, T, H, D, N, K, Hp, Dp, Kp)
@@ -232,15 +228,31 @@ def backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, block_k, stages, prod
     lse_p = pad(lse.astype(f32), 2, Hp).reshape(-1)
     dc_p = pad(dlse.astype(f32) - delta, 2, Hp).reshape(-1)
     nhb = Hp // HB
+    if amd is None:
+        kernel, warps, name = csa_dq_kernel, CONSUMER_WARPS, "csa_gluon_dq"
+        consts = constexprs(T=T, N=N, NHB=nhb, D=Dp, K=Kp, BK=block_k, stages=stages,
+                            scale=scale, producer_regs=producer_regs, prefetch=prefetch,
+                            ablate=ablate)
+    else:
+        from csa_jax.kernels.gluon import amd_bwd
+        from csa_jax.kernels.gluon.dims import AMD_LDS, amd_lds_bytes
+        a = amd_bwd.DQ_DEFAULTS[amd]
+        need = amd_lds_bytes(amd, D, block_k, stages, extra_blocks=a["qdo"])
+        if need > AMD_LDS[amd] - 8192:
+            raise ValueError(f"dq kernel tiles bwd_block_k={block_k}, bwd_stages={stages} at "
+                             f"D={D} need {need} B of LDS; {amd} has {AMD_LDS[amd]}")
+        from csa_jax.kernels.gluon.amd_fwd import check_buffer_range
+        check_buffer_range(N, Dp, q.dtype.itemsize)
+        kernel, warps, name = amd_bwd.csa_dq_amd_kernel, a["warps"], "csa_gluon_dq_amd"
+        consts = amd_bwd.constexprs(target=amd, T=T, N=N, NHB=nhb, D=Dp, K=Kp, BK=block_k,
+                                    stages=stages, scale=scale, qdo=a["qdo"])
     dq, dsp = gluon_call(
         q_p.reshape(B * T * Hp, Dp), do_p.reshape(B * T * Hp, Dp), kv_p.reshape(B * N, Dp),
         idx_p.reshape(B * T, Kp), ntiles, lse_p, dc_p,
-        kernel=csa_dq_kernel,
+        kernel=kernel,
         out_shape=[jax.ShapeDtypeStruct((B * T * Hp, Dp), q.dtype),
                    jax.ShapeDtypeStruct((B * T, 2, Hp, Kp), q.dtype)],
-        grid=(B * T * nhb,), num_warps=CONSUMER_WARPS, name="csa_gluon_dq",
-        **constexprs(T=T, N=N, NHB=nhb, D=Dp, K=Kp, BK=block_k, stages=stages, scale=scale,
-                     producer_regs=producer_regs, prefetch=prefetch, ablate=ablate))
+        grid=(B * T * nhb,), num_warps=warps, name=name, **consts)
     # dkv: the Pallas Triton impl's deterministic per-slot GEMM + inverse-map gather-reduce.
     ptc = pt_default_config(q.shape, kv.shape, idx.shape, q.dtype)
     interm = _interm_gemm(dsp.reshape(B, T, 2, Hp, Kp), q_p, do_p, None, q.dtype)

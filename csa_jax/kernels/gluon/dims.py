@@ -21,3 +21,45 @@ def dq_shared_bytes(D, block_k, stages, itemsize=2):
     Dp = padded_dims(HB, D, block_k, block_k)[1]
     return ((2 * HB + stages * block_k) * Dp * itemsize + 2 * HB * block_k * 4
             + HB * block_k * itemsize + 8 * (2 * stages + 2))
+
+
+# AMD targets of amd_fwd.py and their default tiles at D = 512 (block_k rows a tile, stages of
+# the LDS ring, warps a program), chosen from the CPU compile report (docs/perf/gpu_resources.md):
+# gfx942 (64 KiB LDS): one 32-row stage + the next tile in registers, 4 warps (8 warps spill:
+# without a transposed LDS read the PV operand is gathered with 2-byte reads); gfx950
+# (160 KiB): two 64-row stages; gfx1250 (320 KiB): q (64 KiB) + three 64-row stages.
+AMD_DEFAULTS = {"gfx942": dict(block_k=32, stages=1, warps=4),
+                "gfx950": dict(block_k=64, stages=2, warps=8),
+                "gfx1250": dict(block_k=64, stages=3, warps=8)}
+# The AMD dq kernel (amd_bwd.py) at D = 512, from the same report: q and dO are both A operands
+# (qdo 0: both in registers; 1: dO in LDS). gfx942: 4 warps, one 32-row stage (8 warps spill, as
+# the forward); gfx950: 8 warps, four 32-row stages, q and dO in registers (252 VGPRs);
+# gfx1250 (wave32: twice the registers a lane): dO in LDS, four 32-row stages (in registers:
+# 8 VGPRs spill; 64-row tiles spill 118+).
+AMD_DQ_DEFAULTS = {"gfx942": dict(block_k=32, stages=1, warps=4, qdo=0),
+                   "gfx950": dict(block_k=32, stages=4, warps=8, qdo=0),
+                   "gfx1250": dict(block_k=32, stages=4, warps=8, qdo=1)}
+AMD_LDS = {"gfx942": 65_536, "gfx950": 163_840, "gfx1250": 327_680}
+
+
+def amd_lds_bytes(arch, D, block_k, stages, extra_blocks=0, itemsize=2):
+    """LDS of an AMD kernel's buffers (amd_fwd / amd_bwd): the ring of padded rows (16 B after
+    each row) plus `extra_blocks` [64, D] blocks (gfx1250's q; the dq kernel's dO with qdo 1);
+    the compiler adds a few KiB of scratch (8 KiB is kept free)."""
+    del arch
+    Dp = padded_dims(HB, D, block_k, block_k)[1]
+    return (stages * block_k + extra_blocks * HB) * (Dp + 8) * itemsize
+
+
+# device kinds of ROCm GPUs -> architecture, where jax reports no gfx name
+AMD_KINDS = (("mi300", "gfx942"), ("mi325", "gfx942"), ("mi350", "gfx950"), ("mi355", "gfx950"))
+
+
+def amd_arch(kind, cc=None):
+    """The gfx architecture of a ROCm device (None if unknown): its compute capability string
+    when it names one ("gfx942:sramecc+:xnack-" -> "gfx942"), else from its device kind."""
+    for v in (cc, kind):
+        if isinstance(v, str) and v.lower().startswith("gfx"):
+            return v.lower().split(":")[0]
+    kind = (kind or "").lower()
+    return next((arch for key, arch in AMD_KINDS if key in kind), None)

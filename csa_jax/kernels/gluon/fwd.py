@@ -86,6 +86,31 @@ def _softmax_step(sc, ids, m, l, QK_SCALE: gl.constexpr):
 
 
 @gluon.jit
+def _program(ntiles_ptr, idx_ptr, T: gl.constexpr, NHB: gl.constexpr, K: gl.constexpr):
+    """(row, tok, hb, b, ntiles, idx_tok) of this program: program = (b, t, head block), head
+    block fastest; `row` indexes the [B*T*NHB] head blocks (rows row*64.. of q / o), idx_tok
+    the token's K slots. Shared by every Gluon CSA kernel (fwd, bwd, amd_fwd, amd_bwd)."""
+    row = gl.program_id(0)
+    tok = row // NHB
+    hb = row % NHB
+    return row, tok, hb, tok // T, gl.load(ntiles_ptr + tok), idx_ptr + tok.to(gl.int64) * K
+
+
+@gluon.jit
+def _finish(m, l, sink_ptrs):
+    """Join the sink (natural-log logits, converted to the exp2 domain) to the running (m, l):
+    (lse, o_scale) per csa_spec.md section 3: natural-log lse, EMPTY_LSE (NEG) and o = 0 for an
+    empty row without sink. Shared by the NVIDIA and AMD forwards (amd_fwd.py)."""
+    sink2 = gl.load(sink_ptrs) * 1.4426950408889634
+    m_tot = gl.maximum(m, sink2)
+    l_tot = l * gl.exp2(m - m_tot) + gl.exp2(sink2 - m_tot)
+    nonempty = l_tot > 0
+    safe_l = gl.where(nonempty, l_tot, 1.0)
+    lse = gl.where(nonempty, (m_tot + gl.log2(safe_l)) * 0.6931471805599453, NEG)
+    return lse, gl.where(nonempty, gl.exp2(m - m_tot) / safe_l, 0.0)
+
+
+@gluon.jit
 def _next_ids(idx_ptr, ids_next, i, kcols, K: gl.constexpr, BK: gl.constexpr,
               PREFETCH: gl.constexpr):
     """(tile i's ids, the prefetched ids of tile i+1); without PREFETCH tile i's ids load now."""
@@ -172,15 +197,8 @@ def _consumer(idx_ptr, sink_ptr, o_ptr, lse_ptr, q_smem, ring, full, consumed, q
                     acc = acc + gl.convert_layout(gl.sum(p, axis=1), orow)[:, None]
                 _release(consumed.index(s))
 
-    # Join the sink (natural-log logit, converted to the exp2 domain) and normalize.
     hrows = gl.arange(0, HBC, layout=srow)
-    sink2 = gl.load(sink_ptr + h0 + hrows) * 1.4426950408889634
-    m_tot = gl.maximum(m, sink2)
-    l_tot = l * gl.exp2(m - m_tot) + gl.exp2(sink2 - m_tot)
-    nonempty = l_tot > 0
-    safe_l = gl.where(nonempty, l_tot, 1.0)
-    lse = gl.where(nonempty, (m_tot + gl.log2(safe_l)) * 0.6931471805599453, NEG)
-    o_scale = gl.where(nonempty, gl.exp2(m - m_tot) / safe_l, 0.0)
+    lse, o_scale = _finish(m, l, sink_ptr + h0 + hrows)
     gl.store(lse_ptr + row * HBC + hrows, lse)
     o = (acc * gl.convert_layout(o_scale, orow)[:, None]).to(o_ptr.dtype.element_ty)
     if SMEM_EPILOGUE:
@@ -206,13 +224,7 @@ def csa_fwd_kernel(q_ptr, kv_ptr, idx_ptr, ntiles_ptr, sink_ptr, o_ptr, lse_ptr,
                    QK_SCALE: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                    PIPELINE: gl.constexpr, SMEM_EPILOGUE: gl.constexpr, ABLATE: gl.constexpr,
                    PREFETCH: gl.constexpr):
-    # program = (b, t, head block), head block fastest; `row` indexes [B*T*NHB] head blocks.
-    row = gl.program_id(0)
-    tok = row // NHB
-    hb = row % NHB
-    b = tok // T
-    ntiles = gl.load(ntiles_ptr + tok)
-    idx_tok = idx_ptr + tok.to(gl.int64) * K
+    row, tok, hb, b, ntiles, idx_tok = _program(ntiles_ptr, idx_ptr, T, NHB, K)
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     HBC: gl.constexpr = 64
     op_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HBC, D], dtype)
@@ -251,14 +263,13 @@ def arg_types(dt="bf16"):
     return [a.format(dt=dt) for a in ARG_TYPES]
 
 
-def forward(q, kv, idx, sink, *, scale, config):
-    """o [B, T, H, D] (q.dtype), lse [B, T, H] f32 through csa_fwd_kernel (CUDA only)."""
-    import jax
+def prepare(q, kv, idx, sink, bk):
+    """The padded operands of a forward kernel (this one and amd_fwd.py's) and its dims:
+    (q [B*T*Hp, Dp], kv [B*N, Dp], idx [B*T, Kp] (-1 padding), ntiles [B*T], sink [Hp] (-inf
+    padding), (B, T, H, D, N, Hp, Dp, Kp, NHB)). ntiles = tiles up to the last non-empty slot."""
     import jax.numpy as jnp
-    from csa_jax.kernels.gluon.adapter import gluon_call
     B, T, H, D = q.shape
     N, K = kv.shape[1], idx.shape[2]
-    bk = config.block_k
     Hp, Dp, Kp = padded_dims(H, D, K, bk)
     pad = lambda x, axis, size, v=0: x if x.shape[axis] == size else jnp.pad(
         x, [(0, size - x.shape[a]) if a == axis else (0, 0) for a in range(x.ndim)],
@@ -270,17 +281,35 @@ def forward(q, kv, idx, sink, *, scale, config):
     q_p = pad(pad(q, 3, Dp), 2, Hp).reshape(B * T * Hp, Dp)
     kv_p = pad(kv, 2, Dp).reshape(B * N, Dp)
     sink_p = pad(sink.astype(jnp.float32), 0, Hp, -jnp.inf)
-    nhb = Hp // HB
+    return (q_p, kv_p, idx_p.reshape(B * T, Kp), ntiles, sink_p,
+            (B, T, H, D, N, Hp, Dp, Kp, Hp // HB))
+
+
+def out_shapes(q, dims):
+    import jax
+    import jax.numpy as jnp
+    B, T, _, _, _, Hp, Dp, _, _ = dims
+    return [jax.ShapeDtypeStruct((B * T * Hp, Dp), q.dtype),
+            jax.ShapeDtypeStruct((B * T * Hp,), jnp.float32)]
+
+
+def unpad(o, lse, dims):
+    """o [B, T, H, D], lse [B, T, H] from the kernel's padded outputs."""
+    B, T, H, D, _, Hp, Dp, _, _ = dims
+    return o.reshape(B, T, Hp, Dp)[:, :, :H, :D], lse.reshape(B, T, Hp)[:, :, :H]
+
+
+def forward(q, kv, idx, sink, *, scale, config):
+    """o [B, T, H, D] (q.dtype), lse [B, T, H] f32 through csa_fwd_kernel (CUDA only)."""
+    from csa_jax.kernels.gluon.adapter import gluon_call
+    bk = config.block_k
+    q_p, kv_p, idx_p, ntiles, sink_p, dims = prepare(q, kv, idx, sink, bk)
+    B, T, H, D, N, Hp, Dp, Kp, nhb = dims
     o, lse = gluon_call(
-        q_p, kv_p, idx_p.reshape(B * T, Kp), ntiles, sink_p,
-        kernel=csa_fwd_kernel,
-        out_shape=[jax.ShapeDtypeStruct((B * T * Hp, Dp), q.dtype),
-                   jax.ShapeDtypeStruct((B * T * Hp,), jnp.float32)],
+        q_p, kv_p, idx_p, ntiles, sink_p, kernel=csa_fwd_kernel, out_shape=out_shapes(q, dims),
         grid=(B * T * nhb,), num_warps=CONSUMER_WARPS, name="csa_gluon_fwd",
         **constexprs(T=T, N=N, NHB=nhb, D=Dp, K=Kp, BK=bk, stages=config.stages, scale=scale,
                      producer_regs=config.producer_regs, pipeline=config.pipeline,
                      smem_epilogue=config.smem_epilogue, ablate=config.ablate,
                      prefetch=config.prefetch))
-    o = o.reshape(B, T, Hp, Dp)[:, :, :H, :D]
-    lse = lse.reshape(B, T, Hp)[:, :, :H]
-    return o, lse
+    return unpad(o, lse, dims)

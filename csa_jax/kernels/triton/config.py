@@ -156,10 +156,11 @@ def default_config(q_shape, kv_shape, idx_shape, dtype) -> Config:
     backward 54.9 ms, against 72.7 ms for 64-row tiles / 2 stages and 90.9 ms for 64 heads /
     8 warps), slot-major scores (47.5 ms; docs/perf/triton_h200.md table 4); forward scores
     head-major (slot-major ran 1.3-1.7x slower); interm kernel (interm="kernel" only) 4 warps,
-    64-row tiles (8 warps ran 4.6x slower, 32-row tiles 8x). AMD (ROCm): <= 32-row tiles,
-    2 stages, so each program's shared memory stays near the 64 KiB LDS of MI300-class GPUs,
-    and head-major dq scores (AMD's matrix instructions read both operands from registers, so
-    the slot-major form frees none); not measured, no AMD GPU was available. f32 inputs halve
+    64-row tiles (8 warps ran 4.6x slower, 32-row tiles 8x). AMD (ROCm): 16-row forward and
+    dq tiles, 2 stages, head-major dq scores: the smallest tiles that compile for gfx942 without
+    VGPR spills inside its 64 KiB LDS (the CPU compile report, docs/perf/gpu_resources.md: at
+    32-row tiles the forward spilled 101 VGPRs and the dq kernel 182); not measured, no AMD GPU
+    was available. f32 inputs halve
     the tile rows (twice the bytes per row). Tiles never exceed the padded slot count, head
     blocks never the padded heads.
     """
@@ -168,7 +169,7 @@ def default_config(q_shape, kv_shape, idx_shape, dtype) -> Config:
     H, K = q_shape[2], idx_shape[2]
     cfg = Config()
     if _is_amd(platform, kind):
-        cfg = dataclasses.replace(cfg, block_k=32, block_k_dkv=32, block_h_dq=32, block_k_dq=32,
+        cfg = dataclasses.replace(cfg, block_k=16, block_k_dkv=32, block_h_dq=32, block_k_dq=16,
                                   num_stages_dq=2, block_h_dkv=16, num_stages=2,
                                   slot_major_dq=False)
     if jnp.dtype(dtype) == jnp.float32:
