@@ -13,6 +13,11 @@ causally valid slots: mfu_valid) x tokens/s / the device's peak bf16 dense FLOP/
 --profile DIR: after timing, trace 3 more steps of each impl with jax.profiler into DIR/<impl>
 and write the step's compiled HLO beside it (python -m benchmarks.trace_breakdown DIR/<impl>
 makes the table).
+
+--variants 'NAME:k=v,k=v; NAME2:k=v': besides the preset as it is ("default"), time each impl
+with these model / attention field overrides (ModelConfig.replace), e.g.
+`scan:scan_layers=true; dots:remat=dots`, in one process (one start-up for all). Profiles of a
+variant go to DIR/<impl>-<NAME>.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from benchmarks.common import parse_variants
 from train.config import get_preset
 from train.flops import step_flops
 from train.loop import init_state
@@ -45,9 +51,10 @@ def kernel_candidates() -> list[str]:
             if platform in impl.auto and impl.unavailable() is None]
 
 
-def bench(preset, impl, seq_len, batch_size, steps, warmup, dtype, profile=None):
-    cfg = get_preset(preset, model=dict(impl=impl, compute_dtype=dtype), seq_len=seq_len,
-                     batch_size=batch_size, steps=warmup + steps + 1, warmup_steps=1)
+def bench(preset, impl, seq_len, batch_size, steps, warmup, dtype, profile=None, model=None,
+          variant="default"):
+    cfg = get_preset(preset, model=dict(model or {}, impl=impl, compute_dtype=dtype),
+                     seq_len=seq_len, batch_size=batch_size, steps=warmup + steps + 1, warmup_steps=1)
     graphdef, state, tx, schedule = init_state(cfg)
     n_params = count_params(state["params"])
     runner = make_runner(cfg, graphdef, state["params"], tx, schedule)
@@ -72,13 +79,15 @@ def bench(preset, impl, seq_len, batch_size, steps, warmup, dtype, profile=None)
     if profile:
         from train.profile import StepProfiler
 
-        prof = StepProfiler((1, 3), Path(profile) / impl, log=lambda s: print(s, file=sys.stderr))
+        name = impl if variant == "default" else f"{impl}-{variant}"
+        prof = StepProfiler((1, 3), Path(profile) / name, log=lambda s: print(s, file=sys.stderr))
         for i in range(1, 4):
             with prof.annotation(i):
                 state, m = runner.step(state, batches[i % 2])
             prof.after(i, state, runner, batches[i % 2])
     fl = step_flops(cfg.model, seq_len)
-    return dict(preset=preset, impl=impl, seq_len=seq_len, batch_size=batch_size, dtype=dtype,
+    return dict(preset=preset, impl=impl, variant=variant, model_overrides=dict(model or {}),
+                seq_len=seq_len, batch_size=batch_size, dtype=dtype,
                 params_m=n_params / 1e6, step_ms=dt * 1e3, tokens_per_sec=tps,
                 model_tflops=tps * fl["nominal"] / 1e12,
                 model_tflops_valid=tps * fl["valid"] / 1e12,
@@ -99,31 +108,37 @@ def main():
                    help="peak bf16 dense TFLOP/s of the device (H100/H200 SXM: 989)")
     p.add_argument("--out", default="docs/perf/train_small.json")
     p.add_argument("--profile", metavar="DIR", help="trace 3 steps of each impl into DIR/<impl>")
+    p.add_argument("--variants", default="", metavar="'NAME:k=v,...; ...'",
+                   help="model-field overrides timed besides the default (see the module doc)")
     args = p.parse_args()
 
     rows = []
-    for group in args.impls.split(","):
-        for impl in (kernel_candidates() if group == "best" else [group]):
-            try:
-                r = bench(args.preset, impl, args.seq_len, args.batch_size, args.steps,
-                          args.warmup, args.dtype, profile=args.profile)
-            except Exception as e:  # report and go on with the next candidate
-                print(f"{impl}: failed: {type(e).__name__}: {str(e)[:300]}", file=sys.stderr)
-                continue
-            r["mfu"] = r["model_tflops"] / args.peak_tflops
-            r["mfu_valid"] = r["model_tflops_valid"] / args.peak_tflops
-            rows.append(r)
-            print(f"{impl}: {r['tokens_per_sec']:.0f} tok/s, MFU {100 * r['mfu']:.1f}%",
-                  file=sys.stderr)
-            break
+    for variant, over in parse_variants(args.variants):
+        for group in args.impls.split(","):
+            for impl in (kernel_candidates() if group == "best" else [group]):
+                try:
+                    r = bench(args.preset, impl, args.seq_len, args.batch_size, args.steps,
+                              args.warmup, args.dtype, profile=args.profile, model=over,
+                              variant=variant)
+                except Exception as e:  # report and go on with the next candidate
+                    print(f"{impl} ({variant}): failed: {type(e).__name__}: {str(e)[:300]}",
+                          file=sys.stderr)
+                    continue
+                r["mfu"] = r["model_tflops"] / args.peak_tflops
+                r["mfu_valid"] = r["model_tflops_valid"] / args.peak_tflops
+                rows.append(r)
+                print(f"{impl} ({variant}): {r['tokens_per_sec']:.0f} tok/s, "
+                      f"MFU {100 * r['mfu']:.1f}%, compile {r['compile_s']:.1f} s", file=sys.stderr)
+                break
 
     base = next((r for r in rows if r["impl"] == "xla"), None)
-    print("\n| preset | impl | T | B | step ms | tokens/s | model TFLOP/s | MFU | MFU (valid) | "
-          "compile s | vs xla |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("\n| preset | impl | variant | T | B | step ms | tokens/s | model TFLOP/s | MFU | "
+          "MFU (valid) | compile s | vs xla |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         speed = f"{r['tokens_per_sec'] / base['tokens_per_sec']:.2f}x" if base else "-"
-        print(f"| {r['preset']} | {r['impl']} | {r['seq_len']} | {r['batch_size']} | "
+        print(f"| {r['preset']} | {r['impl']} | {r['variant']} | {r['seq_len']} | "
+              f"{r['batch_size']} | "
               f"{r['step_ms']:.1f} | {r['tokens_per_sec']:.0f} | {r['model_tflops']:.1f} | "
               f"{100 * r['mfu']:.1f}% | {100 * r['mfu_valid']:.1f}% | {r['compile_s']:.1f} | "
               f"{speed} |")

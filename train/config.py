@@ -88,7 +88,7 @@ class ModelConfig:
     vocab_size: int = 256
     compute_dtype: str = "float32"
     remat: str = "none"  # train.model.REMAT_POLICIES: none | block | dots
-    scan_layers: bool = False  # the schedule's repeating cycle as one lax.scan (train/layer_scan.py)
+    scan_layers: bool = False  # the repeating layer cycle as one lax.scan (train/layer_scan.py)
 
     def __post_init__(self):
         object.__setattr__(self, "layer_ratios", tuple(int(r) for r in self.layer_ratios))
