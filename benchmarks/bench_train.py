@@ -41,14 +41,24 @@ from train.model import count_params
 from train.parallel import make_runner
 
 
-def kernel_candidates() -> list[str]:
-    """This platform's kernel impls that have landed, best first ('best' tries them in order
-    and keeps the first that runs)."""
+def best_impl(preset, seq_len, batch_size, dtype, model=None) -> str:
+    """What impl="auto" runs for this model on this platform: the registry's choice for every
+    layer type's attention shapes (csa_jax.registry.resolve asks each kernel's unsupported():
+    gluon is not picked for H = 16 / D = 128, for instance). "auto" when the layer types resolve
+    to different impls (the run then uses impl="auto")."""
     from csa_jax import registry
 
-    platform = jax.default_backend()
-    return [name for name, impl in registry.REGISTRY.items()
-            if platform in impl.auto and impl.unavailable() is None]
+    cfg = get_preset(preset, model=dict(model or {}, compute_dtype=dtype), seq_len=seq_len,
+                     batch_size=batch_size)
+    a, T, B = cfg.model.attention, seq_len, batch_size
+    picked = set()
+    for r in set(cfg.model.layer_ratios):
+        P = T // r if r else 0
+        K = a.window + (min(a.topk, P) if r == 4 else P)
+        picked.add(registry.resolve("auto", (B, T, a.num_heads, a.head_dim),
+                                    (B, T + P, a.head_dim), (B, T, K), dtype,
+                                    jax.default_backend()).name)
+    return picked.pop() if len(picked) == 1 else "auto"
 
 
 def bench(preset, impl, seq_len, batch_size, steps, warmup, dtype, profile=None, model=None,
@@ -115,7 +125,8 @@ def main():
     rows = []
     for variant, over in parse_variants(args.variants):
         for group in args.impls.split(","):
-            for impl in (kernel_candidates() if group == "best" else [group]):
+            for impl in ([best_impl(args.preset, args.seq_len, args.batch_size, args.dtype, over)]
+                         if group == "best" else [group]):
                 try:
                     r = bench(args.preset, impl, args.seq_len, args.batch_size, args.steps,
                               args.warmup, args.dtype, profile=args.profile, model=over,

@@ -34,3 +34,27 @@ def test_forward_probes_run_and_full_matches_xla():
     assert full["o"] < 1e-2 and full["lse"] < 1e-4, full
     with pytest.raises(SystemExit):
         triton_fwd_probe.main(["--interpret", "--probes", "full,nope"])
+
+
+def test_bench_train_best_asks_the_registry_per_layer_type(monkeypatch):
+    """`--impls best` is what impl="auto" runs: registry.resolve (which asks each kernel's
+    unsupported()) for every layer type's shapes, not the first kernel that imports."""
+    from benchmarks import bench_train
+    from csa_jax import registry
+
+    seen = []
+
+    def resolve(impl, q_shape, kv_shape, idx_shape, dtype, platform):
+        seen.append((impl, q_shape, kv_shape, idx_shape))
+        return registry.get("pallas_triton" if q_shape[2] == 16 else "gluon")
+
+    monkeypatch.setattr(registry, "resolve", resolve)
+    assert bench_train.best_impl("small", 8192, 1, "bfloat16") == "pallas_triton"
+    # small: H = 16, D = 128, window 128, top-k 512; cr0, cr4 and cr128 once each
+    assert sorted(seen) == [("auto", (1, 8192, 16, 128), (1, 8192, 128), (1, 8192, 128)),
+                            ("auto", (1, 8192, 16, 128), (1, 8192 + 64, 128), (1, 8192, 192)),
+                            ("auto", (1, 8192, 16, 128), (1, 8192 + 2048, 128), (1, 8192, 640))]
+    assert bench_train.best_impl("v4-flash-layer", 8192, 1, "bfloat16") == "gluon"
+    monkeypatch.setattr(registry, "resolve", lambda impl, q, kv, idx, *a: registry.get(
+        "gluon" if idx[2] == 128 else "pallas_triton"))
+    assert bench_train.best_impl("small", 8192, 1, "bfloat16") == "auto"  # layers differ

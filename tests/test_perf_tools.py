@@ -154,3 +154,46 @@ def test_scan_layers_gives_the_same_step():
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     with pytest.raises(ConfigError, match="scan_layers=True does not combine"):
         get_preset("tiny", model=dict(scan_layers=True), fsdp="explicit")
+
+
+_CMDBUF_HLO = """HloModule jit_train_step, is_scheduled=true, entry_computation_layout={}
+
+%fused_add (p0: f32[8]) -> f32[8] {
+  ROOT %add.1 = f32[8]{0} add(%p0, %p0)
+}
+
+ENTRY %main.9 (a: f32[8]) -> f32[8] {
+  %loop_add_fusion.3 = f32[8]{0} fusion(%a), kind=kLoop, calls=%fused_add, metadata={op_name="jit(train_step)/jvp(compressor)/add"}
+  %custom-call.7 = (f32[8]{0}, s8[4]{0}) custom-call(%loop_add_fusion.3, %a), custom_call_target="__cublas$lt$matmul", metadata={op_name="jit(train_step)/jvp(compressor)/dot_general"}
+  %custom-call.8 = (f32[8]{0}, s8[4]{0}) custom-call(%a, %a), custom_call_target="__cublas$lt$matmul", metadata={op_name="jit(train_step)/jvp(mlp)/dot_general"}
+  %custom-call.9 = (f32[8]{0}, s8[4]{0}) custom-call(%a), custom_call_target="__cub$DeviceRadixSort", metadata={op_name="jit(train_step)/jvp(indexer)/indexer_topk/sort"}
+  %triton_kernel_call.5 = f32[8]{0} custom-call(%a), custom_call_target="__gpu$xla.gpu.triton", metadata={op_name="jit(train_step)/jvp(csa_attention)/triton_kernel_call"}
+  ROOT %custom-call.10 = (f32[8]{0}, s8[4]{0}) custom-call(%a, %a), custom_call_target="__cublas$lt$matmul", metadata={op_name="jit(train_step)/transpose(jvp(mlp))/dot_general"}
+}
+"""
+
+
+def test_command_buffer_kernels_are_located():
+    """Inside a CUDA-graph command buffer the trace names only `command_buffer_N` and the kernel:
+    fusions are found by name, GEMM / cub / Triton kernels in schedule order (two steps)."""
+    module, hlo = trace_breakdown.parse_hlo(_CMDBUF_HLO)
+    step = ["loop_add_fusion_3", "nvjet_sm90_tst_64x128", "nvjet_sm90_tst_128x64",
+            "DeviceRadixSortHistogramKernel", "DeviceRadixSortOnesweepKernel", "csa_triton_fwd",
+            "nvjet_sm90_tst_64x128"]
+    events = [(i * 10, 10, 10, k, "command_buffer_12", module)
+              for i, k in enumerate(step + step)]
+    events.append((1000, 5, 5, "mystery_kernel", "command_buffer_12", module))
+    res = trace_breakdown.breakdown(events, hlo, module, 2,
+                                    locator=trace_breakdown.KernelLocator(_CMDBUF_HLO))
+    fam = res["families"]
+    ms = 10 / 1e6
+    assert fam["compressor"]["ms"] == pytest.approx(2 * ms)          # the fusion and its GEMM
+    assert fam["dense matmuls"]["ms"] == pytest.approx(2 * ms)       # the mlp GEMMs
+    assert fam["dense matmuls"]["bwd_ms"] == pytest.approx(ms)       # the transposed one
+    assert fam["indexer top-k"]["ms"] == pytest.approx(2 * ms)       # both cub kernels
+    assert fam["CSA attention forward"]["ms"] == pytest.approx(ms)
+    assert fam["other XLA ops"]["ms"] == pytest.approx(5 / 1e6 / 2)
+    assert res["command_buffer_kernels"] == {"located": 14, "not_located": 1}
+    # without the locator everything in the command buffer is "other XLA ops" (as before)
+    plain = trace_breakdown.breakdown(events, hlo, module, 2)["families"]
+    assert plain["other XLA ops"]["ms"] == pytest.approx((14 * 10 + 5) / 1e6 / 2)
