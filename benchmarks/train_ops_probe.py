@@ -12,6 +12,10 @@ today, on the same inputs:
     topk_prefix / topk_full  csa_jax.indexer_topk, select="prefix" (default) / "top_k": the
                              indexer scores and the selection of one cr4 layer
     scores_full              csa_jax.indexer_scores alone (all P rows)
+    scores_kernel[_noskip]   the fused Triton scores kernel (csa_jax/kernels/triton/indexer.py;
+                             noskip: also the wholly invisible tiles)
+    topk_prefix_kernel       indexer_topk(select="prefix", scores="kernel") (ids checked equal to
+                             the XLA path's)
     sort_rows_k              lax.top_k of [T/8, P] scores (one band's selection, no scoring)
     optimizer                AdamW + clipping of the preset's parameters (train.loop's optimizer)
     attn_cr<r>_<variant>_fwd / _bwd
@@ -73,6 +77,14 @@ def probes(preset, T):
         "scores_full": (jax.jit(lambda q, k, w: csa_jax.indexer_scores(q, k, w, ratio=4)),
                         (q, k, w)),
     }
+    from csa_jax.kernels.triton import indexer as tki
+
+    out["scores_kernel"] = (jax.jit(lambda q, k, w: tki.indexer_scores(q, k, w, ratio=4)),
+                            (q, k, w))
+    out["scores_kernel_noskip"] = (jax.jit(lambda q, k, w: tki.indexer_scores(
+        q, k, w, ratio=4, skip=False)), (q, k, w))
+    out["topk_prefix_kernel"] = (jax.jit(lambda q, k, w: csa_jax.indexer_topk(
+        q, k, w, ratio=4, topk=a.topk, select="prefix", scores="kernel")), (q, k, w))
     band = jax.random.normal(jax.random.key(3), (T // 8, T // 4), jnp.float32)
     out["sort_rows_k"] = (jax.jit(lambda s: jax.lax.top_k(s, min(a.topk, T // 4))), (band,))
     return out
@@ -133,12 +145,12 @@ def main(argv=None):
     t_start = time.perf_counter()
     only = set(filter(None, args.only.split(",")))
     todo = {}
+    if not args.no_ops:
+        todo.update({k: v + (None,) for k, v in probes(args.preset, args.seq_len).items()})
     if args.attn_impl:
         ratios = [int(r) for r in args.attn_ratios.split(",") if r]
         todo.update(attention_probes(args.preset, args.seq_len, args.attn_impl, ratios,
                                      args.attn_variants))
-    if not args.no_ops:
-        todo.update({k: v + (None,) for k, v in probes(args.preset, args.seq_len).items()})
     names = list(todo) + (["optimizer"] if args.optimizer else [])
     rows, refs = [], {}
     meta = dict(device=str(jax.devices()[0].device_kind), preset=args.preset,
@@ -172,12 +184,25 @@ def main(argv=None):
         print(f"| {name} | {ms:.3f} ms | {n} reps | first call {first:.1f} s{err} |", flush=True)
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(dict(meta, rows=rows), indent=2))
-    if "topk_prefix" in todo and not only:
-        # the same ids from both exact selections (a cheap check that rides along)
-        fn_p, fa, _ = todo["topk_prefix"]
-        fn_f, _, _ = todo["topk_full"]
-        same = bool(np.array_equal(np.asarray(fn_p(*fa)), np.asarray(fn_f(*fa))))
-        print(f"topk prefix == top_k ids: {same}")
+    timed = {r["probe"] for r in rows if "ms" in r}
+    checks = {}
+    for other in ("topk_full", "topk_prefix_kernel"):
+        if {"topk_prefix", other} <= timed:
+            # the same ids as the default selection (a cheap check that rides along)
+            fn_p, fa, _ = todo["topk_prefix"]
+            a, b = np.asarray(fn_p(*fa)), np.asarray(todo[other][0](*fa))
+            checks[other] = dict(same=bool(np.array_equal(a, b)),
+                                 tokens_differing=int((a != b).any(-1).sum()))
+            print(f"topk_prefix vs {other}: {checks[other]}")
+    if {"scores_full", "scores_kernel"} <= timed:
+        a = np.asarray(todo["scores_full"][0](*todo["scores_full"][1]))
+        b = np.asarray(todo["scores_kernel"][0](*todo["scores_full"][1]))
+        fin = np.isfinite(a)
+        checks["scores_kernel"] = dict(
+            same_inf=bool(np.array_equal(np.isneginf(a), np.isneginf(b))),
+            rel_err=float(np.abs(a[fin] - b[fin]).max() / max(np.abs(a[fin]).max(), 1e-30)))
+        print(f"scores_kernel vs scores_full: {checks['scores_kernel']}")
+    Path(args.out).write_text(json.dumps(dict(meta, rows=rows, checks=checks), indent=2))
     return rows
 
 
