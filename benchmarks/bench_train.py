@@ -17,12 +17,16 @@ makes the table).
 --variants 'NAME:k=v,k=v; NAME2:k=v': besides the preset as it is ("default"), time each impl
 with these model / attention field overrides (ModelConfig.replace), e.g.
 `scan:scan_layers=true; dots:remat=dots`, in one process (one start-up for all). Profiles of a
-variant go to DIR/<impl>-<NAME>.
+variant go to DIR/<impl>-<NAME>. Keys `config.<field>` override fields of the attention impl's
+default Config instead (e.g. `w4:config.num_warps=4` for pallas_triton): the impl module's
+default_config is wrapped for that variant's run only.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import datetime
 import json
 import subprocess
@@ -48,7 +52,8 @@ def best_impl(preset, seq_len, batch_size, dtype, model=None) -> str:
     to different impls (the run then uses impl="auto")."""
     from csa_jax import registry
 
-    cfg = get_preset(preset, model=dict(model or {}, compute_dtype=dtype), seq_len=seq_len,
+    model = {k: v for k, v in (model or {}).items() if not k.startswith("config.")}
+    cfg = get_preset(preset, model=dict(model, compute_dtype=dtype), seq_len=seq_len,
                      batch_size=batch_size)
     a, T, B = cfg.model.attention, seq_len, batch_size
     picked = set()
@@ -61,8 +66,35 @@ def best_impl(preset, seq_len, batch_size, dtype, model=None) -> str:
     return picked.pop() if len(picked) == 1 else "auto"
 
 
+@contextlib.contextmanager
+def impl_config(impl, over):
+    """Within the block, impl's default_config returns its default with `over` replaced."""
+    if not over:
+        yield
+        return
+    from csa_jax import registry
+
+    mod = registry.get(impl).mod
+    orig = mod.default_config
+    mod.default_config = lambda *a, **k: dataclasses.replace(orig(*a, **k), **over)
+    try:
+        yield
+    finally:
+        mod.default_config = orig
+
+
 def bench(preset, impl, seq_len, batch_size, steps, warmup, dtype, profile=None, model=None,
           variant="default"):
+    model = dict(model or {})
+    conf = {k.removeprefix("config."): model.pop(k) for k in list(model)
+            if k.startswith("config.")}
+    with impl_config(impl, conf):
+        return _bench(preset, impl, seq_len, batch_size, steps, warmup, dtype, profile, model,
+                      variant, conf)
+
+
+def _bench(preset, impl, seq_len, batch_size, steps, warmup, dtype, profile, model, variant,
+           conf):
     cfg = get_preset(preset, model=dict(model or {}, impl=impl, compute_dtype=dtype),
                      seq_len=seq_len, batch_size=batch_size, steps=warmup + steps + 1, warmup_steps=1)
     graphdef, state, tx, schedule = init_state(cfg)
@@ -97,6 +129,7 @@ def bench(preset, impl, seq_len, batch_size, steps, warmup, dtype, profile=None,
             prof.after(i, state, runner, batches[i % 2])
     fl = step_flops(cfg.model, seq_len)
     return dict(preset=preset, impl=impl, variant=variant, model_overrides=dict(model or {}),
+                config_overrides=conf,
                 seq_len=seq_len, batch_size=batch_size, dtype=dtype,
                 params_m=n_params / 1e6, step_ms=dt * 1e3, tokens_per_sec=tps,
                 model_tflops=tps * fl["nominal"] / 1e12,

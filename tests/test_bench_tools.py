@@ -58,3 +58,17 @@ def test_bench_train_best_asks_the_registry_per_layer_type(monkeypatch):
     monkeypatch.setattr(registry, "resolve", lambda impl, q, kv, idx, *a: registry.get(
         "gluon" if idx[2] == 128 else "pallas_triton"))
     assert bench_train.best_impl("small", 8192, 1, "bfloat16") == "auto"  # layers differ
+
+
+def test_bench_train_config_variant_overrides_the_impl_default():
+    from benchmarks import bench_train
+    from csa_jax import registry
+
+    shapes = ((1, 64, 4, 64), (1, 80, 64), (1, 64, 32), "bfloat16")
+    base = registry.get("pallas_triton").default_config(*shapes)
+    with bench_train.impl_config("pallas_triton", {"num_warps": 2, "block_k_dq": 64}):
+        got = registry.get("pallas_triton").default_config(*shapes)
+    assert (got.num_warps, got.block_k_dq) == (2, 64)
+    assert got == dataclasses.replace(base, num_warps=2, block_k_dq=64)
+    assert registry.get("pallas_triton").default_config(*shapes) == base   # restored
+    assert bench_train.best_impl("small", 256, 1, "bfloat16", {"config.num_warps": 4}) == "xla"

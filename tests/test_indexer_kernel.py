@@ -51,3 +51,25 @@ def test_kernel_scores_refusals():
                                 topk=8, scores="kernel")
     with pytest.raises(ValueError, match="T=200, P=50: the kernel needs multiples of 64"):
         tki.indexer_scores(q[:, :200], k[:, :50], w[:, :200], ratio=4)
+
+
+def test_layer_runs_the_kernel_scores_from_its_config():
+    """CSAConfig.indexer_scores reaches indexer_topk: a bf16 cr4 layer gives the same output
+    with the kernel's scores as with XLA's; a bad value names the choices."""
+    from flax import nnx
+
+    from csa_jax.layers import CSAAttention
+
+    base = csa_jax.CSAConfig(d_model=64, num_heads=2, head_dim=32, rope_dim=16, q_rank=32,
+                             o_groups=1, o_rank=32, window=16, topk=8, index_heads=2,
+                             index_dim=32, ratio=4)
+    x = jax.random.normal(jax.random.key(2), (1, 256, 64), jnp.bfloat16)
+    outs = []
+    for scores in ("xla", "kernel"):
+        import dataclasses
+        layer = CSAAttention(dataclasses.replace(base, indexer_scores=scores), dtype=jnp.bfloat16,
+                             rngs=nnx.Rngs(0))
+        outs.append(np.asarray(layer(x)[0], np.float32))
+    np.testing.assert_array_equal(outs[0], outs[1])
+    with pytest.raises(ValueError, match="indexer_scores='fused' must be one of auto"):
+        csa_jax.CSAConfig(indexer_scores="fused")
