@@ -155,6 +155,18 @@ def main():
                    help="model-field overrides timed besides the default (see the module doc)")
     args = p.parse_args()
 
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True).stdout.strip()
+    except OSError:
+        commit = ""
+    meta = dict(device=str(jax.devices()[0].device_kind), date=datetime.date.today().isoformat(),
+                commit=commit, jax=jax.__version__, peak_tflops=args.peak_tflops)
+
+    def write():  # after every row: a time limit still leaves what ran
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(dict(meta, rows=rows), indent=2))
+
     rows = []
     for variant, over in parse_variants(args.variants):
         for group in args.impls.split(","):
@@ -171,7 +183,9 @@ def main():
                 r["mfu"] = r["model_tflops"] / args.peak_tflops
                 r["mfu_valid"] = r["model_tflops_valid"] / args.peak_tflops
                 rows.append(r)
-                print(f"{impl} ({variant}): {r['tokens_per_sec']:.0f} tok/s, "
+                write()
+                print(f"{impl} ({variant}): {r['step_ms']:.1f} ms/step, "
+                      f"{r['tokens_per_sec']:.0f} tok/s, "
                       f"MFU {100 * r['mfu']:.1f}%, compile {r['compile_s']:.1f} s", file=sys.stderr)
                 break
 
@@ -186,15 +200,7 @@ def main():
               f"{r['step_ms']:.1f} | {r['tokens_per_sec']:.0f} | {r['model_tflops']:.1f} | "
               f"{100 * r['mfu']:.1f}% | {100 * r['mfu_valid']:.1f}% | {r['compile_s']:.1f} | "
               f"{speed} |")
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True).stdout.strip()
-    except OSError:
-        commit = ""
-    out = dict(device=str(jax.devices()[0].device_kind), date=datetime.date.today().isoformat(),
-               commit=commit, jax=jax.__version__, peak_tflops=args.peak_tflops, rows=rows)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=2))
+    write()
     print(f"\nwrote {args.out}", file=sys.stderr)
 
 
