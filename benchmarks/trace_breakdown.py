@@ -101,6 +101,7 @@ def parse_hlo(text):
 
 _GEMM_KERNEL = re.compile(r"nvjet|gemm|xmma|cutlass|cublas", re.I)
 _CUB_KERNEL = re.compile(r"cub(?!las)|RadixSort|Onesweep", re.I)
+_GEMM_TAIL = re.compile(r"splitK|reduce", re.I)
 
 
 def _norm(name):
@@ -127,7 +128,8 @@ class KernelLocator:
     they are matched in schedule order: the scheduled HLO lists each computation's instructions
     in execution order, so such a kernel belongs to the first custom-call of its kind (GEMM,
     cub, triton) after the instruction of the kernel that ran before it in the same
-    computation. cub's sort launches several kernels: consecutive cub kernels stay on one call.
+    computation. cub's sort launches several kernels: consecutive cub kernels stay on one call,
+    as does a cuBLAS split-K reduction kernel on its GEMM.
     `locate(kernel)` must be called in execution order (events sorted by start time), and
     `seen(instr)` for the kernels that name their instruction themselves."""
 
@@ -166,8 +168,10 @@ class KernelLocator:
             kind = _kind(kernel)
             if kind is None:
                 return None
-            if kind == "cub" and self.cursor is not None and \
-                    self.seq[self.where[self.cursor][0]][self.where[self.cursor][1]][1] == "cub":
+            # several kernels of one call: cub's sort passes, cuBLAS's split-K reduction
+            follow = kind == "cub" or (kind == "gemm" and _GEMM_TAIL.search(kernel))
+            if follow and self.cursor is not None and \
+                    self.seq[self.where[self.cursor][0]][self.where[self.cursor][1]][1] == kind:
                 return self.cursor
             comp, pos = self.where.get(self.cursor, (self.entry, -1))
             seq = self.seq.get(comp, [])

@@ -177,7 +177,8 @@ def test_command_buffer_kernels_are_located():
     """Inside a CUDA-graph command buffer the trace names only `command_buffer_N` and the kernel:
     fusions are found by name, GEMM / cub / Triton kernels in schedule order (two steps)."""
     module, hlo = trace_breakdown.parse_hlo(_CMDBUF_HLO)
-    step = ["loop_add_fusion_3", "nvjet_sm90_tst_64x128", "nvjet_sm90_tst_128x64",
+    step = ["loop_add_fusion_3", "nvjet_sm90_tst_64x128", "cublasLt::splitKreduce_kernel",
+            "nvjet_sm90_tst_128x64",
             "DeviceRadixSortHistogramKernel", "DeviceRadixSortOnesweepKernel", "csa_triton_fwd",
             "nvjet_sm90_tst_64x128"]
     events = [(i * 10, 10, 10, k, "command_buffer_12", module)
@@ -187,13 +188,15 @@ def test_command_buffer_kernels_are_located():
                                     locator=trace_breakdown.KernelLocator(_CMDBUF_HLO))
     fam = res["families"]
     ms = 10 / 1e6
-    assert fam["compressor"]["ms"] == pytest.approx(2 * ms)          # the fusion and its GEMM
+    assert fam["compressor"]["ms"] == pytest.approx(3 * ms)   # the fusion, its GEMM, split-K
     assert fam["dense matmuls"]["ms"] == pytest.approx(2 * ms)       # the mlp GEMMs
     assert fam["dense matmuls"]["bwd_ms"] == pytest.approx(ms)       # the transposed one
     assert fam["indexer top-k"]["ms"] == pytest.approx(2 * ms)       # both cub kernels
     assert fam["CSA attention forward"]["ms"] == pytest.approx(ms)
     assert fam["other XLA ops"]["ms"] == pytest.approx(5 / 1e6 / 2)
-    assert res["command_buffer_kernels"] == {"located": 14, "not_located": 1}
+    assert res["command_buffer_kernels"] == {"located": 16, "not_located": 1}
     # without the locator everything in the command buffer is "other XLA ops" (as before)
     plain = trace_breakdown.breakdown(events, hlo, module, 2)["families"]
     assert plain["other XLA ops"]["ms"] == pytest.approx((14 * 10 + 5) / 1e6 / 2)
+    assert plain["dense matmuls"]["ms"] == pytest.approx(ms)   # only the name says 'cublas'
+
