@@ -55,13 +55,9 @@ _INSTR = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (?:\(.*?\)|\S+) ([\w\-]+)\((.
 _MATMUL_TARGET = re.compile(r"gemm|matmul|cublas", re.I)
 
 
-def parse_hlo(text):
-    """(module name, {instruction: (op_name, opcode, is_matmul)}) of an HLO module's text.
-    (`KernelLocator(text)` maps the kernels of command buffers back to these instructions.)"""
-    m = re.search(r"^HloModule ([\w.\-]+)", text, re.M)
-    module = m.group(1) if m else ""
-    comps = collections.defaultdict(list)  # computation -> [(instr, opcode, calls, target)]
-    info = {}
+def _instructions(text):
+    """(computation, instruction, opcode, rest of the line) of every instruction, in text order
+    (a scheduled module lists each computation's instructions in execution order)."""
     comp = None
     for line in text.splitlines():
         cm = _COMP_START.match(line)
@@ -69,9 +65,18 @@ def parse_hlo(text):
             comp = cm.group(1)
             continue
         im = _INSTR.match(line)
-        if not im or comp is None:
-            continue
-        name, opcode, rest = im.groups()
+        if im and comp is not None:
+            yield (comp, *im.groups())
+
+
+def parse_hlo(text):
+    """(module name, {instruction: (op_name, opcode, is_matmul)}) of an HLO module's text.
+    (`KernelLocator(text)` maps the kernels of command buffers back to these instructions.)"""
+    m = re.search(r"^HloModule ([\w.\-]+)", text, re.M)
+    module = m.group(1) if m else ""
+    comps = collections.defaultdict(list)  # computation -> [(instr, opcode, calls, target)]
+    info = {}
+    for comp, name, opcode, rest in _instructions(text):
         calls = re.findall(r"calls=%?([\w.\-]+)", rest)
         target = re.search(r'custom_call_target="([^"]*)"', rest)
         op_name = re.search(r'op_name="([^"]*)"', rest)
@@ -137,17 +142,8 @@ class KernelLocator:
         self.by_name = {}
         self.seq = {}       # computation -> [(instr, kind of custom-call target or None)]
         self.where = {}     # instr -> (computation, position)
-        comp = None
-        for line in text.splitlines():
-            cm = _COMP_START.match(line)
-            if cm:
-                comp = cm.group(1)
-                self.seq[comp] = []
-                continue
-            im = _INSTR.match(line)
-            if not im or comp is None:
-                continue
-            name, opcode, rest = im.groups()
+        for comp, name, opcode, rest in _instructions(text):
+            self.seq.setdefault(comp, [])
             target = re.search(r'custom_call_target="([^"]*)"', rest)
             kind = _kind(target.group(1)) if opcode == "custom-call" and target else None
             self.where[name] = (comp, len(self.seq[comp]))
