@@ -51,6 +51,8 @@ def test_kernel_scores_refusals():
                                 topk=8, scores="kernel")
     with pytest.raises(ValueError, match="T=200, P=50: the kernel needs multiples of 64"):
         tki.indexer_scores(q[:, :200], k[:, :50], w[:, :200], ratio=4)
+    with pytest.raises(ValueError, match="Hi=3, Di=32: the kernel needs powers of two"):
+        tki.indexer_scores(q[:, :, :3], k, w[:, :, :3], ratio=4)
 
 
 def test_layer_runs_the_kernel_scores_from_its_config():

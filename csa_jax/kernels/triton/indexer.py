@@ -38,9 +38,9 @@ def supported(q_shape, k_shape, dtype) -> str | None:
     """Why this kernel does not take the problem (None = it does)."""
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         return f"dtype {jnp.dtype(dtype)}: the kernel takes bf16 / f16 inputs"
-    di = q_shape[-1]
-    if di < 16 or di != _next_pow2(di):
-        return f"Di={di}: the kernel needs a power of two >= 16"
+    hi, di = q_shape[-2], q_shape[-1]
+    if di < 16 or di != _next_pow2(di) or hi != _next_pow2(hi):
+        return f"Hi={hi}, Di={di}: the kernel needs powers of two (Di >= 16)"
     if q_shape[1] % BLOCK_T or k_shape[1] % BLOCK_R or k_shape[1] == 0:
         return (f"T={q_shape[1]}, P={k_shape[1]}: the kernel needs multiples of "
                 f"{BLOCK_T} / {BLOCK_R}")
