@@ -17,7 +17,8 @@ makes the table).
 --variants 'NAME:k=v,k=v; NAME2:k=v': besides the preset as it is ("default"), time each impl
 with these model / attention field overrides (ModelConfig.replace), e.g.
 `scan:scan_layers=true; dots:remat=dots`, in one process (one start-up for all). Profiles of a
-variant go to DIR/<impl>-<NAME>. Keys `config.<field>` override fields of the attention impl's
+variant go to DIR/<impl>-<NAME> (with --profile-variants; by default only the default is
+traced). Keys `config.<field>` override fields of the attention impl's
 default Config instead (e.g. `w4:config.num_warps=4` for pallas_triton): the impl module's
 default_config is wrapped for that variant's run only.
 """
@@ -153,6 +154,8 @@ def main():
     p.add_argument("--profile", metavar="DIR", help="trace 3 steps of each impl into DIR/<impl>")
     p.add_argument("--variants", default="", metavar="'NAME:k=v,...; ...'",
                    help="model-field overrides timed besides the default (see the module doc)")
+    p.add_argument("--profile-variants", action="store_true",
+                   help="with --profile: trace the variants too (default: only 'default')")
     args = p.parse_args()
 
     try:
@@ -174,8 +177,9 @@ def main():
                          if group == "best" else [group]):
                 try:
                     r = bench(args.preset, impl, args.seq_len, args.batch_size, args.steps,
-                              args.warmup, args.dtype, profile=args.profile, model=over,
-                              variant=variant)
+                              args.warmup, args.dtype, model=over, variant=variant,
+                              profile=args.profile if (variant == "default"
+                                                       or args.profile_variants) else None)
                 except Exception as e:  # report and go on with the next candidate
                     print(f"{impl} ({variant}): failed: {type(e).__name__}: {str(e)[:300]}",
                           file=sys.stderr)
