@@ -151,19 +151,18 @@ def resolve_interpret(interpret, platforms):
     return interpret
 
 
-def inverse_map(idx, num_kv, num_rows, *, narrow=None):
+def inverse_map(idx, num_kv, num_rows, *, narrow=False):
     """CSR inverse of idx [B, E] (flat slots): (perm [B, E], key [B, E], offsets [B, R+1]).
 
     perm lists the slots sorted by kv row (stable, so the slots of one row stay in slot order;
     empty slots sort last under key num_kv); key = the row of each sorted entry; the entries of
     row r are perm[offsets[r]:offsets[r+1]]. num_rows >= num_kv (rows past num_kv are empty).
 
-    narrow (None: on GPUs, when num_kv < 2**15): sort int16 keys, with ids past num_kv clamped to
-    num_kv (empty, like -1). A GPU sorts with a radix sort whose passes scale with the key's
-    bits: 2 passes instead of 4. perm and offsets of every row are the same; only the order of
-    the empty / out-of-range slots after offsets[num_kv] may differ."""
-    if narrow is None:
-        narrow = jax.default_backend() == "gpu"
+    narrow (when num_kv < 2**15): sort int16 keys, with ids past num_kv clamped to num_kv
+    (empty, like -1). A GPU sorts with a radix sort whose passes scale with the key's bits: 2
+    passes instead of 4. perm and offsets of every row are the same; only the order of the
+    empty / out-of-range slots after offsets[num_kv] may differ. Off by default: measured alone
+    on the H200 (benchmarks/train_ops_probe.py, docs/perf/train_h200.md), not yet in a step."""
     narrow = narrow and num_kv < 2 ** 15
     key = jnp.where(idx >= 0, idx, num_kv).astype(jnp.int32)
     if narrow:
