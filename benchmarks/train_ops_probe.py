@@ -65,29 +65,30 @@ def probes(preset, T):
     idx = csa_jax.build_indices(T, 4, window=a.window, pool_topk=topk)       # [1, T, K]
     N = T + T // 4
     flat = idx.reshape(1, -1)
-    out = {
+    from csa_jax.kernels.triton import indexer as tki
+
+    def select_fn(scores, select="prefix"):
+        return jax.jit(lambda q, k, w: csa_jax.indexer_topk(
+            q, k, w, ratio=4, topk=a.topk, select=select, scores=scores))
+
+    band = jax.random.normal(jax.random.key(3), (T // 8, T // 4), jnp.float32)
+    # most informative pairs first (a time budget may stop the list)
+    return {
+        "topk_prefix": (select_fn("xla"), (q, k, w)),
+        "topk_prefix_kernel": (select_fn("kernel"), (q, k, w)),
+        "scores_full": (jax.jit(lambda q, k, w: csa_jax.indexer_scores(q, k, w, ratio=4)),
+                        (q, k, w)),
+        "scores_kernel": (jax.jit(lambda q, k, w: tki.indexer_scores(q, k, w, ratio=4)),
+                          (q, k, w)),
         "inverse_map_s32": (jax.jit(lambda i: blockmath.inverse_map(i, N, N, narrow=False)),
                             (flat,)),
         "inverse_map_s16": (jax.jit(lambda i: blockmath.inverse_map(i, N, N, narrow=True)),
                             (flat,)),
-        "topk_prefix": (jax.jit(lambda q, k, w: csa_jax.indexer_topk(
-            q, k, w, ratio=4, topk=a.topk, select="prefix")), (q, k, w)),
-        "topk_full": (jax.jit(lambda q, k, w: csa_jax.indexer_topk(
-            q, k, w, ratio=4, topk=a.topk, select="top_k")), (q, k, w)),
-        "scores_full": (jax.jit(lambda q, k, w: csa_jax.indexer_scores(q, k, w, ratio=4)),
-                        (q, k, w)),
+        "topk_full": (select_fn("xla", "top_k"), (q, k, w)),
+        "scores_kernel_noskip": (jax.jit(lambda q, k, w: tki.indexer_scores(
+            q, k, w, ratio=4, skip=False)), (q, k, w)),
+        "sort_rows_k": (jax.jit(lambda s: jax.lax.top_k(s, min(a.topk, T // 4))), (band,)),
     }
-    from csa_jax.kernels.triton import indexer as tki
-
-    out["scores_kernel"] = (jax.jit(lambda q, k, w: tki.indexer_scores(q, k, w, ratio=4)),
-                            (q, k, w))
-    out["scores_kernel_noskip"] = (jax.jit(lambda q, k, w: tki.indexer_scores(
-        q, k, w, ratio=4, skip=False)), (q, k, w))
-    out["topk_prefix_kernel"] = (jax.jit(lambda q, k, w: csa_jax.indexer_topk(
-        q, k, w, ratio=4, topk=a.topk, select="prefix", scores="kernel")), (q, k, w))
-    band = jax.random.normal(jax.random.key(3), (T // 8, T // 4), jnp.float32)
-    out["sort_rows_k"] = (jax.jit(lambda s: jax.lax.top_k(s, min(a.topk, T // 4))), (band,))
-    return out
 
 
 def attention_probes(preset, T, impl, ratios, variants):
