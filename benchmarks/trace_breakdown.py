@@ -55,12 +55,9 @@ _INSTR = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (?:\(.*?\)|\S+) ([\w\-]+)\((.
 _MATMUL_TARGET = re.compile(r"gemm|matmul|cublas", re.I)
 
 
-def parse_hlo(text):
-    """(module name, {instruction: (op_name, opcode, is_matmul)}) of an HLO module's text."""
-    m = re.search(r"^HloModule ([\w.\-]+)", text, re.M)
-    module = m.group(1) if m else ""
-    comps = collections.defaultdict(list)  # computation -> [(instr, opcode, calls, target)]
-    info = {}
+def _instructions(text):
+    """(computation, instruction, opcode, rest of the line) of every instruction, in text order
+    (a scheduled module lists each computation's instructions in execution order)."""
     comp = None
     for line in text.splitlines():
         cm = _COMP_START.match(line)
@@ -68,9 +65,18 @@ def parse_hlo(text):
             comp = cm.group(1)
             continue
         im = _INSTR.match(line)
-        if not im or comp is None:
-            continue
-        name, opcode, rest = im.groups()
+        if im and comp is not None:
+            yield (comp, *im.groups())
+
+
+def parse_hlo(text):
+    """(module name, {instruction: (op_name, opcode, is_matmul)}) of an HLO module's text.
+    (`KernelLocator(text)` maps the kernels of command buffers back to these instructions.)"""
+    m = re.search(r"^HloModule ([\w.\-]+)", text, re.M)
+    module = m.group(1) if m else ""
+    comps = collections.defaultdict(list)  # computation -> [(instr, opcode, calls, target)]
+    info = {}
+    for comp, name, opcode, rest in _instructions(text):
         calls = re.findall(r"calls=%?([\w.\-]+)", rest)
         target = re.search(r'custom_call_target="([^"]*)"', rest)
         op_name = re.search(r'op_name="([^"]*)"', rest)
@@ -96,6 +102,81 @@ def parse_hlo(text):
               or (opcode == "fusion" and any(has_dot(c) for c in calls)))
         out[name] = (op_name, opcode, mm)
     return module, out
+
+
+_GEMM_KERNEL = re.compile(r"nvjet|gemm|xmma|cutlass|cublas", re.I)
+_CUB_KERNEL = re.compile(r"cub(?!las)|RadixSort|Onesweep", re.I)
+_GEMM_TAIL = re.compile(r"splitK|reduce", re.I)
+
+
+def _norm(name):
+    return re.sub(r"[.\-]", "_", name)
+
+
+def _kind(kernel_or_target):
+    """What launched a kernel that no instruction is named after: gemm / cub / triton / None."""
+    if _CUB_KERNEL.search(kernel_or_target):
+        return "cub"
+    if _GEMM_KERNEL.search(kernel_or_target) or "matmul" in kernel_or_target:
+        return "gemm"
+    if "triton" in kernel_or_target:
+        return "triton"
+    return None
+
+
+class KernelLocator:
+    """The HLO instruction behind a kernel that ran inside an XLA GPU command buffer (a CUDA
+    graph): the trace names only the command buffer (hlo_op `command_buffer_N`) and the kernel.
+
+    A fusion's kernel is named after its instruction ('.' and '-' as '_'): that is an exact
+    match. Library kernels (cuBLAS / nvjet GEMMs, cub sorts) and Pallas Triton kernels are not;
+    they are matched in schedule order: the scheduled HLO lists each computation's instructions
+    in execution order, so such a kernel belongs to the first custom-call of its kind (GEMM,
+    cub, triton) after the instruction of the kernel that ran before it in the same
+    computation. cub's sort launches several kernels: consecutive cub kernels stay on one call,
+    as does a cuBLAS split-K reduction kernel on its GEMM.
+    `locate(kernel)` must be called in execution order (events sorted by start time), and
+    `seen(instr)` for the kernels that name their instruction themselves."""
+
+    def __init__(self, text):
+        self.by_name = {}
+        self.seq = {}       # computation -> [(instr, kind of custom-call target or None)]
+        self.where = {}     # instr -> (computation, position)
+        for comp, name, opcode, rest in _instructions(text):
+            self.seq.setdefault(comp, [])
+            target = re.search(r'custom_call_target="([^"]*)"', rest)
+            kind = _kind(target.group(1)) if opcode == "custom-call" and target else None
+            self.where[name] = (comp, len(self.seq[comp]))
+            self.seq[comp].append((name, kind))
+            self.by_name[_norm(name)] = name
+        self.entry = next((c for c in self.seq if re.search(rf"^ENTRY %?{re.escape(c)} ",
+                                                            text, re.M)), None)
+        self.cursor = None  # instruction of the last located kernel
+
+    def seen(self, instr):
+        if instr in self.where:
+            self.cursor = instr
+
+    def locate(self, kernel):
+        """The instruction name of `kernel` (None when neither rule finds one)."""
+        name = self.by_name.get(_norm(kernel))
+        if name is None:
+            kind = _kind(kernel)
+            if kind is None:
+                return None
+            # several kernels of one call: cub's sort passes, cuBLAS's split-K reduction
+            follow = kind == "cub" or (kind == "gemm" and _GEMM_TAIL.search(kernel))
+            if follow and self.cursor is not None and \
+                    self.seq[self.where[self.cursor][0]][self.where[self.cursor][1]][1] == kind:
+                return self.cursor
+            comp, pos = self.where.get(self.cursor, (self.entry, -1))
+            seq = self.seq.get(comp, [])
+            # after the cursor; wrapping around to the computation's start (the next step)
+            name = next((n for n, k in seq[pos + 1:] + seq[:pos + 1] if k == kind), None)
+            if name is None:
+                return None
+        self.cursor = name
+        return name
 
 
 def _scope_names(op_name):
@@ -135,7 +216,7 @@ def load_events(profile_dir):
         raise FileNotFoundError(f"no *.xplane.pb under {profile_dir}")
     data = ProfileData.from_file(str(files[-1]))
     planes = list(data.planes)
-    steps = 0
+    step_ids = set()
     per_plane = {}
     for plane in planes:
         evs = []
@@ -146,11 +227,13 @@ def load_events(profile_dir):
         for line in ops_lines or lines:
             raw = []
             for e in line.events:
-                if plane.name.startswith("/host") and line.name == "python" and e.name == "train":
-                    steps += 1
                 with warnings.catch_warnings():  # a pybind type without __module__
                     warnings.simplefilter("ignore", DeprecationWarning)
                     st = dict(e.stats)
+                if plane.name.startswith("/host") and e.name == "train":
+                    # the StepTraceAnnotation of a step, on the thread that called it (its line
+                    # is named after the thread: "python" here, "python3" elsewhere)
+                    step_ids.add(st.get("step_num", (line.name, e.start_ns)))
                 if "hlo_op" in st:
                     raw.append((e.start_ns, e.duration_ns, e.name, str(st["hlo_op"]),
                                 str(st.get("hlo_module", ""))))
@@ -159,7 +242,7 @@ def load_events(profile_dir):
             per_plane[plane.name] = evs
     device = [n for n in per_plane if not n.startswith("/host")]
     chosen = device or list(per_plane)
-    return [e for n in chosen for e in per_plane[n]], steps, chosen
+    return [e for n in chosen for e in per_plane[n]], len(step_ids), chosen
 
 
 def _self_times(raw):
@@ -187,8 +270,9 @@ def _busy_union(intervals):
     return total
 
 
-def breakdown(events, hlo, module, steps, top=15):
-    """dict: per-family ms/step (total, forward, backward), step span, top ops."""
+def breakdown(events, hlo, module, steps, top=15, locator=None):
+    """dict: per-family ms/step (total, forward, backward), step span, top ops. locator: a
+    KernelLocator of the same HLO, for the kernels of command buffers."""
     fam = {f: [0.0, 0.0, 0.0] for f in FAMILIES}
     ops = collections.defaultdict(lambda: [0.0, 0, "", ""])
     mine = [e for e in events if not module or not e[5] or e[5] == module
@@ -196,7 +280,15 @@ def breakdown(events, hlo, module, steps, top=15):
     if not mine:
         raise ValueError(f"no event of HLO module {module!r} in the trace (modules seen: "
                          f"{sorted({e[5] for e in events})[:8]})")
+    mine.sort(key=lambda e: e[0])
+    located = [0, 0]  # command-buffer kernels: found, not found
     for start, self_ns, dur, kname, op, _ in mine:
+        if op not in hlo and locator is not None and op.startswith("command_buffer"):
+            found = locator.locate(kname)
+            located[found is None] += 1
+            op = found or op
+        elif locator is not None:
+            locator.seen(op)
         op_name, _, mm = hlo.get(op, ("", "", False))
         if not op_name:
             mm = mm or bool(_MATMUL_TARGET.search(kname))
@@ -215,6 +307,7 @@ def breakdown(events, hlo, module, steps, top=15):
     top_ops = sorted(ops.items(), key=lambda kv: -kv[1][0])[:top]
     return {
         "steps": n, "span_ms_per_step": to_ms(span), "busy_ms_per_step": to_ms(busy),
+        "command_buffer_kernels": {"located": located[0], "not_located": located[1]},
         "families": {f: {"ms": to_ms(v[0]), "fwd_ms": to_ms(v[1]), "bwd_ms": to_ms(v[2])}
                      for f, v in fam.items()},
         "top_ops": [{"hlo_op": op, "kernel": k, "ms": to_ms(v[0]), "calls_per_step": v[1] / n,
@@ -225,8 +318,11 @@ def breakdown(events, hlo, module, steps, top=15):
 def format_table(res):
     fams = res["families"]
     total = sum(v["ms"] for v in fams.values())
+    cb = res.get("command_buffer_kernels", {})
     lines = [f"{res['steps']} step(s); span {res['span_ms_per_step']:.2f} ms/step, device busy "
-             f"{res['busy_ms_per_step']:.2f} ms/step\n",
+             f"{res['busy_ms_per_step']:.2f} ms/step"
+             + (f"; command-buffer kernels located {cb['located']}, not {cb['not_located']}"
+                if sum(cb.values()) else "") + "\n",
              "| family | ms/step | share | forward | backward |", "|---|---|---|---|---|"]
     for f in FAMILIES:
         v = fams[f]
@@ -258,9 +354,11 @@ def main(argv=None):
     hlo_path = Path(args.hlo or Path(args.profile_dir) / "train_step.hlo.txt")
     if not hlo_path.exists():
         sys.exit(f"error: no HLO text at {hlo_path} (pass --hlo)")
-    module, hlo = parse_hlo(hlo_path.read_text())
+    text = hlo_path.read_text()
+    module, hlo = parse_hlo(text)
     events, steps, planes = load_events(args.profile_dir)
-    res = breakdown(events, hlo, module, args.steps or steps, top=args.top)
+    res = breakdown(events, hlo, module, args.steps or steps, top=args.top,
+                    locator=KernelLocator(text))
     res["planes"] = planes
     print(format_table(res))
     if args.json:

@@ -151,14 +151,25 @@ def resolve_interpret(interpret, platforms):
     return interpret
 
 
-def inverse_map(idx, num_kv, num_rows):
+def inverse_map(idx, num_kv, num_rows, *, narrow=False):
     """CSR inverse of idx [B, E] (flat slots): (perm [B, E], key [B, E], offsets [B, R+1]).
 
     perm lists the slots sorted by kv row (stable, so the slots of one row stay in slot order;
     empty slots sort last under key num_kv); key = the row of each sorted entry; the entries of
-    row r are perm[offsets[r]:offsets[r+1]]. num_rows >= num_kv (rows past num_kv are empty)."""
+    row r are perm[offsets[r]:offsets[r+1]]. num_rows >= num_kv (rows past num_kv are empty).
+
+    narrow (when num_kv < 2**15): sort int16 keys, with ids past num_kv clamped to num_kv
+    (empty, like -1). A GPU sorts with a radix sort whose passes scale with the key's bits: 2
+    passes instead of 4. perm and offsets of every row are the same; only the order of the
+    empty / out-of-range slots after offsets[num_kv] may differ. Off by default: measured alone
+    on the H200 (benchmarks/train_ops_probe.py, docs/perf/train_h200.md), not yet in a step."""
+    narrow = narrow and num_kv < 2 ** 15
     key = jnp.where(idx >= 0, idx, num_kv).astype(jnp.int32)
-    perm = jnp.argsort(key, axis=-1, stable=True).astype(jnp.int32)
+    if narrow:
+        key = jnp.minimum(key, num_kv)
+        perm = jnp.argsort(key.astype(jnp.int16), axis=-1, stable=True).astype(jnp.int32)
+    else:
+        perm = jnp.argsort(key, axis=-1, stable=True).astype(jnp.int32)
     skey = jnp.take_along_axis(key, perm, axis=-1)
     # rows past num_kv are empty: clamp so the empty slots (key num_kv) belong to no row
     rows = jnp.minimum(jnp.arange(num_rows + 1, dtype=jnp.int32), num_kv)

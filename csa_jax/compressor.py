@@ -197,7 +197,34 @@ SELECT_MODES = ("prefix", "top_k", "approx")
 _PREFIX_MIN_SCORES = 2 ** 22
 
 
-def indexer_topk(q_idx, k_idx, weights, *, ratio, topk, select="prefix", recall_target=0.95):
+SCORE_IMPLS = ("auto", "xla", "kernel")
+# scores="auto" in indexer_topk runs the fused Triton kernel (csa_jax/kernels/triton/indexer.py)
+# where it applies: NVIDIA GPUs, bf16 / f16 inputs, its block multiples, and B*T*P <= 2**26
+# scores held at once. False: auto always runs the XLA products.
+_AUTO_KERNEL_SCORES = False
+
+
+def _kernel_scores(scores, q_idx, k_idx):
+    """Whether indexer_topk's scores come from the Triton kernel (scores: SCORE_IMPLS)."""
+    if scores not in SCORE_IMPLS:
+        raise ValueError(f"scores={scores!r} must be one of {SCORE_IMPLS}")
+    if scores == "xla" or (scores == "auto" and not _AUTO_KERNEL_SCORES):
+        return False
+    from csa_jax.kernels import triton as tk
+    from csa_jax.kernels.triton import indexer as tki
+
+    why = tki.supported(q_idx.shape, k_idx.shape, q_idx.dtype)
+    if scores == "kernel":
+        if why:
+            raise ValueError(f"scores='kernel': {why}")
+        return True
+    B, T, Hi, Di = q_idx.shape
+    return (why is None and B * T * k_idx.shape[1] <= 2 ** 26
+            and tk.unsupported(q_idx.shape, k_idx.shape, (B, T, 1), q_idx.dtype) is None)
+
+
+def indexer_topk(q_idx, k_idx, weights, *, ratio, topk, select="prefix", recall_target=0.95,
+                 scores="auto"):
     """int32 [B, T, min(topk, P)]: pool-local ids by descending score, -1 where none is visible.
 
     q_idx [B,T,Hi,Di] (rotated), k_idx [B,P,Di], weights [B,T,Hi] with every scale folded in.
@@ -210,6 +237,10 @@ def indexer_topk(q_idx, k_idx, weights, *, ratio, topk, select="prefix", recall_
       "approx": lax.approx_max_k (recall_target) over all P rows: the TPU's approximate
                selection; on CPU and GPU XLA lowers it to an exact sort.
     "prefix" and "top_k" return the same ids (ties keep the lower id first).
+    scores: "xla" (the XLA products of indexer_scores), "kernel" (the fused Triton kernel of
+    csa_jax/kernels/triton/indexer.py, interpreted off-GPU: same scores to f32 rounding, so
+    the same ids but where two scores tie within rounding), "auto" (the kernel where
+    _kernel_scores allows it).
     """
     _check_indexer(q_idx, k_idx, weights, ratio)
     if isinstance(topk, bool) or not isinstance(topk, int) or topk <= 0:
@@ -222,6 +253,17 @@ def indexer_topk(q_idx, k_idx, weights, *, ratio, topk, select="prefix", recall_
     if k == 0:
         return jnp.zeros((B, T, 0), jnp.int32)
     q_idx, k_idx, weights = (jax.lax.stop_gradient(a) for a in (q_idx, k_idx, weights))
+    if _kernel_scores(scores, q_idx, k_idx):
+        from csa_jax.kernels.triton import indexer as tki
+
+        full = tki.indexer_scores(q_idx, k_idx, weights, ratio=ratio)          # [B, T, P]
+
+        def block(start, size, rows=None):
+            rows = P if rows is None else rows
+            return jax.lax.dynamic_slice_in_dim(full, start, size, axis=1)[:, :, :rows]
+    else:
+        def block(start, size, rows=None):
+            return _scores_block(q_idx, k_idx, weights, ratio, start, size, rows)
 
     def pick(score, kk):
         with jax.named_scope("indexer_topk"):
@@ -232,9 +274,7 @@ def indexer_topk(q_idx, k_idx, weights, *, ratio, topk, select="prefix", recall_
             return jnp.where(vals > -jnp.inf, ids, -1).astype(jnp.int32)
 
     if select != "prefix" or B * T * P < _PREFIX_MIN_SCORES:
-        return _chunked_over_tokens(
-            lambda s, n: pick(_scores_block(q_idx, k_idx, weights, ratio, s, n), k),
-            T, B * Hi * P)
+        return _chunked_over_tokens(lambda s, n: pick(block(s, n), k), T, B * Hi * P)
 
     # At least 8 chunks, each under the memory budget, grouped in at most 8 bands of consecutive
     # chunks; a band scores and sorts the rows visible to its last token (a static width), so the
@@ -252,7 +292,7 @@ def indexer_topk(q_idx, k_idx, weights, *, ratio, topk, select="prefix", recall_
             continue
 
         def one(s, rows=rows, kk=kk):
-            ids = pick(_scores_block(q_idx, k_idx, weights, ratio, s, chunk, rows), kk)
+            ids = pick(block(s, chunk, rows), kk)
             return jnp.pad(ids, ((0, 0), (0, 0), (0, k - kk)), constant_values=-1)
 
         if b - a == 1:

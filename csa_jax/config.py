@@ -45,6 +45,7 @@ class CSAConfig:
     impl: str = "auto"                     # sparse_attention impl (csa_jax.registry)
     indexer_loss_coef: float = 0.0         # > 0: auxiliary indexer KL loss (cr4 layers)
     out_init_scale: float = 1.0            # init std factor of the layer's last projection
+    indexer_scores: str = "auto"           # indexer_topk's scores: auto | xla | kernel
 
     def __post_init__(self):
         if self.family is not None and self.family not in FAMILIES:
@@ -71,6 +72,9 @@ class CSAConfig:
             raise ValueError(f"indexer_loss_coef={self.indexer_loss_coef} must be >= 0")
         if not self.norm_eps > 0:
             raise ValueError(f"norm_eps={self.norm_eps} must be > 0")
+        if self.indexer_scores not in ("auto", "xla", "kernel"):
+            raise ValueError(f"indexer_scores={self.indexer_scores!r} must be one of auto | xla "
+                             f"| kernel (csa_jax.indexer_topk's scores=)")
         from csa_jax import registry   # late: the registry imports the kernels
         if self.impl not in registry.choices():
             raise ValueError(f"impl={self.impl!r} must be one of {registry.choices()}")

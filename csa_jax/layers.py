@@ -273,7 +273,8 @@ class CSAAttention(nnx.Module):
                 # The indexer learns only from its own auxiliary loss: its inputs are detached.
                 q_idx, k_idx, w = self.indexer(jax.lax.stop_gradient(x),
                                                jax.lax.stop_gradient(q_lat))
-                topk = csa_jax.indexer_topk(q_idx, k_idx, w, ratio=m, topk=cfg.topk)  # [B, T, k]
+                topk = csa_jax.indexer_topk(q_idx, k_idx, w, ratio=m, topk=cfg.topk,
+                                            scores=cfg.indexer_scores)          # [B, T, k]
         with jax.named_scope("index_lists"):
             idx = self.index_lists(B, T, topk)  # [B, T, K]
 

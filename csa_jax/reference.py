@@ -162,13 +162,19 @@ def forward(q, kv, idx, sink, *, scale, interpret=None, config=None):
 # ----------------------------------------------------------------------------- backward
 
 
-def _segment_reduce_deterministic(values, targets, num_rows, width):
+def _segment_reduce_deterministic(values, targets, num_rows, width, skip_single=None):
     """sum of values[e] over e with targets[e] == r, for r in [0, num_rows): [num_rows, D] f32.
 
     values [E, D] f32; targets [E] int32 in [0, num_rows). Inverse map by stable sort (CSR,
     csa_jax.blockmath.inverse_map), then a tree of fixed-order gather-sums: level l groups each
     row's current entries into items of `width` consecutive entries and sums each item in slot
     order. Deterministic.
+
+    skip_single (None: everywhere but on GPUs): once no row holds more than one entry, a level
+    gathers only slot 0 of each item, chosen by a lax.cond on max(count) > 1. On a GPU that
+    predicate is read on the host (a device-to-host copy and a wait per level), so there every
+    level gathers all `width` slots instead: the extra slots are masked to +0.0, which leaves
+    every sum unchanged, and they are few (late levels have about num_rows items).
     """
     E, D = values.shape
     order, _, offs = inverse_map(targets[None], num_rows, num_rows)             # CSR, [1, ...]
@@ -198,8 +204,13 @@ def _segment_reduce_deterministic(values, targets, num_rows, width):
             return acc
 
         # Once every row holds <= 1 entry only slot 0 of each item is live: skip the other gathers.
-        values = jax.lax.cond(jnp.max(cnt) > 1, lambda: gather_sum(width),
-                              lambda: gather_sum(1))
+        if skip_single is None:
+            skip_single = jax.default_backend() != "gpu"
+        if skip_single:
+            values = jax.lax.cond(jnp.max(cnt) > 1, lambda: gather_sum(width),
+                                  lambda: gather_sum(1))
+        else:
+            values = gather_sum(width)
         cnt, off, src = n_items, item_off, i
     # now every row has 0 or 1 entries
     pos = jnp.clip(off, 0, src.shape[0] - 1)

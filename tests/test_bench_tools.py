@@ -56,3 +56,41 @@ def test_bench_csa_runs_end_to_end(tmp_path, capsys):
     assert "| flash-cr0-T256 |" in printed
     assert "| pallas_triton | default | " in printed.split("Geometric mean speedup over xla")[1]
     assert tri[0]["fwd_speedup"] > 0
+
+
+def test_bench_train_best_asks_the_registry_per_layer_type(monkeypatch):
+    """`--impls best` is what impl="auto" runs: registry.resolve (which asks each kernel's
+    unsupported()) for every layer type's shapes, not the first kernel that imports."""
+    from benchmarks import bench_train
+    from csa_jax import registry
+
+    seen = []
+
+    def resolve(impl, q_shape, kv_shape, idx_shape, dtype, platform):
+        seen.append((impl, q_shape, kv_shape, idx_shape))
+        return registry.get("pallas_triton" if q_shape[2] == 16 else "gluon")
+
+    monkeypatch.setattr(registry, "resolve", resolve)
+    assert bench_train.best_impl("small", 8192, 1, "bfloat16") == "pallas_triton"
+    # small: H = 16, D = 128, window 128, top-k 512; cr0, cr4 and cr128 once each
+    assert sorted(seen) == [("auto", (1, 8192, 16, 128), (1, 8192, 128), (1, 8192, 128)),
+                            ("auto", (1, 8192, 16, 128), (1, 8192 + 64, 128), (1, 8192, 192)),
+                            ("auto", (1, 8192, 16, 128), (1, 8192 + 2048, 128), (1, 8192, 640))]
+    assert bench_train.best_impl("v4-flash-layer", 8192, 1, "bfloat16") == "gluon"
+    monkeypatch.setattr(registry, "resolve", lambda impl, q, kv, idx, *a: registry.get(
+        "gluon" if idx[2] == 128 else "pallas_triton"))
+    assert bench_train.best_impl("small", 8192, 1, "bfloat16") == "auto"  # layers differ
+
+
+def test_bench_train_config_variant_overrides_the_impl_default():
+    from benchmarks import bench_train
+    from csa_jax import registry
+
+    shapes = ((1, 64, 4, 64), (1, 80, 64), (1, 64, 32), "bfloat16")
+    base = registry.get("pallas_triton").default_config(*shapes)
+    with bench_train.impl_config("pallas_triton", {"num_warps": 2, "block_k_dq": 64}):
+        got = registry.get("pallas_triton").default_config(*shapes)
+    assert (got.num_warps, got.block_k_dq) == (2, 64)
+    assert got == dataclasses.replace(base, num_warps=2, block_k_dq=64)
+    assert registry.get("pallas_triton").default_config(*shapes) == base   # restored
+    assert bench_train.best_impl("small", 256, 1, "bfloat16", {"config.num_warps": 4}) == "xla"

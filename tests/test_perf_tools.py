@@ -117,3 +117,86 @@ def test_remat_policies_give_the_same_step():
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     with pytest.raises(ConfigError, match="remat='all' must be one of"):
         get_preset("tiny", model=dict(remat="all"))
+
+
+def test_find_cycle():
+    from train.layer_scan import find_cycle
+
+    assert find_cycle((0, 0, 4, 128, 4, 128, 4, 128, 4, 128, 4, 128)) == (2, 2, 5)
+    assert find_cycle((0, 0, 4, 16)) == (0, 1, 2)
+    assert find_cycle((0, 4, 8)) is None
+    assert find_cycle((4, 4, 4, 4)) == (0, 1, 4)
+    assert find_cycle((128, 128, 4, 128, 4, 128, 4)) == (1, 2, 3)
+
+
+def test_scan_layers_gives_the_same_step():
+    """scan_layers runs the repeating cycle (cr4 cr8) x 2 as one lax.scan (one traced body): the
+    same loss, gradient norm and updated parameters as the layer loop, and with remat too."""
+    tok = np.random.default_rng(1).integers(0, 256, (2, 32), dtype=np.int32)
+    out, n_scans = {}, {}
+    for scan, remat in ((False, "none"), (True, "none"), (True, "dots")):
+        cfg = get_preset("tiny", model=dict(scan_layers=scan, remat=remat, window=8, topk=4,
+                                            layer_ratios=(0, 4, 8, 4, 8)),
+                         seq_len=32, batch_size=2, steps=2)
+        graphdef, state, tx, schedule = init_state(cfg)
+        runner = make_runner(cfg, graphdef, state["params"], tx, schedule)
+        batch = (tok, np.roll(tok, -1, 1))
+        n_scans[scan] = str(jax.make_jaxpr(runner.train_step)(state, batch)).count(" scan[")
+        new, m = jax.jit(runner.train_step)(state, batch)
+        out[scan, remat] = (float(m["loss"]), float(m["grad_norm"]), new["params"])
+    assert n_scans[True] > n_scans[False]  # (the xla attention's chunk loops are scans too)
+    ref = out[False, "none"]
+    for key in ((True, "none"), (True, "dots")):
+        loss, gnorm, params = out[key]
+        assert abs(loss - ref[0]) < 1e-6 and abs(gnorm - ref[1]) < 1e-5 * ref[1], key
+        assert jax.tree.structure(params) == jax.tree.structure(ref[2])  # per-layer layout kept
+        for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref[2])):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ConfigError, match="scan_layers=True does not combine"):
+        get_preset("tiny", model=dict(scan_layers=True), fsdp="explicit")
+
+
+_CMDBUF_HLO = """HloModule jit_train_step, is_scheduled=true, entry_computation_layout={}
+
+%fused_add (p0: f32[8]) -> f32[8] {
+  ROOT %add.1 = f32[8]{0} add(%p0, %p0)
+}
+
+ENTRY %main.9 (a: f32[8]) -> f32[8] {
+  %loop_add_fusion.3 = f32[8]{0} fusion(%a), kind=kLoop, calls=%fused_add, metadata={op_name="jit(train_step)/jvp(compressor)/add"}
+  %custom-call.7 = (f32[8]{0}, s8[4]{0}) custom-call(%loop_add_fusion.3, %a), custom_call_target="__cublas$lt$matmul", metadata={op_name="jit(train_step)/jvp(compressor)/dot_general"}
+  %custom-call.8 = (f32[8]{0}, s8[4]{0}) custom-call(%a, %a), custom_call_target="__cublas$lt$matmul", metadata={op_name="jit(train_step)/jvp(mlp)/dot_general"}
+  %custom-call.9 = (f32[8]{0}, s8[4]{0}) custom-call(%a), custom_call_target="__cub$DeviceRadixSort", metadata={op_name="jit(train_step)/jvp(indexer)/indexer_topk/sort"}
+  %triton_kernel_call.5 = f32[8]{0} custom-call(%a), custom_call_target="__gpu$xla.gpu.triton", metadata={op_name="jit(train_step)/jvp(csa_attention)/triton_kernel_call"}
+  ROOT %custom-call.10 = (f32[8]{0}, s8[4]{0}) custom-call(%a, %a), custom_call_target="__cublas$lt$matmul", metadata={op_name="jit(train_step)/transpose(jvp(mlp))/dot_general"}
+}
+"""
+
+
+def test_command_buffer_kernels_are_located():
+    """Inside a CUDA-graph command buffer the trace names only `command_buffer_N` and the kernel:
+    fusions are found by name, GEMM / cub / Triton kernels in schedule order (two steps)."""
+    module, hlo = trace_breakdown.parse_hlo(_CMDBUF_HLO)
+    step = ["loop_add_fusion_3", "nvjet_sm90_tst_64x128", "cublasLt::splitKreduce_kernel",
+            "nvjet_sm90_tst_128x64",
+            "DeviceRadixSortHistogramKernel", "DeviceRadixSortOnesweepKernel", "csa_triton_fwd",
+            "nvjet_sm90_tst_64x128"]
+    events = [(i * 10, 10, 10, k, "command_buffer_12", module)
+              for i, k in enumerate(step + step)]
+    events.append((1000, 5, 5, "mystery_kernel", "command_buffer_12", module))
+    res = trace_breakdown.breakdown(events, hlo, module, 2,
+                                    locator=trace_breakdown.KernelLocator(_CMDBUF_HLO))
+    fam = res["families"]
+    ms = 10 / 1e6
+    assert fam["compressor"]["ms"] == pytest.approx(3 * ms)   # the fusion, its GEMM, split-K
+    assert fam["dense matmuls"]["ms"] == pytest.approx(2 * ms)       # the mlp GEMMs
+    assert fam["dense matmuls"]["bwd_ms"] == pytest.approx(ms)       # the transposed one
+    assert fam["indexer top-k"]["ms"] == pytest.approx(2 * ms)       # both cub kernels
+    assert fam["CSA attention forward"]["ms"] == pytest.approx(ms)
+    assert fam["other XLA ops"]["ms"] == pytest.approx(5 / 1e6 / 2)
+    assert res["command_buffer_kernels"] == {"located": 16, "not_located": 1}
+    # without the locator everything in the command buffer is "other XLA ops" (as before)
+    plain = trace_breakdown.breakdown(events, hlo, module, 2)["families"]
+    assert plain["other XLA ops"]["ms"] == pytest.approx((14 * 10 + 5) / 1e6 / 2)
+    assert plain["dense matmuls"]["ms"] == pytest.approx(ms)   # only the name says 'cublas'
+

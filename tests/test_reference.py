@@ -60,9 +60,16 @@ def test_segment_reduce_tree(rng):
     want = np.zeros((R, D))
     np.add.at(want, targets, vals.astype(np.float64))
     for width in (2, 8):
-        f = jax.jit(reference._segment_reduce_deterministic, static_argnums=(2, 3))
-        got = f(jnp.asarray(vals), jnp.asarray(targets), R, width)
+        f = jax.jit(reference._segment_reduce_deterministic, static_argnums=(2, 3, 4))
+        got = f(jnp.asarray(vals), jnp.asarray(targets), R, width, True)
         np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+        # without the lax.cond (the GPU path: no host sync), the same sums bit for bit
+        got2 = f(jnp.asarray(vals), jnp.asarray(targets), R, width, False)
+        np.testing.assert_array_equal(np.asarray(got2), np.asarray(got))
+        for skip in (True, False):
+            jaxpr = jax.make_jaxpr(lambda v, t, skip=skip: reference._segment_reduce_deterministic(
+                v, t, R, width, skip))(vals, targets)
+            assert ("cond[" in str(jaxpr)) == skip
 
 
 def test_config_errors_name_the_value():

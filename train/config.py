@@ -88,6 +88,7 @@ class ModelConfig:
     vocab_size: int = 256
     compute_dtype: str = "float32"
     remat: str = "none"  # train.model.REMAT_POLICIES: none | block | dots
+    scan_layers: bool = False  # the repeating layer cycle as one lax.scan (train/layer_scan.py)
 
     def __post_init__(self):
         object.__setattr__(self, "layer_ratios", tuple(int(r) for r in self.layer_ratios))
@@ -98,6 +99,8 @@ class ModelConfig:
             raise ConfigError("layer_ratios must name at least one layer")
         if self.remat not in ("none", "block", "dots"):
             raise ConfigError(f"remat={self.remat!r} must be one of none | block | dots")
+        if not isinstance(self.scan_layers, bool):
+            raise ConfigError(f"scan_layers={self.scan_layers!r} must be True or False")
         if self.compute_dtype not in ("float32", "bfloat16"):
             raise ConfigError(f"compute_dtype={self.compute_dtype!r} must be 'float32' or 'bfloat16'")
         if self.mlp_hidden <= 0 or self.vocab_size <= 0:
@@ -223,6 +226,9 @@ class TrainConfig:
             raise ConfigError(f"eval_fraction={self.eval_fraction} must be in (0, 0.5)")
         if self.fsdp not in ("off", "xla", "explicit"):
             raise ConfigError(f"fsdp={self.fsdp!r} must be one of off | xla | explicit")
+        if self.fsdp == "explicit" and self.model.scan_layers:
+            raise ConfigError("scan_layers=True does not combine with fsdp='explicit' (its "
+                              "layer-by-layer weight gathers need the plain layer loop)")
         self.model.check_seq_len(self.seq_len)
 
     def to_json(self) -> dict:

@@ -41,7 +41,8 @@ __all__ = ["DivergedError", "RunResult", "init_state", "make_optimizer", "train_
 # Fields that may differ when a run resumes (they do not change the numbers of later steps,
 # except `steps`, which is the run's total length and so shapes the LR schedule's tail).
 _RESUMABLE_CHANGES = {"steps", "log_every", "eval_every", "eval_batches", "ckpt_every",
-                      "keep_checkpoints", "model.attention.impl", "model.remat", "fsdp"}
+                      "keep_checkpoints", "model.attention.impl", "model.remat",
+                      "model.scan_layers", "model.attention.indexer_scores", "fsdp"}
 
 
 def make_optimizer(cfg: TrainConfig):

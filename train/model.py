@@ -16,6 +16,7 @@ from train.config import ModelConfig
 # Explicit FSDP gathers the blocks' weights layer by layer through this call; outside an FSDP
 # step it is the plain loop over the layers.
 from comm.fsdp import apply_layers
+from train.layer_scan import find_cycle, scan_blocks
 
 __all__ = ["Block", "DecoderLM", "REMAT_POLICIES", "SwiGLU", "count_params"]
 
@@ -94,7 +95,12 @@ class DecoderLM(nnx.Module):
         dt = jnp.dtype(self.cfg.compute_dtype)
         with jax.named_scope("embed"):
             x = jnp.take(self.embed[...], tokens, axis=0).astype(dt)  # [B, T, C]
-        x, aux = apply_layers(self.blocks, (x, jnp.zeros((), jnp.float32)))
+        carry = (x, jnp.zeros((), jnp.float32))
+        cycle = find_cycle(self.cfg.layer_ratios) if self.cfg.scan_layers else None
+        if cycle is None:
+            x, aux = apply_layers(self.blocks, carry)
+        else:  # train/layer_scan.py (not with explicit FSDP: TrainConfig refuses the pair)
+            x, aux = scan_blocks(self.blocks, carry, cycle)
         x = self.final_norm(x).astype(dt)
         with jax.named_scope("head"):
             logits = (x @ self.head[...].astype(dt)).astype(jnp.float32)

@@ -1,0 +1,211 @@
+"""Device time of the XLA-side pieces of a training step, alone, at a preset's shapes (issue 17).
+
+    python -m benchmarks.train_ops_probe --preset small --seq-len 8192 --out probe.json
+
+Each probe is one jitted function on random inputs of the preset's cr4 layer at T tokens
+(B = 1, bf16 activations), timed as the median of --reps runs after a warm one
+(benchmarks.common.time_fn). Pairs of probes compare a candidate change with what the step runs
+today, on the same inputs:
+
+    inverse_map_s32 / _s16   the dkv inverse map of a cr4 index list (stable argsort of T*K kv
+                             row ids: int32 keys, or int16 keys = csa_jax.blockmath narrow=True)
+    topk_prefix / topk_full  csa_jax.indexer_topk, select="prefix" (default) / "top_k": the
+                             indexer scores and the selection of one cr4 layer
+    scores_full              csa_jax.indexer_scores alone (all P rows)
+    scores_kernel[_noskip]   the fused Triton scores kernel (csa_jax/kernels/triton/indexer.py;
+                             noskip: also the wholly invisible tiles)
+    topk_prefix_kernel       indexer_topk(select="prefix", scores="kernel") (ids checked equal to
+                             the XLA path's)
+    sort_rows_k              lax.top_k of [T/8, P] scores (one band's selection, no scoring)
+    optimizer                AdamW + clipping of the preset's parameters (train.loop's optimizer)
+    attn_cr<r>_<variant>_fwd / _bwd
+                             --attn-impl's forward / backward (both cotangents) at the preset's
+                             layer shapes (csa_jax.problems, causal cr4 lists), its default
+                             config and each --attn-variants override (benchmarks.common specs);
+                             the outputs are checked against the default config's
+
+--budget-s stops starting probes once that many seconds have passed (the JSON is rewritten after
+every probe, so a time limit still leaves what ran).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import csa_jax
+from benchmarks.common import parse_variants, time_fn
+from csa_jax import blockmath, problems, registry
+from train.config import get_preset
+
+
+def _cr4_inputs(a, T, seed=0):
+    """Indexer inputs and an index list of a cr4 layer (random, bf16)."""
+    P, Hi, Di = T // 4, a.index_heads, a.index_dim
+    ks = jax.random.split(jax.random.key(seed), 3)
+    q = jax.random.normal(ks[0], (1, T, Hi, Di), jnp.bfloat16)
+    k = jax.random.normal(ks[1], (1, P, Di), jnp.bfloat16)
+    w = jax.random.normal(ks[2], (1, T, Hi), jnp.float32) * (Di ** -0.5 * Hi ** -0.5)
+    return q, k, w
+
+
+def probes(preset, T):
+    cfg = get_preset(preset, seq_len=T)
+    a = cfg.model.attention
+    q, k, w = _cr4_inputs(a, T)
+    topk = csa_jax.indexer_topk(q, k, w, ratio=4, topk=a.topk)
+    idx = csa_jax.build_indices(T, 4, window=a.window, pool_topk=topk)       # [1, T, K]
+    N = T + T // 4
+    flat = idx.reshape(1, -1)
+    from csa_jax.kernels.triton import indexer as tki
+
+    def select_fn(scores, select="prefix"):
+        return jax.jit(lambda q, k, w: csa_jax.indexer_topk(
+            q, k, w, ratio=4, topk=a.topk, select=select, scores=scores))
+
+    band = jax.random.normal(jax.random.key(3), (T // 8, T // 4), jnp.float32)
+    # most informative pairs first (a time budget may stop the list)
+    return {
+        "topk_prefix": (select_fn("xla"), (q, k, w)),
+        "topk_prefix_kernel": (select_fn("kernel"), (q, k, w)),
+        "scores_full": (jax.jit(lambda q, k, w: csa_jax.indexer_scores(q, k, w, ratio=4)),
+                        (q, k, w)),
+        "scores_kernel": (jax.jit(lambda q, k, w: tki.indexer_scores(q, k, w, ratio=4)),
+                          (q, k, w)),
+        "inverse_map_s32": (jax.jit(lambda i: blockmath.inverse_map(i, N, N, narrow=False)),
+                            (flat,)),
+        "inverse_map_s16": (jax.jit(lambda i: blockmath.inverse_map(i, N, N, narrow=True)),
+                            (flat,)),
+        "topk_full": (select_fn("xla", "top_k"), (q, k, w)),
+        "scores_kernel_noskip": (jax.jit(lambda q, k, w: tki.indexer_scores(
+            q, k, w, ratio=4, skip=False)), (q, k, w)),
+        "sort_rows_k": (jax.jit(lambda s: jax.lax.top_k(s, min(a.topk, T // 4))), (band,)),
+    }
+
+
+def attention_probes(preset, T, impl, ratios, variants):
+    """{name: (fn, args)} of the forward and backward per layer ratio and config variant; the
+    last element of each name's tuple is a reference key for the output check."""
+    cfg = get_preset(preset, seq_len=T)
+    imp = registry.get(impl)
+    out = {}
+    for r in ratios:
+        pr = problems.make_problem(cfg.model.layer(r), T, index_mode="causal", seed=r)
+        base = imp.default_config(pr.q.shape, pr.kv.shape, pr.idx.shape, pr.q.dtype)
+        for name, over in parse_variants(variants):
+            conf = dataclasses.replace(base, **over)
+            attn = lambda q, kv, idx, sink, conf=conf: csa_jax.sparse_attention(  # noqa: E731
+                q, kv, idx, sink, impl=impl, config=conf)
+            loss = problems.loss_fn(attn)
+            fwd = jax.jit(lambda q, kv, idx, sink, attn=attn: attn(q, kv, idx, sink)[0])
+            bwd = jax.jit(jax.grad(loss, argnums=(0, 1)))
+            out[f"attn_cr{r}_{name}_fwd"] = (fwd, (pr.q, pr.kv, pr.idx, pr.sink), f"cr{r}_fwd")
+            out[f"attn_cr{r}_{name}_bwd"] = (bwd, (pr.q, pr.kv, pr.sink, pr.idx, pr.do, pr.dlse),
+                                             f"cr{r}_bwd")
+    return out
+
+
+def optimizer_probe(preset, T):
+    from train.loop import init_state
+
+    cfg = get_preset(preset, seq_len=T)
+    _, state, tx, _ = init_state(cfg)
+    grads = jax.tree.map(lambda p: jnp.full_like(p, 1e-3), state["params"])
+
+    def update(params, opt_state, grads):
+        import optax
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    return jax.jit(update), (state["params"], state["opt_state"], grads)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="small")
+    p.add_argument("--seq-len", type=int, default=8192)
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--time-cap", type=float, default=2.0, help="seconds of timed runs per probe")
+    p.add_argument("--only", default="", help="comma list of probe names (default: all)")
+    p.add_argument("--no-ops", action="store_true", help="only the attention probes")
+    p.add_argument("--optimizer", action="store_true", help="also time the optimizer update")
+    p.add_argument("--attn-impl", default="", help="e.g. pallas_triton (default: none)")
+    p.add_argument("--attn-ratios", default="4,128,0")
+    p.add_argument("--attn-variants", default="", help="'NAME:k=v,k=v; ...' config overrides")
+    p.add_argument("--budget-s", type=float, default=1e9)
+    p.add_argument("--out", default="train_ops_probe.json")
+    args = p.parse_args(argv)
+    t_start = time.perf_counter()
+    only = set(filter(None, args.only.split(",")))
+    todo = {}
+    if not args.no_ops:
+        todo.update({k: v + (None,) for k, v in probes(args.preset, args.seq_len).items()})
+    if args.attn_impl:
+        ratios = [int(r) for r in args.attn_ratios.split(",") if r]
+        todo.update(attention_probes(args.preset, args.seq_len, args.attn_impl, ratios,
+                                     args.attn_variants))
+    names = list(todo) + (["optimizer"] if args.optimizer else [])
+    rows, refs = [], {}
+    meta = dict(device=str(jax.devices()[0].device_kind), preset=args.preset,
+                seq_len=args.seq_len, jax=jax.__version__, attn_impl=args.attn_impl,
+                attn_variants=args.attn_variants)
+    for name in names:
+        if only and name not in only:
+            continue
+        if time.perf_counter() - t_start > args.budget_s:
+            print(f"budget of {args.budget_s} s spent: {name} and later probes not run")
+            break
+        try:
+            if name == "optimizer":
+                (fn, fargs), ref = optimizer_probe(args.preset, args.seq_len), None
+            else:
+                fn, fargs, ref = todo[name]
+            ms, n, first, res = time_fn(fn, fargs, args.reps, args.time_cap)
+        except Exception as e:  # report and go on
+            print(f"{name}: failed: {type(e).__name__}: {str(e)[:300]}", file=sys.stderr)
+            rows.append(dict(probe=name, error=f"{type(e).__name__}: {str(e)[:300]}"))
+            continue
+        row = dict(probe=name, ms=ms, reps=n, first_s=first)
+        if ref is not None:   # the first config of a ratio is the reference of the others
+            if ref in refs:
+                row["rel_err_vs_default"] = max(problems.rel_err(a, b) for a, b in zip(
+                    jax.tree.leaves(res), jax.tree.leaves(refs[ref])))
+            else:
+                refs[ref] = res
+        rows.append(row)
+        err = f" | err {row['rel_err_vs_default']:.1e}" if "rel_err_vs_default" in row else ""
+        print(f"| {name} | {ms:.3f} ms | {n} reps | first call {first:.1f} s{err} |", flush=True)
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(dict(meta, rows=rows), indent=2))
+    timed = {r["probe"] for r in rows if "ms" in r}
+    checks = {}
+    for other in ("topk_full", "topk_prefix_kernel"):
+        if {"topk_prefix", other} <= timed:
+            # the same ids as the default selection (a cheap check that rides along)
+            fn_p, fa, _ = todo["topk_prefix"]
+            a, b = np.asarray(fn_p(*fa)), np.asarray(todo[other][0](*fa))
+            checks[other] = dict(same=bool(np.array_equal(a, b)),
+                                 tokens_differing=int((a != b).any(-1).sum()))
+            print(f"topk_prefix vs {other}: {checks[other]}")
+    if {"scores_full", "scores_kernel"} <= timed:
+        a = np.asarray(todo["scores_full"][0](*todo["scores_full"][1]))
+        b = np.asarray(todo["scores_kernel"][0](*todo["scores_full"][1]))
+        fin = np.isfinite(a)
+        checks["scores_kernel"] = dict(
+            same_inf=bool(np.array_equal(np.isneginf(a), np.isneginf(b))),
+            rel_err=float(np.abs(a[fin] - b[fin]).max() / max(np.abs(a[fin]).max(), 1e-30)))
+        print(f"scores_kernel vs scores_full: {checks['scores_kernel']}")
+    Path(args.out).write_text(json.dumps(dict(meta, rows=rows, checks=checks), indent=2))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
