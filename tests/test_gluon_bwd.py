@@ -66,12 +66,30 @@ def test_dq_kernel_variants_compile(prefetch, ablate, shapes):
     assert ("st.global.v4" in ptx) == (ablate != 1)       # the scale*dS / P stores
 
 
+def test_dq_kernel_qdo_compiles():
+    """Config.bwd_qdo: the same kernel plus the [q; dO] copy-out (2 * 64 rows x 512 columns in
+    32-row chunks: 4 more 16-byte store instructions per chunk), same shared memory, no spills."""
+    got = {}
+    for qdo in (False, True):
+        c = adapter.compile_kernel(
+            bwd.csa_dq_kernel, bwd.arg_types("bf16"),
+            bwd.constexprs(T=64, N=300, NHB=2, D=512, K=192, BK=32, stages=2, scale=0.05,
+                           producer_regs=96, qdo=qdo),
+            target="sm_90a", num_warps=bwd.CONSUMER_WARPS)
+        r = adapter.resources(c, "sm_90a")
+        assert r["launch_problem"] is None and r.get("spill_stores", 0) == 0, r
+        got[qdo] = (r["shared"], len(re.findall(r"st\.global\.v4", c.asm["ptx"])))
+    assert got[True][0] == got[False][0], got
+    assert got[True][1] == got[False][1] + 32, got        # 128 rows x 1 KiB / (256 x 16 B)
+
+
 def test_config_switch():
     assert gluon.Config().bwd == "gluon"
     assert dataclasses.replace(gluon.Config(), bwd="pallas_triton").bwd == "pallas_triton"
     for bad in (dict(bwd="xla"), dict(bwd_block_k=48), dict(bwd_stages=0),
                 dict(bwd_stages=True), dict(bwd_prefetch=1), dict(bwd_ablate=5),
-                dict(bwd_ablate=True)):
+                dict(bwd_ablate=True), dict(bwd_qdo=1), dict(bwd_narrow_keys="yes"),
+                dict(bwd_block_r=24), dict(bwd_reduce_warps=3)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             gluon.Config(**bad)
     for D in (64, 128, 256, 512):
@@ -90,7 +108,7 @@ def test_oversized_tiles_are_refused_by_name():
 
 
 def _emulated_dq_kernel(q, do, kv, idx, ntiles, lse, dc, *, kernel, out_shape, grid, num_warps,
-                        name, T, N, NHB, D, K, BK, SCALE, **_):
+                        name, T, N, NHB, D, K, BK, SCALE, QDO, **_):
     """What csa_dq_kernel computes, in jnp (its contract; see the bwd.py docstring)."""
     assert kernel is bwd.csa_dq_kernel and num_warps == bwd.CONSUMER_WARPS
     BT = idx.shape[0]
@@ -108,12 +126,22 @@ def _emulated_dq_kernel(q, do, kv, idx, ntiles, lse, dc, *, kernel, out_shape, g
     ds = p * (jnp.einsum("thd,tkd->thk", dof, rows) + dc2)
     dt = out_shape[0].dtype
     dq = SCALE * jnp.einsum("thk,tkd->thd", ds.astype(dt).astype(f32), rows)
-    dsp = jnp.stack([ds * SCALE, p], axis=1)
-    return dq.reshape(BT * Hp, D).astype(dt), dsp.astype(out_shape[1].dtype)
+    dsp = jnp.stack([ds * SCALE, p], axis=1)                                  # [BT, 2, Hp, K]
+    qdo = jnp.zeros(out_shape[2].shape, dt)
+    if QDO:     # head block first: [BT, NHB, 2, 64, .], and the kernel's copy of [q; dO]
+        hb = lambda x: x.reshape(BT, 2, NHB, bwd.HB, -1).transpose(0, 2, 1, 3, 4)
+        dsp = hb(dsp)
+        qdo = hb(jnp.stack([q.reshape(BT, Hp, D), do.reshape(BT, Hp, D)], axis=1)).astype(dt)
+    assert dsp.shape == out_shape[1].shape and qdo.shape == out_shape[2].shape
+    return dq.reshape(BT * Hp, D).astype(dt), dsp.astype(out_shape[1].dtype), qdo
 
 
-@pytest.mark.parametrize("H,D,K,bk", [(20, 24, 40, 16), (64, 64, 70, 32)])
-def test_wrapper_against_dense_oracle(rng, monkeypatch, H, D, K, bk):
+@pytest.mark.parametrize("H,D,K,bk,qdo,narrow", [(20, 24, 40, 16, False, False),
+                                                 (64, 64, 70, 32, False, False),
+                                                 (130, 24, 40, 16, True, True)])
+def test_wrapper_against_dense_oracle(rng, monkeypatch, H, D, K, bk, qdo, narrow):
+    """qdo = Config.bwd_qdo (the dq kernel writes [q; dO] and dsp head block first; 3 head
+    blocks at H = 130), narrow = Config.bwd_narrow_keys (int16 inverse-map keys)."""
     from csa_jax.common import sanitize_indices
     monkeypatch.setattr(adapter, "gluon_call", _emulated_dq_kernel)
     q, kv, idx, sink = random_problem(rng, T=10, H=H, D=D, K=K, dtype=jnp.float32, empty_rows=2)
@@ -124,7 +152,8 @@ def test_wrapper_against_dense_oracle(rng, monkeypatch, H, D, K, bk):
     o, lse = dense_oracle(q, kv, idx, sink, scale)
     o, lse = jnp.asarray(o, jnp.float32), jnp.asarray(lse, jnp.float32)
     dq, dkv, dsink = bwd.backward(q, kv, idx, sink, o, lse, do, dlse, scale=scale, block_k=bk,
-                                  stages=2, producer_regs=96, interpret_reduce=True)
+                                  stages=2, producer_regs=96, qdo=qdo, narrow_keys=narrow,
+                                  block_r=16 if qdo else 32, interpret_reduce=True)
     _, _, rdq, rdkv, rdsink = dense_oracle(q, kv, idx, sink, scale, do, dlse)
     for what, got, want in (("dq", dq, rdq), ("dkv", dkv, rdkv), ("dsink", dsink, rdsink)):
         assert got.shape == want.shape, (what, got.shape, want.shape)

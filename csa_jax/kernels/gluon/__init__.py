@@ -51,6 +51,12 @@ class Config:
         `prefetch` in the forward); off by default: not yet timed in the dq kernel.
     bwd_ablate: BENCHMARK ONLY, wrong results: 1 = no scale*dS / P stores, 2 = no dq product,
         3 = no score product, 4 = no compute (the dq kernel's consumers only wait and release).
+    bwd_qdo: the dq kernel also writes the interm GEMM's stacked [q; dO] operand from its shared
+        memory (4.3 GB of writes at Pro cr4 T = 16384 in place of XLA's stack: 4.3 GB read +
+        4.3 GB written); dsp is then laid out head block first to match.
+    bwd_narrow_keys: the dkv inverse map sorts int16 keys when N < 2**15 (same map).
+    bwd_block_r, bwd_reduce_warps: the dkv gather-reduce kernel's inverse-map entries per step
+        and warps (the Pallas Triton defaults, 32 and 4).
     """
 
     block_k: int = 64
@@ -65,6 +71,10 @@ class Config:
     bwd_stages: int = 2
     bwd_prefetch: bool = False
     bwd_ablate: int = 0
+    bwd_qdo: bool = False
+    bwd_narrow_keys: bool = False
+    bwd_block_r: int = 32
+    bwd_reduce_warps: int = 4
 
     def __post_init__(self):
         if self.bwd not in ("gluon", "pallas_triton"):
@@ -78,6 +88,15 @@ class Config:
         if isinstance(self.bwd_ablate, bool) or self.bwd_ablate not in (0, 1, 2, 3, 4):
             raise ValueError(f"bwd_ablate={self.bwd_ablate!r} must be 0 (off) or 1..4 "
                              f"(benchmark only)")
+        for name in ("bwd_qdo", "bwd_narrow_keys"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
+        if self.bwd_block_r not in (8, 16, 32, 64, 128) or isinstance(self.bwd_block_r, bool):
+            raise ValueError(f"bwd_block_r={self.bwd_block_r!r} must be 8, 16, 32, 64 or 128")
+        if self.bwd_reduce_warps not in (1, 2, 4, 8, 16) or isinstance(self.bwd_reduce_warps,
+                                                                         bool):
+            raise ValueError(f"bwd_reduce_warps={self.bwd_reduce_warps!r} must be 1, 2, 4, 8 "
+                             f"or 16")
         if self.block_k not in (32, 64):
             raise ValueError(f"block_k={self.block_k!r} must be 32 or 64")
         if isinstance(self.stages, bool) or not isinstance(self.stages, int) or not (
@@ -195,7 +214,9 @@ def backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, interpret, config):
         return _bwd.backward(q, kv, idx, sink, o, lse, do, dlse, scale=float(scale),
                              block_k=config.bwd_block_k, stages=config.bwd_stages,
                              producer_regs=config.producer_regs, prefetch=config.bwd_prefetch,
-                             ablate=config.bwd_ablate)
+                             ablate=config.bwd_ablate, qdo=config.bwd_qdo,
+                             narrow_keys=config.bwd_narrow_keys, block_r=config.bwd_block_r,
+                             reduce_warps=config.bwd_reduce_warps)
     from csa_jax.kernels import triton as pt      # the pallas_triton impl module
     cfg = pt.default_config(q.shape, kv.shape, idx.shape, q.dtype)
     return pt.backward(q, kv, idx, sink, o, lse, do, dlse, scale=scale, interpret=False,

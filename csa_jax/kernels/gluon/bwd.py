@@ -26,6 +26,7 @@ empty slots have no inverse-map entry). delta = sum(o * dO) and dsink = sum_t ex
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -62,12 +63,25 @@ def _dq_producer(q_ptr, do_ptr, kv_ptr, idx_ptr, qdo_smem, ring, full, consumed,
 
 
 @gluon.jit
-def _dq_consumer(idx_ptr, lse_ptr, dc_ptr, dq_ptr, dsp_ptr, qdo_smem, ring, full, consumed,
-                 q_bar, do_bar, sd_smem, ds_smem, row, tok, hb, ntiles,
+def _store_qdo(qdo_ptr, qdo_smem, row, D: gl.constexpr, HBC: gl.constexpr):
+    """Copy this program's resident [q; dO] [2*HBC, D] from shared memory to qdo[row] (the
+    interm GEMM's operand, in place of XLA's stack), 32 rows at a time, 16-byte stores."""
+    blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
+    r = gl.arange(0, 32, layout=gl.SliceLayout(1, blk))
+    c = gl.arange(0, D, layout=gl.SliceLayout(0, blk))
+    base = qdo_ptr + row.to(gl.int64) * (2 * HBC * D)
+    for j in gl.static_range(2 * HBC // 32):
+        v = qdo_smem.slice(32 * j, 32).load(blk)
+        gl.store(base + (32 * j + r)[:, None] * D + c[None, :], v)
+
+
+@gluon.jit
+def _dq_consumer(idx_ptr, lse_ptr, dc_ptr, dq_ptr, dsp_ptr, qdo_ptr, qdo_smem, ring, full,
+                 consumed, q_bar, do_bar, sd_smem, ds_smem, row, tok, hb, ntiles,
                  D: gl.constexpr, K: gl.constexpr, HP: gl.constexpr, BK: gl.constexpr,
                  STAGES: gl.constexpr, HBC: gl.constexpr, EW_C: gl.constexpr,
                  QK_SCALE: gl.constexpr, SCALE: gl.constexpr, PREFETCH: gl.constexpr,
-                 ABLATE: gl.constexpr):
+                 ABLATE: gl.constexpr, QDO: gl.constexpr):
     sd_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, BK, 16])
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -84,15 +98,23 @@ def _dq_consumer(idx_ptr, lse_ptr, dc_ptr, dq_ptr, dsp_ptr, qdo_smem, ring, full
     kcols = gl.arange(0, BK, layout=ecol)
     lse2 = gl.load(lse_ptr + row * HBC + hrows) * _LOG2E       # exp2 domain
     dc = gl.load(dc_ptr + row * HBC + hrows)                   # dlse - delta
-    # dsp [B*T, 2, HP, K]: this program's heads hb*HBC.., plane 0 = scale*dS, plane 1 = P.
-    ds_ptrs = (dsp_ptr + tok.to(gl.int64) * (2 * HP * K)
-               + (hb * HBC + hrows).to(gl.int64)[:, None] * K + kcols[None, :])
-    p_ptrs = ds_ptrs + HP * K
+    # dsp [B*T, 2, HP, K]: this program's heads hb*HBC.., plane 0 = scale*dS, plane 1 = P;
+    # with QDO [B*T, NHB, 2, HBC, K] (head block outermost, as the qdo rows the kernel writes).
+    if QDO:
+        ds_ptrs = (dsp_ptr + tok.to(gl.int64) * (2 * HP * K) + hb.to(gl.int64) * (2 * HBC * K)
+                   + hrows.to(gl.int64)[:, None] * K + kcols[None, :])
+        p_ptrs = ds_ptrs + HBC * K
+    else:
+        ds_ptrs = (dsp_ptr + tok.to(gl.int64) * (2 * HP * K)
+                   + (hb * HBC + hrows).to(gl.int64)[:, None] * K + kcols[None, :])
+        p_ptrs = ds_ptrs + HP * K
     sd_zero = gl.zeros([2 * HBC, BK], gl.float32, sd_layout)
     acc = gl.zeros([HBC, D], gl.float32, acc_layout)
     ids_next = gl.load(idx_ptr + kcols)                 # tile 0's ids (K >= BK), PREFETCH only
     mbarrier.wait(q_bar, 0)
     mbarrier.wait(do_bar, 0)
+    if QDO:
+        _store_qdo(qdo_ptr, qdo_smem, row, D, HBC)
     for i in range(ntiles):
         s = i % STAGES
         mbarrier.wait(full.index(s), (i // STAGES) & 1)
@@ -135,10 +157,10 @@ def _dq_consumer(idx_ptr, lse_ptr, dc_ptr, dq_ptr, dsp_ptr, qdo_smem, ring, full
 
 @gluon.jit
 def csa_dq_kernel(q_ptr, do_ptr, kv_ptr, idx_ptr, ntiles_ptr, lse_ptr, dc_ptr, dq_ptr, dsp_ptr,
-                  T: gl.constexpr, N: gl.constexpr, NHB: gl.constexpr, D: gl.constexpr,
+                  qdo_ptr, T: gl.constexpr, N: gl.constexpr, NHB: gl.constexpr, D: gl.constexpr,
                   K: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, EW_C: gl.constexpr,
                   QK_SCALE: gl.constexpr, SCALE: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                  PREFETCH: gl.constexpr, ABLATE: gl.constexpr):
+                  PREFETCH: gl.constexpr, ABLATE: gl.constexpr, QDO: gl.constexpr):
     # program = (b, t, head block), head block fastest; `row` indexes [B*T*NHB] head blocks.
     row = gl.program_id(0)
     tok = row // NHB
@@ -168,9 +190,10 @@ def csa_dq_kernel(q_ptr, do_ptr, kv_ptr, idx_ptr, ntiles_ptr, lse_ptr, dc_ptr, d
         mbarrier.init(full.index(s), count=PRODUCER_WARPS * 32)
         mbarrier.init(consumed.index(s), count=1)
     gl.warp_specialize([
-        (_dq_consumer, (idx_tok, lse_ptr, dc_ptr, dq_ptr, dsp_ptr, qdo_smem, ring, full,
-                        consumed, q_bar, do_bar, sd_smem, ds_smem, row, tok, hb, ntiles, D, K,
-                        NHB * HBC, BK, STAGES, HBC, EW_C, QK_SCALE, SCALE, PREFETCH, ABLATE)),
+        (_dq_consumer, (idx_tok, lse_ptr, dc_ptr, dq_ptr, dsp_ptr, qdo_ptr, qdo_smem, ring,
+                        full, consumed, q_bar, do_bar, sd_smem, ds_smem, row, tok, hb, ntiles, D,
+                        K, NHB * HBC, BK, STAGES, HBC, EW_C, QK_SCALE, SCALE, PREFETCH, ABLATE,
+                        QDO)),
         (_dq_producer, (q_ptr, do_ptr, kv_ptr, idx_tok, qdo_smem, ring, full, consumed, q_bar,
                         do_bar, row, b, ntiles, N, D, K, BK, STAGES, HBC, PREFETCH)),
     ], [PRODUCER_WARPS], [PRODUCER_REGS])
@@ -178,7 +201,8 @@ def csa_dq_kernel(q_ptr, do_ptr, kv_ptr, idx_ptr, ntiles_ptr, lse_ptr, dc_ptr, d
 
 # ----------------------------------------------------------------------------- host side
 
-ARG_TYPES = ("*{dt}", "*{dt}", "*{dt}", "*i32", "*i32", "*fp32", "*fp32", "*{dt}", "*{dt}")
+ARG_TYPES = ("*{dt}", "*{dt}", "*{dt}", "*i32", "*i32", "*fp32", "*fp32", "*{dt}", "*{dt}",
+             "*{dt}")
 
 
 def arg_types(dt="bf16"):
@@ -190,21 +214,28 @@ def ew_cols(bk):
     return 8 if bk >= 32 else 4
 
 
-def constexprs(*, T, N, NHB, D, K, BK, stages, scale, producer_regs, prefetch=False, ablate=0):
+def constexprs(*, T, N, NHB, D, K, BK, stages, scale, producer_regs, prefetch=False, ablate=0,
+               qdo=False):
     """The dq kernel's compile-time parameters (also used by the CPU compile checks)."""
     return dict(T=T, N=N, NHB=NHB, D=D, K=K, BK=BK, STAGES=stages, EW_C=ew_cols(BK),
                 QK_SCALE=float(scale) * LOG2E, SCALE=float(scale), PRODUCER_REGS=producer_regs,
-                PREFETCH=bool(prefetch), ABLATE=int(ablate))
+                PREFETCH=bool(prefetch), ABLATE=int(ablate), QDO=bool(qdo))
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_k", "stages", "producer_regs",
-                                             "prefetch", "ablate", "interpret_reduce"))
+                                             "prefetch", "ablate", "qdo", "narrow_keys",
+                                             "block_r", "reduce_warps", "interpret_reduce"))
 def backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, block_k, stages, producer_regs,
-             prefetch=False, ablate=0, interpret_reduce=False):
+             prefetch=False, ablate=0, qdo=False, narrow_keys=False, block_r=32,
+             reduce_warps=4, interpret_reduce=False):
     """(dq, dkv, dsink): dq by csa_dq_kernel, dkv by the deterministic interm GEMM + inverse-map
     reduce of the Pallas Triton impl, dsink and delta in XLA (CUDA only). idx must already be
     sanitized (-1 for every empty or out-of-range slot). interpret_reduce runs the reduce kernel
-    in the Pallas interpreter (the CPU test of this wrapper, with the dq kernel emulated)."""
+    in the Pallas interpreter (the CPU test of this wrapper, with the dq kernel emulated).
+    qdo: the dq kernel also writes the GEMM's stacked [q; dO] operand per head block (and dsp in
+    the matching head-block-major layout), so XLA's stack of q and dO goes away; narrow_keys,
+    block_r, reduce_warps: the inverse map's int16 sort keys, the reduce's rows per step and
+    warps (Config.bwd_*)."""
     import jax.numpy as jnp
     from csa_jax.kernels.gluon.adapter import gluon_call
     # The Pallas Triton impl's padding helpers and its dkv path (kernels/triton: plan.py,
@@ -232,19 +263,29 @@ def backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, block_k, stages, prod
     lse_p = pad(lse.astype(f32), 2, Hp).reshape(-1)
     dc_p = pad(dlse.astype(f32) - delta, 2, Hp).reshape(-1)
     nhb = Hp // HB
-    dq, dsp = gluon_call(
+    dsp_shape = (B * T, nhb, 2, HB, Kp) if qdo else (B * T, 2, Hp, Kp)
+    qdo_shape = (B * T, nhb, 2, HB, Dp) if qdo else (8,)     # (8,): unused, never written
+    dq, dsp, qdo_st = gluon_call(
         q_p.reshape(B * T * Hp, Dp), do_p.reshape(B * T * Hp, Dp), kv_p.reshape(B * N, Dp),
         idx_p.reshape(B * T, Kp), ntiles, lse_p, dc_p,
         kernel=csa_dq_kernel,
         out_shape=[jax.ShapeDtypeStruct((B * T * Hp, Dp), q.dtype),
-                   jax.ShapeDtypeStruct((B * T, 2, Hp, Kp), q.dtype)],
+                   jax.ShapeDtypeStruct(dsp_shape, q.dtype),
+                   jax.ShapeDtypeStruct(qdo_shape, q.dtype)],
         grid=(B * T * nhb,), num_warps=CONSUMER_WARPS, name="csa_gluon_dq",
         **constexprs(T=T, N=N, NHB=nhb, D=Dp, K=Kp, BK=block_k, stages=stages, scale=scale,
-                     producer_regs=producer_regs, prefetch=prefetch, ablate=ablate))
+                     producer_regs=producer_regs, prefetch=prefetch, ablate=ablate, qdo=qdo))
     # dkv: the Pallas Triton impl's deterministic per-slot GEMM + inverse-map gather-reduce.
-    ptc = pt_default_config(q.shape, kv.shape, idx.shape, q.dtype)
-    interm = _interm_gemm(dsp.reshape(B, T, 2, Hp, Kp), q_p, do_p, None, q.dtype)
-    dkv = _reduce_call(d, ptc, interpret_reduce, idx_p, interm, kv.dtype)
+    ptc = dataclasses.replace(pt_default_config(q.shape, kv.shape, idx.shape, q.dtype),
+                              block_r=block_r, num_warps_reduce=reduce_warps)
+    if qdo:     # interm[t] = dsp[t]^T qdo[t], contracting (head block, plane, head) = 2 * Hp
+        interm = jax.lax.dot_general(dsp.reshape(B, T, 2 * Hp, Kp),
+                                     qdo_st.reshape(B, T, 2 * Hp, Dp),
+                                     (((2,), (2,)), ((0, 1), (0, 1))),
+                                     preferred_element_type=q.dtype)
+    else:
+        interm = _interm_gemm(dsp.reshape(B, T, 2, Hp, Kp), q_p, do_p, None, q.dtype)
+    dkv = _reduce_call(d, ptc, interpret_reduce, idx_p, interm, kv.dtype, narrow_keys)
     w = jnp.exp(sink[None, None, :] - lse)
     dsink = jnp.sum(w * (dlse - delta), axis=(0, 1))
     return dq.reshape(B, T, Hp, Dp)[:, :, :H, :D], dkv[:, :, :D], dsink
