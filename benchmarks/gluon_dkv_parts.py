@@ -13,7 +13,9 @@ the device-memory bytes a perfect kernel would move, `gb_s` = gb / time):
   invmap     the CSR inverse map (stable argsort of [B, T*Kp] keys + searchsorted);
              invmap16: int16 keys (Config.bwd_narrow_keys)
   reduce     the gather-reduce kernel (Pallas Triton) alone on a ready map; reduce_R_W: with
-             block_r R and W warps (Config.bwd_block_r / bwd_reduce_warps)
+             block_r R and W warps (Config.bwd_block_r / bwd_reduce_warps); greduce_R_W: the
+             Gluon reduce (Config.bwd_reduce="gluon", GPU only), checked against reduce (its
+             summation order differs) and bit-identical across two runs
   read_floor jnp.sum(interm in f32, (0, 1)): reads interm once (the reduce's byte floor)
   dkv        stack + gemm + invmap + reduce in one jit (what `bwd - dq` measured)
   bwd        the whole Gluon backward (GPU only) per --bwd-variants: ms, and each variant's
@@ -65,7 +67,7 @@ def _inputs(family, ratio, T, seed):
     return c, pr, d, idx_p, q_p, do_p, dsp
 
 
-def part_pieces(shapes, seed, reps, reduce_variants, pieces, interpret):
+def part_pieces(shapes, seed, reps, reduce_variants, gluon_reduce_variants, pieces, interpret):
     from csa_jax.kernels import triton as pt
     from csa_jax.kernels.triton import testing as tt
     for family, ratio, T in shapes:
@@ -134,6 +136,20 @@ def part_pieces(shapes, seed, reps, reduce_variants, pieces, interpret):
             if name != "reduce":
                 report(**base, piece=name + "_same",
                        ok=bool(jnp.array_equal(v, red["reduce"])))
+        if not interpret:                    # the Gluon reduce (kernels/gluon/dkv.py): GPU only
+            from csa_jax.kernels.gluon import dkv as gdkv
+            for br, nw in gluon_reduce_variants:
+                name = f"greduce_{br}_{nw}"
+                fn = lambda o, p, x, br=br, nw=nw: gdkv.reduce_rows(
+                    o, p, x.reshape(B, E // B, Dp), pr.kv.dtype, block_r=br, num_warps=nw)
+                row(name, fn, (offsets, perm, interm), gb=gb_red, block_r=br, warps=nw)
+                if (not pieces or "greduce" in pieces) and "reduce" in red:
+                    u = jax.jit(fn)(offsets, perm, interm)
+                    v = jax.jit(fn)(offsets, perm, interm)
+                    report(**base, piece=name + "_check", err_vs_reduce=rel(u, red["reduce"]),
+                           bit_identical=bool(jnp.array_equal(u, v)),
+                           ok=bool(jnp.array_equal(u, v)) and rel(u, red["reduce"]) <= 1e-2)
+                    del u, v
         del red
         row("read", lambda x: jnp.sum(x.astype(jnp.float32), axis=(0, 1)), (interm,),
             gb=gb_int, what="read_floor")
@@ -205,6 +221,7 @@ def main(argv=None):
     ap.add_argument("--bwd-shapes", default="pro:4:16384")
     ap.add_argument("--pieces", default="", help="comma list of piece names (default all)")
     ap.add_argument("--reduce-variants", default="16:4,64:4,32:8")
+    ap.add_argument("--gluon-reduce-variants", default="16:4,32:8,8:4")
     ap.add_argument("--bwd-variants", default="")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--seed", type=int, default=int(time.time()) % 100000)
@@ -216,7 +233,8 @@ def main(argv=None):
     pieces = set(filter(None, args.pieces.split(",")))
     handlers = {
         "pieces": lambda: part_pieces(parse_shapes(args.shapes), args.seed, args.reps,
-                                      parse_reduce_variants(args.reduce_variants), pieces,
+                                      parse_reduce_variants(args.reduce_variants),
+                                      parse_reduce_variants(args.gluon_reduce_variants), pieces,
                                       args.dry_run),
         "bwd": lambda: part_bwd(parse_shapes(args.bwd_shapes), args.seed, args.reps,
                                 parse_variants(args.bwd_variants)),

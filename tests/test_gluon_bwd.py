@@ -83,13 +83,31 @@ def test_dq_kernel_qdo_compiles():
     assert got[True][1] == got[False][1] + 32, got        # 128 rows x 1 KiB / (256 x 16 B)
 
 
+@pytest.mark.parametrize("D,R,warps,regs_max", [(512, 16, 4, 168), (512, 32, 8, 168),
+                                                (64, 16, 4, 64)])
+def test_dkv_reduce_kernel_compiles_sm90(D, R, warps, regs_max):
+    """kernels/gluon/dkv.py: 16-byte loads (ld.global.v4), no spills at the tiles offered."""
+    from csa_jax.kernels.gluon import dkv
+    c = adapter.compile_kernel(dkv.csa_dkv_reduce_kernel, dkv.arg_types("bf16"),
+                               dkv.constexprs(N=20480, E=16384 * 1152, D=D, R=R),
+                               target="sm_90a", num_warps=warps)
+    r = adapter.resources(c, "sm_90a")
+    assert r["launch_problem"] is None, r
+    assert r.get("spill_stores", 0) == 0 and r["registers"] <= regs_max, r
+    assert "ld.global.v4" in c.asm["ptx"]
+    with pytest.raises(ValueError, match="block_r=8"):
+        dkv.reduce_rows(jnp.zeros((1, 4, 2), jnp.int32), jnp.zeros((1, 8), jnp.int32),
+                        jnp.zeros((1, 8, 512), jnp.bfloat16), jnp.bfloat16, block_r=8,
+                        num_warps=16)
+
+
 def test_config_switch():
     assert gluon.Config().bwd == "gluon"
     assert dataclasses.replace(gluon.Config(), bwd="pallas_triton").bwd == "pallas_triton"
     for bad in (dict(bwd="xla"), dict(bwd_block_k=48), dict(bwd_stages=0),
                 dict(bwd_stages=True), dict(bwd_prefetch=1), dict(bwd_ablate=5),
                 dict(bwd_ablate=True), dict(bwd_qdo=1), dict(bwd_narrow_keys="yes"),
-                dict(bwd_block_r=24), dict(bwd_reduce_warps=3)):
+                dict(bwd_block_r=24), dict(bwd_reduce_warps=3), dict(bwd_reduce="xla")):
         with pytest.raises(ValueError, match=next(iter(bad))):
             gluon.Config(**bad)
     for D in (64, 128, 256, 512):
@@ -136,14 +154,37 @@ def _emulated_dq_kernel(q, do, kv, idx, ntiles, lse, dc, *, kernel, out_shape, g
     return dq.reshape(BT * Hp, D).astype(dt), dsp.astype(out_shape[1].dtype), qdo
 
 
-@pytest.mark.parametrize("H,D,K,bk,qdo,narrow", [(20, 24, 40, 16, False, False),
-                                                 (64, 64, 70, 32, False, False),
-                                                 (130, 24, 40, 16, True, True)])
-def test_wrapper_against_dense_oracle(rng, monkeypatch, H, D, K, bk, qdo, narrow):
+def _emulated_reduce_kernel(offsets, perm, interm, *, kernel, out_shape, grid, num_warps, name,
+                            N, E, D, R, TC):
+    """What csa_dkv_reduce_kernel computes (kernels/gluon/dkv.py), in jnp: per row n of
+    offsets [B*N, 2], the sum of interm rows perm[b, start:end]."""
+    from csa_jax.kernels.gluon import dkv
+    assert kernel is dkv.csa_dkv_reduce_kernel and grid == (offsets.shape[0],)
+    assert R >= num_warps * (32 // TC) and interm.shape == (perm.shape[0] * E, D)
+    BN = offsets.shape[0]
+    b = jnp.arange(BN) // N
+    e = jnp.arange(E)[None, :]
+    member = (e >= offsets[:, :1]) & (e < offsets[:, 1:])                      # [BN, E]
+    rows = interm.reshape(-1, E, D)[b[:, None], perm[b]].astype(jnp.float32)   # [BN, E, D]
+    out = jnp.sum(jnp.where(member[..., None], rows, 0.0), axis=1)
+    return out.astype(out_shape.dtype)
+
+
+def _emulated_call(*args, kernel, **kw):
+    from csa_jax.kernels.gluon import dkv
+    f = _emulated_reduce_kernel if kernel is dkv.csa_dkv_reduce_kernel else _emulated_dq_kernel
+    return f(*args, kernel=kernel, **kw)
+
+
+@pytest.mark.parametrize("H,D,K,bk,qdo,narrow,reduce", [
+    (20, 24, 40, 16, False, False, "pallas_triton"), (64, 64, 70, 32, False, False, "gluon"),
+    (130, 24, 40, 16, True, True, "pallas_triton"), (130, 24, 40, 16, True, True, "gluon")])
+def test_wrapper_against_dense_oracle(rng, monkeypatch, H, D, K, bk, qdo, narrow, reduce):
     """qdo = Config.bwd_qdo (the dq kernel writes [q; dO] and dsp head block first; 3 head
-    blocks at H = 130), narrow = Config.bwd_narrow_keys (int16 inverse-map keys)."""
+    blocks at H = 130), narrow = Config.bwd_narrow_keys (int16 inverse-map keys), reduce =
+    Config.bwd_reduce (the Gluon reduce kernel emulated: its launch plumbing, the CSR map)."""
     from csa_jax.common import sanitize_indices
-    monkeypatch.setattr(adapter, "gluon_call", _emulated_dq_kernel)
+    monkeypatch.setattr(adapter, "gluon_call", _emulated_call)
     q, kv, idx, sink = random_problem(rng, T=10, H=H, D=D, K=K, dtype=jnp.float32, empty_rows=2)
     idx = sanitize_indices(idx, kv.shape[1])
     scale = 0.7 * D ** -0.5
@@ -153,7 +194,8 @@ def test_wrapper_against_dense_oracle(rng, monkeypatch, H, D, K, bk, qdo, narrow
     o, lse = jnp.asarray(o, jnp.float32), jnp.asarray(lse, jnp.float32)
     dq, dkv, dsink = bwd.backward(q, kv, idx, sink, o, lse, do, dlse, scale=scale, block_k=bk,
                                   stages=2, producer_regs=96, qdo=qdo, narrow_keys=narrow,
-                                  block_r=16 if qdo else 32, interpret_reduce=True)
+                                  reduce=reduce, block_r=16 if qdo else 0,
+                                  interpret_reduce=True)
     _, _, rdq, rdkv, rdsink = dense_oracle(q, kv, idx, sink, scale, do, dlse)
     for what, got, want in (("dq", dq, rdq), ("dkv", dkv, rdkv), ("dsink", dsink, rdsink)):
         assert got.shape == want.shape, (what, got.shape, want.shape)

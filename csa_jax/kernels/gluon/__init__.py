@@ -55,8 +55,11 @@ class Config:
         memory (4.3 GB of writes at Pro cr4 T = 16384 in place of XLA's stack: 4.3 GB read +
         4.3 GB written); dsp is then laid out head block first to match.
     bwd_narrow_keys: the dkv inverse map sorts int16 keys when N < 2**15 (same map).
-    bwd_block_r, bwd_reduce_warps: the dkv gather-reduce kernel's inverse-map entries per step
-        and warps (the Pallas Triton defaults, 32 and 4).
+    bwd_reduce: the dkv gather-reduce kernel: "pallas_triton" (the Pallas Triton impl's) or
+        "gluon" (kernels/gluon/dkv.py: 16-byte loads, two chunks of rows in flight, f32 [R, D]
+        partials summed once); both deterministic, with different (fixed) summation orders.
+    bwd_block_r, bwd_reduce_warps: that kernel's inverse-map entries per step and warps
+        (0 = its default: 32 x 4 warps for pallas_triton, 16 x 4 for gluon).
     """
 
     block_k: int = 64
@@ -73,8 +76,9 @@ class Config:
     bwd_ablate: int = 0
     bwd_qdo: bool = False
     bwd_narrow_keys: bool = False
-    bwd_block_r: int = 32
-    bwd_reduce_warps: int = 4
+    bwd_reduce: str = "pallas_triton"
+    bwd_block_r: int = 0
+    bwd_reduce_warps: int = 0
 
     def __post_init__(self):
         if self.bwd not in ("gluon", "pallas_triton"):
@@ -91,12 +95,15 @@ class Config:
         for name in ("bwd_qdo", "bwd_narrow_keys"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
-        if self.bwd_block_r not in (8, 16, 32, 64, 128) or isinstance(self.bwd_block_r, bool):
-            raise ValueError(f"bwd_block_r={self.bwd_block_r!r} must be 8, 16, 32, 64 or 128")
-        if self.bwd_reduce_warps not in (1, 2, 4, 8, 16) or isinstance(self.bwd_reduce_warps,
-                                                                         bool):
-            raise ValueError(f"bwd_reduce_warps={self.bwd_reduce_warps!r} must be 1, 2, 4, 8 "
-                             f"or 16")
+        if self.bwd_reduce not in ("pallas_triton", "gluon"):
+            raise ValueError(f"bwd_reduce={self.bwd_reduce!r} must be 'pallas_triton' or 'gluon'")
+        if self.bwd_block_r not in (0, 8, 16, 32, 64, 128) or isinstance(self.bwd_block_r, bool):
+            raise ValueError(f"bwd_block_r={self.bwd_block_r!r} must be 0 (default) or 8, 16, "
+                             f"32, 64, 128")
+        if self.bwd_reduce_warps not in (0, 1, 2, 4, 8, 16) or isinstance(
+                self.bwd_reduce_warps, bool):
+            raise ValueError(f"bwd_reduce_warps={self.bwd_reduce_warps!r} must be 0 (default) "
+                             f"or 1, 2, 4, 8, 16")
         if self.block_k not in (32, 64):
             raise ValueError(f"block_k={self.block_k!r} must be 32 or 64")
         if isinstance(self.stages, bool) or not isinstance(self.stages, int) or not (
@@ -215,8 +222,8 @@ def backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, interpret, config):
                              block_k=config.bwd_block_k, stages=config.bwd_stages,
                              producer_regs=config.producer_regs, prefetch=config.bwd_prefetch,
                              ablate=config.bwd_ablate, qdo=config.bwd_qdo,
-                             narrow_keys=config.bwd_narrow_keys, block_r=config.bwd_block_r,
-                             reduce_warps=config.bwd_reduce_warps)
+                             narrow_keys=config.bwd_narrow_keys, reduce=config.bwd_reduce,
+                             block_r=config.bwd_block_r, reduce_warps=config.bwd_reduce_warps)
     from csa_jax.kernels import triton as pt      # the pallas_triton impl module
     cfg = pt.default_config(q.shape, kv.shape, idx.shape, q.dtype)
     return pt.backward(q, kv, idx, sink, o, lse, do, dlse, scale=scale, interpret=False,

@@ -224,24 +224,26 @@ def constexprs(*, T, N, NHB, D, K, BK, stages, scale, producer_regs, prefetch=Fa
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_k", "stages", "producer_regs",
                                              "prefetch", "ablate", "qdo", "narrow_keys",
-                                             "block_r", "reduce_warps", "interpret_reduce"))
+                                             "reduce", "block_r", "reduce_warps",
+                                             "interpret_reduce"))
 def backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, block_k, stages, producer_regs,
-             prefetch=False, ablate=0, qdo=False, narrow_keys=False, block_r=32,
-             reduce_warps=4, interpret_reduce=False):
+             prefetch=False, ablate=0, qdo=False, narrow_keys=False, reduce="pallas_triton",
+             block_r=0, reduce_warps=0, interpret_reduce=False):
     """(dq, dkv, dsink): dq by csa_dq_kernel, dkv by the deterministic interm GEMM + inverse-map
     reduce of the Pallas Triton impl, dsink and delta in XLA (CUDA only). idx must already be
     sanitized (-1 for every empty or out-of-range slot). interpret_reduce runs the reduce kernel
     in the Pallas interpreter (the CPU test of this wrapper, with the dq kernel emulated).
     qdo: the dq kernel also writes the GEMM's stacked [q; dO] operand per head block (and dsp in
     the matching head-block-major layout), so XLA's stack of q and dO goes away; narrow_keys,
-    block_r, reduce_warps: the inverse map's int16 sort keys, the reduce's rows per step and
-    warps (Config.bwd_*)."""
+    reduce, block_r, reduce_warps: the inverse map's int16 sort keys, which gather-reduce
+    kernel ("pallas_triton" or "gluon": dkv.py), its rows per step and warps (0 = its default;
+    Config.bwd_*)."""
     import jax.numpy as jnp
     from csa_jax.kernels.gluon.adapter import gluon_call
     # The Pallas Triton impl's padding helpers and its dkv path (kernels/triton: plan.py,
     # backward.py), shared rather than copied.
     from csa_jax.kernels.triton import default_config as pt_default_config
-    from csa_jax.kernels.triton.backward import _interm_gemm, _reduce_call
+    from csa_jax.kernels.triton.backward import _interm_gemm, _inverse_map, _reduce_call
     from csa_jax.kernels.triton.plan import _Dims, _ntiles, _pad_to, _prep_idx
     f32 = jnp.float32
     B, T, H, D = q.shape
@@ -276,8 +278,7 @@ def backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, block_k, stages, prod
         **constexprs(T=T, N=N, NHB=nhb, D=Dp, K=Kp, BK=block_k, stages=stages, scale=scale,
                      producer_regs=producer_regs, prefetch=prefetch, ablate=ablate, qdo=qdo))
     # dkv: the Pallas Triton impl's deterministic per-slot GEMM + inverse-map gather-reduce.
-    ptc = dataclasses.replace(pt_default_config(q.shape, kv.shape, idx.shape, q.dtype),
-                              block_r=block_r, num_warps_reduce=reduce_warps)
+    ptc = pt_default_config(q.shape, kv.shape, idx.shape, q.dtype)
     if qdo:     # interm[t] = dsp[t]^T qdo[t], contracting (head block, plane, head) = 2 * Hp
         interm = jax.lax.dot_general(dsp.reshape(B, T, 2 * Hp, Kp),
                                      qdo_st.reshape(B, T, 2 * Hp, Dp),
@@ -285,7 +286,15 @@ def backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, block_k, stages, prod
                                      preferred_element_type=q.dtype)
     else:
         interm = _interm_gemm(dsp.reshape(B, T, 2, Hp, Kp), q_p, do_p, None, q.dtype)
-    dkv = _reduce_call(d, ptc, interpret_reduce, idx_p, interm, kv.dtype, narrow_keys)
+    if reduce == "gluon":
+        from csa_jax.kernels.gluon import dkv as _dkv
+        offsets, perm = _inverse_map(idx_p, N, narrow_keys)
+        dkv = _dkv.reduce_rows(offsets, perm, interm.reshape(B, T * Kp, Dp), kv.dtype,
+                               block_r=block_r or 16, num_warps=reduce_warps or 4)
+    else:
+        ptc = dataclasses.replace(ptc, block_r=block_r or ptc.block_r,
+                                  num_warps_reduce=reduce_warps or ptc.num_warps_reduce)
+        dkv = _reduce_call(d, ptc, interpret_reduce, idx_p, interm, kv.dtype, narrow_keys)
     w = jnp.exp(sink[None, None, :] - lse)
     dsink = jnp.sum(w * (dlse - delta), axis=(0, 1))
     return dq.reshape(B, T, Hp, Dp)[:, :, :H, :D], dkv[:, :, :D], dsink
