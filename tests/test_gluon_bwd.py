@@ -221,7 +221,7 @@ def test_transpose_probe_modes_compile_to_the_three_ways():
     from benchmarks import gluon_transpose_probe as tp
     mix = {}
     for mode in tp.MODES:
-        c = adapter.compile_kernel(tp.transpose_probe_kernel, ["*bf16", "*bf16"],
+        c = adapter.compile_kernel(tp.transpose_probe_kernel, tp.ARG_TYPES,
                                    tp.constexprs(mode), target="sm_90a", num_warps=4)
         assert adapter.resources(c, "sm_90a").get("spill_stores", 0) == 0
         mix[mode] = tp.instruction_mix(tp.loop_body(c.asm["ptx"]))
@@ -230,3 +230,13 @@ def test_transpose_probe_modes_compile_to_the_three_ways():
     # "register" transpose: Triton's layout conversion goes back through shared memory.
     assert mix[2]["ld.shared.v4"] == 4 and mix[2]["st.shared"] >= 1 and mix[2]["bar.sync"] >= 1
     assert mix[3] == {"ld.shared.b16": 32}                                   # strided 2-byte
+    assert mix[6] == {"ldmatrix.sync.aligned.m8n8.x4.shared": 4,             # register transpose
+                      "movmatrix.sync.aligned.m8n8.trans.b16": 16}
+    # wgmma reading both operands from shared memory: the descriptors' transpose immediates.
+    for mode, bits in ((4, "0, 0"), (5, "1, 1")):
+        c = adapter.compile_kernel(tp.wgmma_probe_kernel, tp.WGMMA_ARG_TYPES,
+                                   tp.wgmma_constexprs(mode), target="sm_90a", num_warps=4)
+        assert adapter.resources(c, "sm_90a").get("spill_stores", 0) == 0
+        calls = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n64k16\.f32\.bf16\.bf16[^;]*;",
+                           c.asm["ptx"])
+        assert len(calls) == 4 and all(x.endswith(f"1, 1, {bits};") for x in calls), calls
