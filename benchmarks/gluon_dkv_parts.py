@@ -21,6 +21,10 @@ the device-memory bytes a perfect kernel would move, `gb_s` = gb / time):
   bwd        the whole Gluon backward (GPU only) per --bwd-variants: ms, and each variant's
              dq / dkv / dsink against the default's (max-abs error / max-abs) and bit-identity
              of two runs of the same variant
+  grad       (part, GPU only) the default and every --grad-variants config against impl="xla"
+             at two small cases of gluon_bwd_check (-1 and out-of-range slots, duplicates,
+             empty tokens, both cotangents; H 128 / K 130 and H 16 / D 64 padded), bit-identical
+             across two runs
 dsp is random (the pieces' times do not depend on its values); idx is the problem's (Pro cr4:
 random, every slot valid). --dry-run: tiny shapes on a CPU (reduce in the Pallas interpreter),
 to check the script before a GPU call. One JSON line per row.
@@ -38,7 +42,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from benchmarks.common import parse_variants, time_fn
-from benchmarks.gluon_check import RESULTS, parse_shapes, rel, report, run_parts
+from benchmarks.gluon_check import parse_shapes, rel, report, run_parts
 
 _DIMS = (((2, 3), (2, 3)), ((0, 1), (0, 1)))
 
@@ -205,6 +209,47 @@ def part_bwd(shapes, seed, reps, variants):
         del ref, args, o, lse, pr
 
 
+GRAD_CASES = ("h128_d512_bf16_nosink_k130", "h16_d64_bf16_sink_pad")
+
+
+def part_grad(seed, variants, cases=GRAD_CASES):
+    """The new dkv variants against impl="xla"'s backward at small shapes (gluon_bwd_check's
+    cases: -1 slots, out-of-range ids, duplicate rows, all-empty tokens, both cotangents), and
+    each variant's backward bit-identical across two runs."""
+    from benchmarks import gluon_bwd_check as gbc
+    g, x = gbc._mods()
+    key = jax.random.PRNGKey(seed + 11)
+    for name, B, T, H, D, N, K, dt, sink in gbc.CASES:
+        key, k = jax.random.split(key)
+        if name not in cases:
+            continue
+        q, kv, idx, s, do, dlse = gbc._bwd_inputs(k, B, T, H, D, N, K, dt, sink)
+        scale = D ** -0.5
+        o, lse = x.forward(q, kv, idx, s, scale=scale, interpret=False, config=x.Config())
+        args = (q, kv, idx, s, o, lse, do, dlse)
+        ref = gbc._run_bwd(x, x.Config(), args, scale)
+        base = g.default_config(q.shape, kv.shape, idx.shape, q.dtype)
+        for vname, kw in variants:
+            try:
+                cfg = dataclasses.replace(base, **kw)
+                got = gbc._run_bwd(g, cfg, args, scale)
+                again = gbc._run_bwd(g, cfg, args, scale)
+            except Exception as e:  # noqa: BLE001
+                traceback.print_exc(limit=4)
+                report(part="grad", case=name, variant=vname, ok=False,
+                       error=f"{type(e).__name__}: {e}"[:500])
+                continue
+            errs = {n: rel(a, b) for n, a, b in zip(("dq", "dkv", "dsink"), got, ref)}
+            if not sink:
+                errs.pop("dsink")
+            same = {n: bool(jnp.array_equal(a, b)) for n, a, b in
+                    zip(("dq", "dkv", "dsink"), got, again)}
+            tol = gbc.TOL[jnp.dtype(dt).name]
+            report(part="grad", case=name, variant=vname, config=kw, errs=errs,
+                   bit_identical=same,
+                   ok=all(e <= tol for e in errs.values()) and all(same.values()))
+
+
 def parse_reduce_variants(spec):
     """'16:4,64:8' -> [(16, 4), (64, 8)] (block_r : warps)."""
     out = []
@@ -216,13 +261,15 @@ def parse_reduce_variants(spec):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--parts", default="pieces,bwd")
+    ap.add_argument("--parts", default="pieces,grad,bwd")
     ap.add_argument("--shapes", default="pro:4:4096,pro:4:16384")
     ap.add_argument("--bwd-shapes", default="pro:4:16384")
     ap.add_argument("--pieces", default="", help="comma list of piece names (default all)")
     ap.add_argument("--reduce-variants", default="16:4,64:4,32:8")
     ap.add_argument("--gluon-reduce-variants", default="16:4,32:8,8:4")
     ap.add_argument("--bwd-variants", default="")
+    ap.add_argument("--grad-variants", default="")
+    ap.add_argument("--grad-cases", default=",".join(GRAD_CASES))
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--seed", type=int, default=int(time.time()) % 100000)
     ap.add_argument("--dry-run", action="store_true", help="CPU: tiny shapes, interpreter")
@@ -238,6 +285,8 @@ def main(argv=None):
                                       args.dry_run),
         "bwd": lambda: part_bwd(parse_shapes(args.bwd_shapes), args.seed, args.reps,
                                 parse_variants(args.bwd_variants)),
+        "grad": lambda: part_grad(args.seed, parse_variants(args.grad_variants),
+                                  tuple(args.grad_cases.split(","))),
     }
     return run_parts(args.parts.split(","), handlers, seed=args.seed, out=args.out)
 
