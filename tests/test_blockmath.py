@@ -52,12 +52,14 @@ def test_blockmath_ring_arithmetic():
         bm.lookahead(1)
 
 
-def test_inverse_map(rng):
+@pytest.mark.parametrize("narrow", [False, True])
+def test_inverse_map(rng, narrow):
     """Stable CSR of a [B, E] index list: row r's entries are its slots in slot order; empty
-    (-1) slots and rows past num_kv belong to no row."""
+    (-1) slots and rows past num_kv belong to no row. narrow: int16 sort keys, the same map."""
     idx = jnp.asarray(rng.integers(-1, 5, size=(2, 30)), jnp.int32)
     idx = idx.at[1, :20].set(2)                                     # a hot row
-    perm, key, offs = bm.inverse_map(idx, 5, 8)
+    perm, key, offs = bm.inverse_map(idx, 5, 8, narrow_keys=narrow)
+    assert perm.dtype == key.dtype == offs.dtype == jnp.int32
     for b in range(2):
         for r in range(8):
             ent = np.asarray(perm[b, offs[b, r]:offs[b, r + 1]])
