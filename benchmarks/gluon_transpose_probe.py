@@ -48,6 +48,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, warpgroup_mma, warpgroup_mma_wait)
 
+from csa_jax.kernels.gluon.regtrans import transpose_load
+
 MODES = {0: "plain", 1: "ldsm_trans", 2: "reg_trans", 3: "strided", 6: "movmatrix"}
 WGMMA_MODES = {4: "wgmma_kmajor", 5: "wgmma_mnmajor"}
 
@@ -58,14 +60,6 @@ def transpose_probe_kernel(src_ptr, it_ptr, out_ptr, MODE: gl.constexpr, M: gl.c
     mma: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[gl.num_warps(), 1], instr_shape=[16, 64, 16])
     dot: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-    # Mode 6: the [K, M] tile's read layout, `dot` (for M = K = 64, 4 warps:
-    #   regs [0,1] [8,0] [0,8] [0,16] [0,32], lanes [0,2] [0,4] [1,0] [2,0] [4,0], warps [16,0]
-    #   [32,0] over (m, k)) with the 8 x 8 block coordinates exchanged: lanes hold the same
-    # in-block positions, warp w holds X's columns m = 16w.. (the rows of the operand it owns).
-    tdot: gl.constexpr = gl.DistributedLinearLayout(
-        reg_bases=[[0, 1], [0, 8], [8, 0], [16, 0], [32, 0]],
-        lane_bases=[[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]],
-        warp_bases=[[0, 16], [0, 32]], block_bases=[], shape=[KD, M])
     # 16-byte vectors along the contiguous dimension of a [R, C] tile.
     blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
     # Mode 2's read layout of the [K, M] tile: 16-byte vectors along M, and warp w holds
@@ -98,7 +92,7 @@ def transpose_probe_kernel(src_ptr, it_ptr, out_ptr, MODE: gl.constexpr, M: gl.c
         if MODE == 0:
             a = buf.load(dot)
         elif MODE == 6:
-            a = _movmatrix_transpose(buf, dot, tdot, M, KD)
+            a = transpose_load(buf, dot, M, KD)
         elif MODE == 2:
             a = gl.convert_layout(gl.permute(buf.load(wblk), (1, 0)), dot)
         else:
@@ -158,6 +152,12 @@ def wgmma_probe_kernel(a_ptr, b_ptr, it_ptr, out_ptr, MODE: gl.constexpr, M: gl.
     ocols = gl.arange(0, N, layout=gl.SliceLayout(0, blk))
     gl.store(out_ptr + gl.program_id(0) * (M * N) + orows[:, None] * N + ocols[None, :],
              gl.convert_layout(acc, blk))
+
+
+# ITERS is a runtime argument (it_ptr, one int32): the check (a few iterations) and the timed run
+# share one compiled kernel per mode.
+ARG_TYPES = ["*bf16", "*i32", "*bf16"]
+WGMMA_ARG_TYPES = ["*bf16", "*bf16", "*i32", "*fp32"]
 
 
 # ITERS is a runtime argument (it_ptr, one int32): the check (a few iterations) and the timed run

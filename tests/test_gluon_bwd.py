@@ -66,6 +66,31 @@ def test_dq_kernel_variants_compile(prefetch, ablate, shapes):
     assert ("st.global.v4" in ptx) == (ablate != 1)       # the scale*dS / P stores
 
 
+@pytest.mark.parametrize("op,wgmma,mix", [
+    ("desc", {"32", "256"}, {}),
+    ("desc_a", {"32", "64"}, {}),
+    ("ldsm_trans", {"32", "64"}, {"ldmatrix.sync.aligned.m8n8.x4.trans": 8}),
+    ("movmatrix", {"32", "64"}, {"ldmatrix.sync.aligned.m8n8.x4.shared": 8, "movmatrix": 32})])
+def test_dq_kernel_operand_modes_compile(op, wgmma, mix):
+    """Config.bwd_dq_operand: the four ways the dq product takes the kv tile compile with the
+    same shared memory, no spills, the instruction shapes and shared loads meant, and no extra
+    shared-memory round trip (st.shared count as the default's)."""
+    c = adapter.compile_kernel(
+        bwd.csa_dq_kernel, bwd.arg_types("bf16"),
+        bwd.constexprs(T=64, N=300, NHB=2, D=512, K=192, BK=32, stages=2, scale=0.05,
+                       producer_regs=96, dq_operand=op),
+        target="sm_90a", num_warps=bwd.CONSUMER_WARPS)
+    r = adapter.resources(c, "sm_90a")
+    assert r["launch_problem"] is None and r.get("spill_stores", 0) == 0, r
+    assert r["shared"] == 217_292, r
+    ptx = c.asm["ptx"]
+    assert set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16", ptx)) == wgmma
+    keys = ("ldmatrix.sync.aligned.m8n8.x4.trans", "ldmatrix.sync.aligned.m8n8.x4.shared",
+            "movmatrix")
+    assert {k: ptx.count(k) for k in keys if ptx.count(k)} == mix
+    assert ptx.count("st.shared") == 12
+
+
 def test_dq_kernel_qdo_compiles():
     """Config.bwd_qdo: the same kernel plus the [q; dO] copy-out (2 * 64 rows x 512 columns in
     32-row chunks: 4 more 16-byte store instructions per chunk), same shared memory, no spills."""
@@ -107,7 +132,8 @@ def test_config_switch():
     for bad in (dict(bwd="xla"), dict(bwd_block_k=48), dict(bwd_stages=0),
                 dict(bwd_stages=True), dict(bwd_prefetch=1), dict(bwd_ablate=5),
                 dict(bwd_ablate=True), dict(bwd_qdo=1), dict(bwd_narrow_keys="yes"),
-                dict(bwd_block_r=24), dict(bwd_reduce_warps=3), dict(bwd_reduce="xla")):
+                dict(bwd_block_r=24), dict(bwd_reduce_warps=3), dict(bwd_reduce="xla"),
+                dict(bwd_dq_operand="strided")):
         with pytest.raises(ValueError, match=next(iter(bad))):
             gluon.Config(**bad)
     for D in (64, 128, 256, 512):

@@ -51,6 +51,11 @@ class Config:
         `prefetch` in the forward); off by default: not yet timed in the dq kernel.
     bwd_ablate: BENCHMARK ONLY, wrong results: 1 = no scale*dS / P stores, 2 = no dq product,
         3 = no score product, 4 = no compute (the dq kernel's consumers only wait and release).
+    bwd_dq_operand: how the dq kernel's dq product takes the kv tile, the transposed operand
+        (bwd.py _dq_product; issue 14's ablation): "desc" (dq += dS kv, the tile as B through an
+        MN-major shared-memory descriptor; default), or dq^T += kv^T dS^T with kv^T as A:
+        "desc_a" (MN-major A descriptor), "ldsm_trans" (registers by ldmatrix .trans),
+        "movmatrix" (registers by plain ldmatrix + an explicit register transpose).
     bwd_qdo: the dq kernel also writes the interm GEMM's stacked [q; dO] operand from its shared
         memory (4.3 GB of writes at Pro cr4 T = 16384 in place of XLA's stack: 4.3 GB read +
         4.3 GB written); dsp is then laid out head block first to match.
@@ -74,6 +79,7 @@ class Config:
     bwd_stages: int = 2
     bwd_prefetch: bool = False
     bwd_ablate: int = 0
+    bwd_dq_operand: str = "desc"
     bwd_qdo: bool = False
     bwd_narrow_keys: bool = False
     bwd_reduce: str = "pallas_triton"
@@ -95,6 +101,9 @@ class Config:
         for name in ("bwd_qdo", "bwd_narrow_keys"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
+        if self.bwd_dq_operand not in ("desc", "desc_a", "ldsm_trans", "movmatrix"):
+            raise ValueError(f"bwd_dq_operand={self.bwd_dq_operand!r} must be 'desc', 'desc_a', "
+                             f"'ldsm_trans' or 'movmatrix'")
         if self.bwd_reduce not in ("pallas_triton", "gluon"):
             raise ValueError(f"bwd_reduce={self.bwd_reduce!r} must be 'pallas_triton' or 'gluon'")
         if self.bwd_block_r not in (0, 8, 16, 32, 64, 128) or isinstance(self.bwd_block_r, bool):
@@ -222,6 +231,7 @@ def backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, interpret, config):
                              block_k=config.bwd_block_k, stages=config.bwd_stages,
                              producer_regs=config.producer_regs, prefetch=config.bwd_prefetch,
                              ablate=config.bwd_ablate, qdo=config.bwd_qdo,
+                             dq_operand=config.bwd_dq_operand,
                              narrow_keys=config.bwd_narrow_keys, reduce=config.bwd_reduce,
                              block_r=config.bwd_block_r, reduce_warps=config.bwd_reduce_warps)
     from csa_jax.kernels import triton as pt      # the pallas_triton impl module

@@ -38,6 +38,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from csa_jax.kernels.gluon.dims import HB, SMEM_LIMIT, padded_dims
 from csa_jax.kernels.gluon.dims import dq_shared_bytes as shared_bytes
+from csa_jax.kernels.gluon.regtrans import transpose_load
 from csa_jax.kernels.gluon.fwd import (
     CONSUMER_WARPS, LOG2E, PRODUCER_WARPS, _next_ids, _producer, _release)
 
@@ -76,16 +77,43 @@ def _store_qdo(qdo_ptr, qdo_smem, row, D: gl.constexpr, HBC: gl.constexpr):
 
 
 @gluon.jit
+def _dq_product(tile, ds_smem, acc, a_dot: gl.constexpr, D: gl.constexpr, BK: gl.constexpr,
+                DQ_OP: gl.constexpr):
+    """dq += dS kv for one tile, the kv tile taken one of four ways (Config.bwd_dq_operand):
+    0 "desc":       dq += dS kv, the tile [BK, D] as B through an MN-major ("transposed")
+                    shared-memory descriptor (the timed default);
+    then dq^T += kv^T dS^T with dS^T (K-major descriptor) as B and kv^T [D, BK] as A:
+    1 "desc_a":     A from shared memory through an MN-major descriptor;
+    2 "ldsm_trans": A in registers, loaded with ldmatrix .trans (the transpose-load);
+    3 "movmatrix":  A in registers, loaded with plain ldmatrix and transposed in registers
+                    (regtrans.transpose_load: PTX movmatrix, no shared-memory round trip)."""
+    if DQ_OP == 0:
+        acc = warpgroup_mma(ds_smem, tile, acc)
+    elif DQ_OP == 1:
+        acc = warpgroup_mma(tile.permute((1, 0)), ds_smem.permute((1, 0)), acc)
+    elif DQ_OP == 2:
+        acc = warpgroup_mma(tile.permute((1, 0)).load(a_dot), ds_smem.permute((1, 0)), acc)
+    else:
+        acc = warpgroup_mma(transpose_load(tile, a_dot, D, BK), ds_smem.permute((1, 0)), acc)
+    return acc
+
+
+@gluon.jit
 def _dq_consumer(idx_ptr, lse_ptr, dc_ptr, dq_ptr, dsp_ptr, qdo_ptr, qdo_smem, ring, full,
                  consumed, q_bar, do_bar, sd_smem, ds_smem, row, tok, hb, ntiles,
                  D: gl.constexpr, K: gl.constexpr, HP: gl.constexpr, BK: gl.constexpr,
                  STAGES: gl.constexpr, HBC: gl.constexpr, EW_C: gl.constexpr,
                  QK_SCALE: gl.constexpr, SCALE: gl.constexpr, PREFETCH: gl.constexpr,
-                 ABLATE: gl.constexpr, QDO: gl.constexpr):
+                 ABLATE: gl.constexpr, QDO: gl.constexpr, DQ_OP: gl.constexpr):
     sd_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, BK, 16])
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, D // 2, 16])
+    if DQ_OP == 0:      # dq [HBC, D] += dS kv: each warpgroup owns half of dq's columns
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, D // 2, 16])
+    else:               # dq^T [D, HBC] += kv^T dS^T: the kv tile is the (transposed) A operand
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, HBC, 16])
+    a_dot: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     # Element-wise layout of one [HBC, BK] tile over the 8 warps: EW_C consecutive slots per
     # thread (16-byte stores of the bf16 dsp rows).
     ew: gl.constexpr = gl.BlockedLayout([1, EW_C], [32 // (BK // EW_C), BK // EW_C],
@@ -109,7 +137,10 @@ def _dq_consumer(idx_ptr, lse_ptr, dc_ptr, dq_ptr, dsp_ptr, qdo_ptr, qdo_smem, r
                    + (hb * HBC + hrows).to(gl.int64)[:, None] * K + kcols[None, :])
         p_ptrs = ds_ptrs + HP * K
     sd_zero = gl.zeros([2 * HBC, BK], gl.float32, sd_layout)
-    acc = gl.zeros([HBC, D], gl.float32, acc_layout)
+    if DQ_OP == 0:
+        acc = gl.zeros([HBC, D], gl.float32, acc_layout)
+    else:
+        acc = gl.zeros([D, HBC], gl.float32, acc_layout)
     ids_next = gl.load(idx_ptr + kcols)                 # tile 0's ids (K >= BK), PREFETCH only
     mbarrier.wait(q_bar, 0)
     mbarrier.wait(do_bar, 0)
@@ -142,16 +173,21 @@ def _dq_consumer(idx_ptr, lse_ptr, dc_ptr, dq_ptr, dsp_ptr, qdo_ptr, qdo_smem, r
             fence_async_shared()      # generic-proxy stores -> wgmma reads
             gl.thread_barrier()
             if ABLATE != 2:
-                acc = warpgroup_mma(ds_smem, tile, acc)
+                acc = _dq_product(tile, ds_smem, acc, a_dot, D, BK, DQ_OP)
             _release(consumed.index(s))
     if ABLATE != 1:
         zero = gl.zeros([HBC, BK], dt, ew)
         for i in range(ntiles, K // BK):  # past the last non-empty tile: exact zeros
             gl.store(ds_ptrs + i * BK, zero)
             gl.store(p_ptrs + i * BK, zero)
-    orows = gl.arange(0, HBC, layout=gl.SliceLayout(1, acc_layout))
-    ocols = gl.arange(0, D, layout=gl.SliceLayout(0, acc_layout))
-    dq_ptrs = dq_ptr + (row * HBC + orows).to(gl.int64)[:, None] * D + ocols[None, :]
+    if DQ_OP == 0:
+        orows = gl.arange(0, HBC, layout=gl.SliceLayout(1, acc_layout))
+        ocols = gl.arange(0, D, layout=gl.SliceLayout(0, acc_layout))
+        dq_ptrs = dq_ptr + (row * HBC + orows).to(gl.int64)[:, None] * D + ocols[None, :]
+    else:               # acc = dq^T: element (d, h) goes to dq[h, d]
+        dcols = gl.arange(0, D, layout=gl.SliceLayout(1, acc_layout))
+        hcols = gl.arange(0, HBC, layout=gl.SliceLayout(0, acc_layout))
+        dq_ptrs = dq_ptr + (row * HBC + hcols).to(gl.int64)[None, :] * D + dcols[:, None]
     gl.store(dq_ptrs, (acc * SCALE).to(dq_ptr.dtype.element_ty))
 
 
@@ -160,7 +196,8 @@ def csa_dq_kernel(q_ptr, do_ptr, kv_ptr, idx_ptr, ntiles_ptr, lse_ptr, dc_ptr, d
                   qdo_ptr, T: gl.constexpr, N: gl.constexpr, NHB: gl.constexpr, D: gl.constexpr,
                   K: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, EW_C: gl.constexpr,
                   QK_SCALE: gl.constexpr, SCALE: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                  PREFETCH: gl.constexpr, ABLATE: gl.constexpr, QDO: gl.constexpr):
+                  PREFETCH: gl.constexpr, ABLATE: gl.constexpr, QDO: gl.constexpr,
+                  DQ_OP: gl.constexpr):
     # program = (b, t, head block), head block fastest; `row` indexes [B*T*NHB] head blocks.
     row = gl.program_id(0)
     tok = row // NHB
@@ -193,7 +230,7 @@ def csa_dq_kernel(q_ptr, do_ptr, kv_ptr, idx_ptr, ntiles_ptr, lse_ptr, dc_ptr, d
         (_dq_consumer, (idx_tok, lse_ptr, dc_ptr, dq_ptr, dsp_ptr, qdo_ptr, qdo_smem, ring,
                         full, consumed, q_bar, do_bar, sd_smem, ds_smem, row, tok, hb, ntiles, D,
                         K, NHB * HBC, BK, STAGES, HBC, EW_C, QK_SCALE, SCALE, PREFETCH, ABLATE,
-                        QDO)),
+                        QDO, DQ_OP)),
         (_dq_producer, (q_ptr, do_ptr, kv_ptr, idx_tok, qdo_smem, ring, full, consumed, q_bar,
                         do_bar, row, b, ntiles, N, D, K, BK, STAGES, HBC, PREFETCH)),
     ], [PRODUCER_WARPS], [PRODUCER_REGS])
@@ -214,27 +251,33 @@ def ew_cols(bk):
     return 8 if bk >= 32 else 4
 
 
+DQ_OPERANDS = ("desc", "desc_a", "ldsm_trans", "movmatrix")     # Config.bwd_dq_operand
+
+
 def constexprs(*, T, N, NHB, D, K, BK, stages, scale, producer_regs, prefetch=False, ablate=0,
-               qdo=False):
+               qdo=False, dq_operand="desc"):
     """The dq kernel's compile-time parameters (also used by the CPU compile checks)."""
     return dict(T=T, N=N, NHB=NHB, D=D, K=K, BK=BK, STAGES=stages, EW_C=ew_cols(BK),
                 QK_SCALE=float(scale) * LOG2E, SCALE=float(scale), PRODUCER_REGS=producer_regs,
-                PREFETCH=bool(prefetch), ABLATE=int(ablate), QDO=bool(qdo))
+                PREFETCH=bool(prefetch), ABLATE=int(ablate), QDO=bool(qdo),
+                DQ_OP=DQ_OPERANDS.index(dq_operand))
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_k", "stages", "producer_regs",
-                                             "prefetch", "ablate", "qdo", "narrow_keys",
+                                             "prefetch", "ablate", "qdo", "dq_operand",
+                                             "narrow_keys",
                                              "reduce", "block_r", "reduce_warps",
                                              "interpret_reduce"))
 def backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, block_k, stages, producer_regs,
-             prefetch=False, ablate=0, qdo=False, narrow_keys=False, reduce="pallas_triton",
-             block_r=0, reduce_warps=0, interpret_reduce=False):
+             prefetch=False, ablate=0, qdo=False, dq_operand="desc", narrow_keys=False,
+             reduce="pallas_triton", block_r=0, reduce_warps=0, interpret_reduce=False):
     """(dq, dkv, dsink): dq by csa_dq_kernel, dkv by the deterministic interm GEMM + inverse-map
     reduce of the Pallas Triton impl, dsink and delta in XLA (CUDA only). idx must already be
     sanitized (-1 for every empty or out-of-range slot). interpret_reduce runs the reduce kernel
     in the Pallas interpreter (the CPU test of this wrapper, with the dq kernel emulated).
     qdo: the dq kernel also writes the GEMM's stacked [q; dO] operand per head block (and dsp in
-    the matching head-block-major layout), so XLA's stack of q and dO goes away; narrow_keys,
+    the matching head-block-major layout), so XLA's stack of q and dO goes away; dq_operand:
+    how the dq product takes the kv tile (_dq_product, Config.bwd_dq_operand); narrow_keys,
     reduce, block_r, reduce_warps: the inverse map's int16 sort keys, which gather-reduce
     kernel ("pallas_triton" or "gluon": dkv.py), its rows per step and warps (0 = its default;
     Config.bwd_*)."""
@@ -276,7 +319,8 @@ def backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, block_k, stages, prod
                    jax.ShapeDtypeStruct(qdo_shape, q.dtype)],
         grid=(B * T * nhb,), num_warps=CONSUMER_WARPS, name="csa_gluon_dq",
         **constexprs(T=T, N=N, NHB=nhb, D=Dp, K=Kp, BK=block_k, stages=stages, scale=scale,
-                     producer_regs=producer_regs, prefetch=prefetch, ablate=ablate, qdo=qdo))
+                     producer_regs=producer_regs, prefetch=prefetch, ablate=ablate, qdo=qdo,
+                     dq_operand=dq_operand))
     # dkv: the Pallas Triton impl's deterministic per-slot GEMM + inverse-map gather-reduce.
     ptc = pt_default_config(q.shape, kv.shape, idx.shape, q.dtype)
     if qdo:     # interm[t] = dsp[t]^T qdo[t], contracting (head block, plane, head) = 2 * Hp
