@@ -18,7 +18,8 @@ the device-memory bytes a perfect kernel would move, `gb_s` = gb / time):
              summation order differs) and bit-identical across two runs
   read_floor jnp.sum(interm in f32, (0, 1)): reads interm once (the reduce's byte floor)
   dkv        stack + gemm + invmap + reduce in one jit (what `bwd - dq` measured)
-  bwd        the whole Gluon backward (GPU only) per --bwd-variants: ms, and each variant's
+  bwd        the whole Gluon backward (GPU only) per --bwd-variants: ms (and dq_ms: only dq
+             kept, so XLA drops the dkv work; dkv_ms = the difference), and each variant's
              dq / dkv / dsink against the default's (max-abs error / max-abs) and bit-identity
              of two runs of the same variant
   grad       (part, GPU only) the default and every --grad-variants config against impl="xla"
@@ -187,10 +188,15 @@ def part_bwd(shapes, seed, reps, variants):
                 f = jax.jit(lambda *a, cfg=cfg: g.backward(*a, scale=c.scale, interpret=False,
                                                            config=cfg))
                 ms = _ms(f, args, reps)
+                # dq alone: XLA drops the dkv work (the dq kernel, delta, padding)
+                fdq = jax.jit(lambda *a, cfg=cfg: g.backward(*a, scale=c.scale,
+                                                             interpret=False, config=cfg)[0])
+                dq_ms = _ms(fdq, args, reps)
                 out1 = jax.block_until_ready(f(*args))
                 out2 = jax.block_until_ready(f(*args))
                 r = dict(part="bwd", family=family, ratio=ratio, T=T, variant=name, config=kw,
-                         bwd_ms=ms, bwd_tflops_nominal=2.5 * nominal / ms / 1e9,
+                         bwd_ms=ms, bwd_tflops_nominal=2.5 * nominal / ms / 1e9, dq_ms=dq_ms,
+                         dkv_ms=ms - dq_ms,
                          bit_identical={n: bool(jnp.array_equal(u, v)) for n, u, v in
                                         zip(("dq", "dkv", "dsink"), out1, out2)})
                 ok = all(r["bit_identical"].values())
