@@ -6,9 +6,10 @@ gathering kv rows with cp.async into an mbarrier ring, two consumer warpgroups o
 through jax-triton's primitive by adapter.py.
 
 BACKWARD (Config.bwd): "gluon" (default) = the warp-specialized dq kernel of bwd.py (it also
-stores scale*dS and P) + the Pallas Triton impl's deterministic per-slot GEMM and inverse-map
-reduce for dkv; "pallas_triton" = the whole Pallas Triton-dialect backward (its default config)
-on the forward's (o, lse), which follow the same contract.
+stores scale*dS and P) + the deterministic per-slot GEMM and inverse-map gather-reduce for dkv
+(the reduce: the Pallas Triton impl's or dkv.py's, Config.bwd_reduce); "pallas_triton" = the
+whole Pallas Triton-dialect backward (its default config) on the forward's (o, lse), which
+follow the same contract.
 
 Needs the optional extra `csa_jax[gluon]` (triton==3.6.0, jax-triton==0.3.1) and an NVIDIA GPU of
 compute capability 9.0 (sm_90a: wgmma, setmaxnreg). Gluon has no CPU interpreter: on a CPU the

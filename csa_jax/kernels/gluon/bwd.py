@@ -19,10 +19,13 @@ dq kernel, one program (CTA) = 64 heads of one token (as the forward, fwd.py):
   5. the stage is released (fwd._release). Tiles past the token's last non-empty one are not
      walked; their dsp columns are written as zeros. dq = scale * acc in q's dtype.
 
-dkv stays the deterministic path of the Pallas Triton impl: interm[t] = [scale*dS; P]^T [q; dO],
-one batched GEMM per token in XLA, then the CSR inverse-map gather-reduce kernel (no atomics;
-empty slots have no inverse-map entry). delta = sum(o * dO) and dsink = sum_t exp(sink - lse)
-(dlse - delta) are XLA reductions.
+dkv stays deterministic: interm[t] = [scale*dS; P]^T [q; dO], one batched GEMM per token in XLA,
+then a CSR inverse-map gather-reduce kernel (no atomics; empty slots have no inverse-map entry):
+the Pallas Triton impl's, or the Gluon one of dkv.py (Config.bwd_reduce). With Config.bwd_qdo the
+dq kernel also copies its resident [q; dO] out (the GEMM's operand, no XLA stack) and lays dsp
+out head block first to match. Config.bwd_dq_operand picks how the dq product takes the kv tile
+(the transposed-operand ablation, _dq_product). delta = sum(o * dO) and dsink = sum_t exp(sink -
+lse) (dlse - delta) are XLA reductions.
 """
 from __future__ import annotations
 
