@@ -66,6 +66,19 @@ def test_dq_kernel_variants_compile(prefetch, ablate, shapes):
     assert ("st.global.v4" in ptx) == (ablate != 1)       # the scale*dS / P stores
 
 
+def _compile_dq(**kw):
+    """The dq kernel at D = 512, 32-row tiles x 2 stages for sm_90a: (compiled, resources),
+    checked launchable and spill-free."""
+    c = adapter.compile_kernel(
+        bwd.csa_dq_kernel, bwd.arg_types("bf16"),
+        bwd.constexprs(T=64, N=300, NHB=2, D=512, K=192, BK=32, stages=2, scale=0.05,
+                       producer_regs=96, **kw),
+        target="sm_90a", num_warps=bwd.CONSUMER_WARPS)
+    r = adapter.resources(c, "sm_90a")
+    assert r["launch_problem"] is None and r.get("spill_stores", 0) == 0, r
+    return c, r
+
+
 @pytest.mark.parametrize("op,wgmma,mix", [
     ("desc", {"32", "256"}, {}),
     ("desc_a", {"32", "64"}, {}),
@@ -75,13 +88,7 @@ def test_dq_kernel_operand_modes_compile(op, wgmma, mix):
     """Config.bwd_dq_operand: the four ways the dq product takes the kv tile compile with the
     same shared memory, no spills, the instruction shapes and shared loads meant, and no extra
     shared-memory round trip (st.shared count as the default's)."""
-    c = adapter.compile_kernel(
-        bwd.csa_dq_kernel, bwd.arg_types("bf16"),
-        bwd.constexprs(T=64, N=300, NHB=2, D=512, K=192, BK=32, stages=2, scale=0.05,
-                       producer_regs=96, dq_operand=op),
-        target="sm_90a", num_warps=bwd.CONSUMER_WARPS)
-    r = adapter.resources(c, "sm_90a")
-    assert r["launch_problem"] is None and r.get("spill_stores", 0) == 0, r
+    c, r = _compile_dq(dq_operand=op)
     assert r["shared"] == 217_292, r
     ptx = c.asm["ptx"]
     assert set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16", ptx)) == wgmma
@@ -96,13 +103,7 @@ def test_dq_kernel_qdo_compiles():
     32-row chunks: 4 more 16-byte store instructions per chunk), same shared memory, no spills."""
     got = {}
     for qdo in (False, True):
-        c = adapter.compile_kernel(
-            bwd.csa_dq_kernel, bwd.arg_types("bf16"),
-            bwd.constexprs(T=64, N=300, NHB=2, D=512, K=192, BK=32, stages=2, scale=0.05,
-                           producer_regs=96, qdo=qdo),
-            target="sm_90a", num_warps=bwd.CONSUMER_WARPS)
-        r = adapter.resources(c, "sm_90a")
-        assert r["launch_problem"] is None and r.get("spill_stores", 0) == 0, r
+        c, r = _compile_dq(qdo=qdo)
         got[qdo] = (r["shared"], len(re.findall(r"st\.global\.v4", c.asm["ptx"])))
     assert got[True][0] == got[False][0], got
     assert got[True][1] == got[False][1] + 32, got        # 128 rows x 1 KiB / (256 x 16 B)
