@@ -9,7 +9,9 @@ the device-memory bytes a perfect kernel would move, `gb_s` = gb / time):
   stack      jnp.stack([q, dO], 2) [B, T, 2, Hp, Dp] (the interm GEMM's operand)
   gemm       interm [B, T, Kp, Dp] = dsp^T [q; dO] (XLA batched dot, bf16 out, f32 accumulation)
              on the stacked operand; gemm_qdo: the same on Config.bwd_qdo's head-block-major
-             layout (the dq kernel writes the operand, no stack)
+             layout (the dq kernel writes the operand, no stack); ginterm_OP: the Gluon interm
+             GEMM (Config.bwd_interm="gluon", GPU only) per A-operand way OP (--interm-operands),
+             checked against gemm and bit-identical across two runs
   invmap     the CSR inverse map (stable argsort of [B, T*Kp] keys + searchsorted);
              invmap16: int16 keys (Config.bwd_narrow_keys)
   reduce     the gather-reduce kernel (Pallas Triton) alone on a ready map; reduce_R_W: with
@@ -72,7 +74,8 @@ def _inputs(family, ratio, T, seed):
     return c, pr, d, idx_p, q_p, do_p, dsp
 
 
-def part_pieces(shapes, seed, reps, reduce_variants, gluon_reduce_variants, pieces, interpret):
+def part_pieces(shapes, seed, reps, reduce_variants, gluon_reduce_variants, interm_operands,
+                pieces, interpret):
     from csa_jax.kernels import triton as pt
     from csa_jax.kernels.triton import testing as tt
     for family, ratio, T in shapes:
@@ -108,6 +111,27 @@ def part_pieces(shapes, seed, reps, reduce_variants, gluon_reduce_variants, piec
         fl = 2.0 * B * T * Kp * Dp * 2 * Hp
         row("stack", stack, (q_p, do_p), gb=2 * gb_qdo)
         row("gemm", gemm, (dsp, qdo), gb=gb_dsp + gb_qdo + gb_int, flops=fl)
+        if not interpret and (not pieces or "ginterm" in pieces):
+            # The Gluon interm GEMM (Config.bwd_interm="gluon"): q and dO in place, no stack.
+            from csa_jax.kernels.gluon import interm as gim
+            want = jax.jit(gemm)(dsp, qdo)
+            dsp_flat = dsp.reshape(B * T, 2, Hp, Kp)
+            for op in interm_operands:
+                fn = lambda s, a, b, op=op: gim.interm(s, a, b, operand=op)
+                row(f"ginterm_{op}", fn, (dsp_flat, q_p, do_p), gb=gb_dsp + gb_qdo + gb_int,
+                    flops=fl, operand=op)
+                try:
+                    u = jax.jit(fn)(dsp_flat, q_p, do_p)
+                    v = jax.jit(fn)(dsp_flat, q_p, do_p)
+                    err = rel(u, want)
+                    report(**base, piece=f"ginterm_{op}_check", err_vs_gemm=err,
+                           bit_identical=bool(jnp.array_equal(u, v)),
+                           ok=bool(jnp.array_equal(u, v)) and err <= 1e-2)
+                    del u, v
+                except Exception as e:  # noqa: BLE001
+                    report(**base, piece=f"ginterm_{op}_check", ok=False,
+                           error=f"{type(e).__name__}: {e}"[:400])
+            del want, dsp_flat
         # Config.bwd_qdo's layout: both operands head block first ([B, T, 2*Hp, .]).
         nhb = Hp // 64
         dsp_hb = dsp.reshape(B, T, 2, nhb, 64, Kp).transpose(0, 1, 3, 2, 4, 5).reshape(
@@ -273,6 +297,7 @@ def main(argv=None):
     ap.add_argument("--pieces", default="", help="comma list of piece names (default all)")
     ap.add_argument("--reduce-variants", default="16:4,64:4,32:8")
     ap.add_argument("--gluon-reduce-variants", default="16:4,32:8,8:4")
+    ap.add_argument("--interm-operands", default="desc,ldsm_trans,movmatrix")
     ap.add_argument("--bwd-variants", default="")
     ap.add_argument("--grad-variants", default="")
     ap.add_argument("--grad-cases", default=",".join(GRAD_CASES))
@@ -287,8 +312,9 @@ def main(argv=None):
     handlers = {
         "pieces": lambda: part_pieces(parse_shapes(args.shapes), args.seed, args.reps,
                                       parse_reduce_variants(args.reduce_variants),
-                                      parse_reduce_variants(args.gluon_reduce_variants), pieces,
-                                      args.dry_run),
+                                      parse_reduce_variants(args.gluon_reduce_variants),
+                                      [o for o in args.interm_operands.split(",") if o],
+                                      pieces, args.dry_run),
         "bwd": lambda: part_bwd(parse_shapes(args.bwd_shapes), args.seed, args.reps,
                                 parse_variants(args.bwd_variants)),
         "grad": lambda: part_grad(args.seed, parse_variants(args.grad_variants),

@@ -98,6 +98,33 @@ def test_dq_kernel_operand_modes_compile(op, wgmma, mix):
     assert ptx.count("st.shared") == 12
 
 
+@pytest.mark.parametrize("op,stages,mix", [
+    ("desc", 4, {}), ("desc", 3, {}),
+    ("ldsm_trans", 4, {"ldmatrix.sync.aligned.m8n8.x4.trans": 16}),
+    ("movmatrix", 4, {"ldmatrix.sync.aligned.m8n8.x4.shared": 16, "movmatrix": 64})])
+def test_interm_kernel_compiles_sm90(op, stages, mix):
+    """kernels/gluon/interm.py at Pro shapes (Hp 128, Kp 1152, D 512): inside the H200's shared
+    memory, no spills, m64n256k16 with B (and A when op = "desc") through MN-major descriptors
+    (the wgmma transpose immediates), A loaded as meant otherwise."""
+    from csa_jax.kernels.gluon import interm
+    c = adapter.compile_kernel(interm.csa_interm_kernel, interm.arg_types("bf16"),
+                               interm.constexprs(Hp=128, Kp=1152, D=512, stages=stages,
+                                                 operand=op),
+                               target="sm_90a", num_warps=bwd.CONSUMER_WARPS)
+    r = adapter.resources(c, "sm_90a")
+    assert r["launch_problem"] is None and r.get("spill_stores", 0) == 0, r
+    est = interm.shared_bytes(128, 512, stages)
+    assert est <= r["shared"] <= min(est + 1024, adapter.SHARED_LIMIT["sm_90a"]), (r, est)
+    ptx = c.asm["ptx"]
+    calls = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n256k16\.f32\.bf16\.bf16[^;]*;", ptx)
+    assert calls and not re.findall(r"m64n(?!256)\d+k16", ptx)
+    tail = "1, 1, 1, 1;" if op == "desc" else "1, 1, 1;"     # (scale-b,) trans-a, trans-b
+    assert all(x.endswith(tail) for x in calls), calls[:2]
+    keys = ("ldmatrix.sync.aligned.m8n8.x4.trans", "ldmatrix.sync.aligned.m8n8.x4.shared",
+            "movmatrix")
+    assert {k: ptx.count(k) for k in keys if ptx.count(k)} == mix
+
+
 def test_dq_kernel_qdo_compiles():
     """Config.bwd_qdo: the same kernel plus the [q; dO] copy-out (2 * 64 rows x 512 columns in
     32-row chunks: 4 more 16-byte store instructions per chunk), same shared memory, no spills."""
@@ -134,7 +161,9 @@ def test_config_switch():
                 dict(bwd_stages=True), dict(bwd_prefetch=1), dict(bwd_ablate=5),
                 dict(bwd_ablate=True), dict(bwd_qdo=1), dict(bwd_narrow_keys="yes"),
                 dict(bwd_block_r=24), dict(bwd_reduce_warps=3), dict(bwd_reduce="xla"),
-                dict(bwd_dq_operand="strided")):
+                dict(bwd_dq_operand="strided"), dict(bwd_interm="cublas"),
+                dict(bwd_interm_operand="strided"), dict(bwd_interm_stages=5),
+                dict(bwd_interm="gluon", bwd_qdo=True)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             gluon.Config(**bad)
     for D in (64, 128, 256, 512):
@@ -197,19 +226,39 @@ def _emulated_reduce_kernel(offsets, perm, interm, *, kernel, out_shape, grid, n
     return out.astype(out_shape.dtype)
 
 
+def _emulated_interm_kernel(dsp, q, do, *, kernel, out_shape, grid, num_warps, name, HP, KP,
+                            D, BN, BM, BKC, **_):
+    """What csa_interm_kernel computes (kernels/gluon/interm.py), in jnp: per token,
+    dsp[t]^T [q[t]; dO[t]] with f32 accumulation, one rounding."""
+    BT = q.shape[0] // HP
+    assert grid == (BT * (D // BN),) and KP % BM == 0 and HP % BKC == 0, (grid, KP, HP)
+    assert dsp.shape == (BT * 2 * HP, KP) and num_warps == bwd.CONSUMER_WARPS
+    x = jnp.concatenate([q.reshape(BT, HP, D), do.reshape(BT, HP, D)], axis=1)
+    out = jnp.einsum("tck,tcd->tkd", dsp.reshape(BT, 2 * HP, KP).astype(jnp.float32),
+                     x.astype(jnp.float32))
+    return out.reshape(BT * KP, D).astype(out_shape.dtype)
+
+
 def _emulated_call(*args, kernel, **kw):
-    from csa_jax.kernels.gluon import dkv
-    f = _emulated_reduce_kernel if kernel is dkv.csa_dkv_reduce_kernel else _emulated_dq_kernel
+    from csa_jax.kernels.gluon import dkv, interm
+    f = {dkv.csa_dkv_reduce_kernel: _emulated_reduce_kernel,
+         interm.csa_interm_kernel: _emulated_interm_kernel}.get(kernel, _emulated_dq_kernel)
     return f(*args, kernel=kernel, **kw)
 
 
-@pytest.mark.parametrize("H,D,K,bk,qdo,narrow,reduce", [
-    (20, 24, 40, 16, False, False, "pallas_triton"), (64, 64, 70, 32, False, False, "gluon"),
-    (130, 24, 40, 16, True, True, "pallas_triton"), (130, 24, 40, 16, True, True, "gluon")])
-def test_wrapper_against_dense_oracle(rng, monkeypatch, H, D, K, bk, qdo, narrow, reduce):
+@pytest.mark.parametrize("H,D,K,bk,qdo,narrow,reduce,interm", [
+    (20, 24, 40, 16, False, False, "pallas_triton", "xla"),
+    (64, 64, 70, 32, False, False, "gluon", "xla"),
+    (130, 24, 40, 16, True, True, "pallas_triton", "xla"),
+    (130, 24, 40, 16, True, True, "gluon", "xla"),
+    (130, 24, 140, 32, False, True, "gluon", "gluon"),
+    (64, 64, 40, 16, False, False, "pallas_triton", "gluon")])
+def test_wrapper_against_dense_oracle(rng, monkeypatch, H, D, K, bk, qdo, narrow, reduce,
+                                      interm):
     """qdo = Config.bwd_qdo (the dq kernel writes [q; dO] and dsp head block first; 3 head
     blocks at H = 130), narrow = Config.bwd_narrow_keys (int16 inverse-map keys), reduce =
-    Config.bwd_reduce (the Gluon reduce kernel emulated: its launch plumbing, the CSR map)."""
+    Config.bwd_reduce, interm = Config.bwd_interm (the Gluon reduce and interm kernels
+    emulated: their launch plumbing, K padded to 128 for the interm GEMM, the CSR map)."""
     from csa_jax.common import sanitize_indices
     monkeypatch.setattr(adapter, "gluon_call", _emulated_call)
     q, kv, idx, sink = random_problem(rng, T=10, H=H, D=D, K=K, dtype=jnp.float32, empty_rows=2)
@@ -221,7 +270,7 @@ def test_wrapper_against_dense_oracle(rng, monkeypatch, H, D, K, bk, qdo, narrow
     o, lse = jnp.asarray(o, jnp.float32), jnp.asarray(lse, jnp.float32)
     dq, dkv, dsink = bwd.backward(q, kv, idx, sink, o, lse, do, dlse, scale=scale, block_k=bk,
                                   stages=2, producer_regs=96, qdo=qdo, narrow_keys=narrow,
-                                  reduce=reduce, block_r=16 if qdo else 0,
+                                  reduce=reduce, interm=interm, block_r=16 if qdo else 0,
                                   interpret_reduce=True)
     _, _, rdq, rdkv, rdsink = dense_oracle(q, kv, idx, sink, scale, do, dlse)
     for what, got, want in (("dq", dq, rdq), ("dkv", dkv, rdkv), ("dsink", dsink, rdsink)):

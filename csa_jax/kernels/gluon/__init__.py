@@ -57,6 +57,13 @@ class Config:
         MN-major shared-memory descriptor; default), or dq^T += kv^T dS^T with kv^T as A:
         "desc_a" (MN-major A descriptor), "ldsm_trans" (registers by ldmatrix .trans),
         "movmatrix" (registers by plain ldmatrix + an explicit register transpose).
+    bwd_interm: how the per-slot intermediate interm = dsp^T [q; dO] is formed: "xla" (one
+        batched XLA dot per token on a stacked [q; dO]) or "gluon" (kernels/gluon/interm.py: a
+        warp-specialized wgmma GEMM reading q and dO in place, dsp^T and [q; dO] through
+        MN-major, "transposed", descriptors); bwd_interm_operand: that kernel's A operand
+        (dsp^T): "desc" (MN-major descriptor), "ldsm_trans" or "movmatrix" (into registers by
+        ldmatrix .trans, or plain ldmatrix + a register transpose); bwd_interm_stages: its
+        A ring depth (3 or 4).
     bwd_qdo: the dq kernel also writes the interm GEMM's stacked [q; dO] operand from its shared
         memory (4.3 GB of writes at Pro cr4 T = 16384 in place of XLA's stack: 4.3 GB read +
         4.3 GB written); dsp is then laid out head block first to match.
@@ -81,6 +88,9 @@ class Config:
     bwd_prefetch: bool = False
     bwd_ablate: int = 0
     bwd_dq_operand: str = "desc"
+    bwd_interm: str = "xla"
+    bwd_interm_operand: str = "desc"
+    bwd_interm_stages: int = 4
     bwd_qdo: bool = False
     bwd_narrow_keys: bool = False
     bwd_reduce: str = "pallas_triton"
@@ -105,6 +115,16 @@ class Config:
         if self.bwd_dq_operand not in ("desc", "desc_a", "ldsm_trans", "movmatrix"):
             raise ValueError(f"bwd_dq_operand={self.bwd_dq_operand!r} must be 'desc', 'desc_a', "
                              f"'ldsm_trans' or 'movmatrix'")
+        if self.bwd_interm not in ("xla", "gluon"):
+            raise ValueError(f"bwd_interm={self.bwd_interm!r} must be 'xla' or 'gluon'")
+        if self.bwd_interm_operand not in ("desc", "ldsm_trans", "movmatrix"):
+            raise ValueError(f"bwd_interm_operand={self.bwd_interm_operand!r} must be 'desc', "
+                             f"'ldsm_trans' or 'movmatrix'")
+        if self.bwd_interm_stages not in (2, 3, 4) or isinstance(self.bwd_interm_stages, bool):
+            raise ValueError(f"bwd_interm_stages={self.bwd_interm_stages!r} must be 2, 3 or 4")
+        if self.bwd_qdo and self.bwd_interm == "gluon":
+            raise ValueError("bwd_qdo=True feeds the XLA interm GEMM; bwd_interm='gluon' reads "
+                             "q and dO in place (set bwd_qdo=False)")
         if self.bwd_reduce not in ("pallas_triton", "gluon"):
             raise ValueError(f"bwd_reduce={self.bwd_reduce!r} must be 'pallas_triton' or 'gluon'")
         if self.bwd_block_r not in (0, 8, 16, 32, 64, 128) or isinstance(self.bwd_block_r, bool):
@@ -232,7 +252,9 @@ def backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, interpret, config):
                              block_k=config.bwd_block_k, stages=config.bwd_stages,
                              producer_regs=config.producer_regs, prefetch=config.bwd_prefetch,
                              ablate=config.bwd_ablate, qdo=config.bwd_qdo,
-                             dq_operand=config.bwd_dq_operand,
+                             dq_operand=config.bwd_dq_operand, interm=config.bwd_interm,
+                             interm_operand=config.bwd_interm_operand,
+                             interm_stages=config.bwd_interm_stages,
                              narrow_keys=config.bwd_narrow_keys, reduce=config.bwd_reduce,
                              block_r=config.bwd_block_r, reduce_warps=config.bwd_reduce_warps)
     from csa_jax.kernels import triton as pt      # the pallas_triton impl module

@@ -268,11 +268,13 @@ def constexprs(*, T, N, NHB, D, K, BK, stages, scale, producer_regs, prefetch=Fa
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_k", "stages", "producer_regs",
                                              "prefetch", "ablate", "qdo", "dq_operand",
+                                             "interm", "interm_operand", "interm_stages",
                                              "narrow_keys",
                                              "reduce", "block_r", "reduce_warps",
                                              "interpret_reduce"))
 def backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, block_k, stages, producer_regs,
-             prefetch=False, ablate=0, qdo=False, dq_operand="desc", narrow_keys=False,
+             prefetch=False, ablate=0, qdo=False, dq_operand="desc", interm="xla",
+             interm_operand="desc", interm_stages=4, narrow_keys=False,
              reduce="pallas_triton", block_r=0, reduce_warps=0, interpret_reduce=False):
     """(dq, dkv, dsink): dq by csa_dq_kernel, dkv by the deterministic interm GEMM + inverse-map
     reduce of the Pallas Triton impl, dsink and delta in XLA (CUDA only). idx must already be
@@ -280,7 +282,8 @@ def backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, block_k, stages, prod
     in the Pallas interpreter (the CPU test of this wrapper, with the dq kernel emulated).
     qdo: the dq kernel also writes the GEMM's stacked [q; dO] operand per head block (and dsp in
     the matching head-block-major layout), so XLA's stack of q and dO goes away; dq_operand:
-    how the dq product takes the kv tile (_dq_product, Config.bwd_dq_operand); narrow_keys,
+    how the dq product takes the kv tile (_dq_product, Config.bwd_dq_operand); interm,
+    interm_operand, interm_stages: the interm GEMM in XLA or in Gluon (interm.py); narrow_keys,
     reduce, block_r, reduce_warps: the inverse map's int16 sort keys, which gather-reduce
     kernel ("pallas_triton" or "gluon": dkv.py), its rows per step and warps (0 = its default;
     Config.bwd_*)."""
@@ -294,7 +297,11 @@ def backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, block_k, stages, prod
     f32 = jnp.float32
     B, T, H, D = q.shape
     N, K = kv.shape[1], idx.shape[2]
-    Hp, Dp, Kp = padded_dims(H, D, K, block_k)
+    if qdo and interm == "gluon":
+        raise ValueError("qdo=True feeds the XLA interm GEMM; interm='gluon' reads q and dO")
+    # The Gluon interm GEMM walks slots in 128-row tiles: pad K to that (the dq kernel writes
+    # exact zeros for the padding; padded slots are -1, in no inverse-map row).
+    Hp, Dp, Kp = padded_dims(H, D, K, 128 if interm == "gluon" else block_k)
     need = shared_bytes(D, block_k, stages)
     if need > SMEM_LIMIT:
         raise ValueError(f"dq kernel tiles bwd_block_k={block_k}, bwd_stages={stages} at D={D} "
@@ -326,22 +333,25 @@ def backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, block_k, stages, prod
                      dq_operand=dq_operand))
     # dkv: the Pallas Triton impl's deterministic per-slot GEMM + inverse-map gather-reduce.
     ptc = pt_default_config(q.shape, kv.shape, idx.shape, q.dtype)
-    if qdo:     # interm[t] = dsp[t]^T qdo[t], contracting (head block, plane, head) = 2 * Hp
-        interm = jax.lax.dot_general(dsp.reshape(B, T, 2 * Hp, Kp),
-                                     qdo_st.reshape(B, T, 2 * Hp, Dp),
-                                     (((2,), (2,)), ((0, 1), (0, 1))),
-                                     preferred_element_type=q.dtype)
+    if interm == "gluon":
+        from csa_jax.kernels.gluon import interm as _interm
+        per_slot = _interm.interm(dsp, q_p, do_p, stages=interm_stages, operand=interm_operand)
+    elif qdo:   # interm[t] = dsp[t]^T qdo[t], contracting (head block, plane, head) = 2 * Hp
+        per_slot = jax.lax.dot_general(dsp.reshape(B, T, 2 * Hp, Kp),
+                                       qdo_st.reshape(B, T, 2 * Hp, Dp),
+                                       (((2,), (2,)), ((0, 1), (0, 1))),
+                                       preferred_element_type=q.dtype)
     else:
-        interm = _interm_gemm(dsp.reshape(B, T, 2, Hp, Kp), q_p, do_p, None, q.dtype)
+        per_slot = _interm_gemm(dsp.reshape(B, T, 2, Hp, Kp), q_p, do_p, None, q.dtype)
     if reduce == "gluon":
         from csa_jax.kernels.gluon import dkv as _dkv
         offsets, perm = _inverse_map(idx_p, N, narrow_keys)
-        dkv = _dkv.reduce_rows(offsets, perm, interm.reshape(B, T * Kp, Dp), kv.dtype,
+        dkv = _dkv.reduce_rows(offsets, perm, per_slot.reshape(B, T * Kp, Dp), kv.dtype,
                                block_r=block_r or 16, num_warps=reduce_warps or 4)
     else:
         ptc = dataclasses.replace(ptc, block_r=block_r or ptc.block_r,
                                   num_warps_reduce=reduce_warps or ptc.num_warps_reduce)
-        dkv = _reduce_call(d, ptc, interpret_reduce, idx_p, interm, kv.dtype, narrow_keys)
+        dkv = _reduce_call(d, ptc, interpret_reduce, idx_p, per_slot, kv.dtype, narrow_keys)
     w = jnp.exp(sink[None, None, :] - lse)
     dsink = jnp.sum(w * (dlse - delta), axis=(0, 1))
     return dq.reshape(B, T, Hp, Dp)[:, :, :H, :D], dkv[:, :, :D], dsink
