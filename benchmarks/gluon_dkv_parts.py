@@ -116,8 +116,9 @@ def part_pieces(shapes, seed, reps, reduce_variants, gluon_reduce_variants, inte
             from csa_jax.kernels.gluon import interm as gim
             want = jax.jit(gemm)(dsp, qdo)
             dsp_flat = dsp.reshape(B * T, 2, Hp, Kp)
-            for op in interm_operands:
-                fn = lambda s, a, b, op=op: gim.interm(s, a, b, operand=op)
+            for op in interm_operands:          # "desc_pipe": desc, pipelined
+                fn = lambda s, a, b, op=op: gim.interm(s, a, b, operand=op.split("_pipe")[0],
+                                                       pipeline=op.endswith("_pipe"))
                 row(f"ginterm_{op}", fn, (dsp_flat, q_p, do_p), gb=gb_dsp + gb_qdo + gb_int,
                     flops=fl, operand=op)
                 try:
@@ -297,7 +298,7 @@ def main(argv=None):
     ap.add_argument("--pieces", default="", help="comma list of piece names (default all)")
     ap.add_argument("--reduce-variants", default="16:4,64:4,32:8")
     ap.add_argument("--gluon-reduce-variants", default="16:4,32:8,8:4")
-    ap.add_argument("--interm-operands", default="desc,ldsm_trans,movmatrix")
+    ap.add_argument("--interm-operands", default="desc,desc_pipe,ldsm_trans,movmatrix")
     ap.add_argument("--bwd-variants", default="")
     ap.add_argument("--grad-variants", default="")
     ap.add_argument("--grad-cases", default=",".join(GRAD_CASES))

@@ -99,7 +99,7 @@ def test_dq_kernel_operand_modes_compile(op, wgmma, mix):
 
 
 @pytest.mark.parametrize("op,stages,mix", [
-    ("desc", 4, {}), ("desc", 3, {}),
+    ("desc", 4, {}), ("desc", 3, {}), ("desc_pipe", 4, {}),
     ("ldsm_trans", 4, {"ldmatrix.sync.aligned.m8n8.x4.trans": 16}),
     ("movmatrix", 4, {"ldmatrix.sync.aligned.m8n8.x4.shared": 16, "movmatrix": 64})])
 def test_interm_kernel_compiles_sm90(op, stages, mix):
@@ -109,7 +109,8 @@ def test_interm_kernel_compiles_sm90(op, stages, mix):
     from csa_jax.kernels.gluon import interm
     c = adapter.compile_kernel(interm.csa_interm_kernel, interm.arg_types("bf16"),
                                interm.constexprs(Hp=128, Kp=1152, D=512, stages=stages,
-                                                 operand=op),
+                                                 operand=op.split("_pipe")[0],
+                                                 pipeline=op.endswith("_pipe")),
                                target="sm_90a", num_warps=bwd.CONSUMER_WARPS)
     r = adapter.resources(c, "sm_90a")
     assert r["launch_problem"] is None and r.get("spill_stores", 0) == 0, r
@@ -118,7 +119,8 @@ def test_interm_kernel_compiles_sm90(op, stages, mix):
     ptx = c.asm["ptx"]
     calls = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n256k16\.f32\.bf16\.bf16[^;]*;", ptx)
     assert calls and not re.findall(r"m64n(?!256)\d+k16", ptx)
-    tail = "1, 1, 1, 1;" if op == "desc" else "1, 1, 1;"     # (scale-b,) trans-a, trans-b
+    tail = "1, 1, 1, 1;" if op.startswith("desc") else "1, 1, 1;"  # (scale-b,) trans-a, -b
+    assert ("wgmma.wait_group.sync.aligned 1" in ptx) == op.endswith("_pipe")
     assert all(x.endswith(tail) for x in calls), calls[:2]
     keys = ("ldmatrix.sync.aligned.m8n8.x4.trans", "ldmatrix.sync.aligned.m8n8.x4.shared",
             "movmatrix")
@@ -163,7 +165,8 @@ def test_config_switch():
                 dict(bwd_block_r=24), dict(bwd_reduce_warps=3), dict(bwd_reduce="xla"),
                 dict(bwd_dq_operand="strided"), dict(bwd_interm="cublas"),
                 dict(bwd_interm_operand="strided"), dict(bwd_interm_stages=5),
-                dict(bwd_interm="gluon", bwd_qdo=True)):
+                dict(bwd_interm="gluon", bwd_qdo=True), dict(bwd_interm_pipeline=1),
+                dict(bwd_interm_pipeline=True, bwd_interm_operand="movmatrix")):
         with pytest.raises(ValueError, match=next(iter(bad))):
             gluon.Config(**bad)
     for D in (64, 128, 256, 512):

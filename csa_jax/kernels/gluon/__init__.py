@@ -63,7 +63,7 @@ class Config:
         MN-major, "transposed", descriptors); bwd_interm_operand: that kernel's A operand
         (dsp^T): "desc" (MN-major descriptor), "ldsm_trans" or "movmatrix" (into registers by
         ldmatrix .trans, or plain ldmatrix + a register transpose); bwd_interm_stages: its
-        A ring depth (3 or 4).
+        A ring depth (2..4); bwd_interm_pipeline: one async wgmma in flight ("desc" only).
     bwd_qdo: the dq kernel also writes the interm GEMM's stacked [q; dO] operand from its shared
         memory (4.3 GB of writes at Pro cr4 T = 16384 in place of XLA's stack: 4.3 GB read +
         4.3 GB written); dsp is then laid out head block first to match.
@@ -91,6 +91,7 @@ class Config:
     bwd_interm: str = "xla"
     bwd_interm_operand: str = "desc"
     bwd_interm_stages: int = 4
+    bwd_interm_pipeline: bool = False
     bwd_qdo: bool = False
     bwd_narrow_keys: bool = False
     bwd_reduce: str = "pallas_triton"
@@ -122,6 +123,10 @@ class Config:
                              f"'ldsm_trans' or 'movmatrix'")
         if self.bwd_interm_stages not in (2, 3, 4) or isinstance(self.bwd_interm_stages, bool):
             raise ValueError(f"bwd_interm_stages={self.bwd_interm_stages!r} must be 2, 3 or 4")
+        if not isinstance(self.bwd_interm_pipeline, bool):
+            raise ValueError(f"bwd_interm_pipeline={self.bwd_interm_pipeline!r} must be a bool")
+        if self.bwd_interm_pipeline and self.bwd_interm_operand != "desc":
+            raise ValueError("bwd_interm_pipeline=True needs bwd_interm_operand='desc'")
         if self.bwd_qdo and self.bwd_interm == "gluon":
             raise ValueError("bwd_qdo=True feeds the XLA interm GEMM; bwd_interm='gluon' reads "
                              "q and dO in place (set bwd_qdo=False)")
@@ -255,6 +260,7 @@ def backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, interpret, config):
                              dq_operand=config.bwd_dq_operand, interm=config.bwd_interm,
                              interm_operand=config.bwd_interm_operand,
                              interm_stages=config.bwd_interm_stages,
+                             interm_pipeline=config.bwd_interm_pipeline,
                              narrow_keys=config.bwd_narrow_keys, reduce=config.bwd_reduce,
                              block_r=config.bwd_block_r, reduce_warps=config.bwd_reduce_warps)
     from csa_jax.kernels import triton as pt      # the pallas_triton impl module

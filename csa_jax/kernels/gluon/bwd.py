@@ -269,12 +269,13 @@ def constexprs(*, T, N, NHB, D, K, BK, stages, scale, producer_regs, prefetch=Fa
 @functools.partial(jax.jit, static_argnames=("scale", "block_k", "stages", "producer_regs",
                                              "prefetch", "ablate", "qdo", "dq_operand",
                                              "interm", "interm_operand", "interm_stages",
+                                             "interm_pipeline",
                                              "narrow_keys",
                                              "reduce", "block_r", "reduce_warps",
                                              "interpret_reduce"))
 def backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, block_k, stages, producer_regs,
              prefetch=False, ablate=0, qdo=False, dq_operand="desc", interm="xla",
-             interm_operand="desc", interm_stages=4, narrow_keys=False,
+             interm_operand="desc", interm_stages=4, interm_pipeline=False, narrow_keys=False,
              reduce="pallas_triton", block_r=0, reduce_warps=0, interpret_reduce=False):
     """(dq, dkv, dsink): dq by csa_dq_kernel, dkv by the deterministic interm GEMM + inverse-map
     reduce of the Pallas Triton impl, dsink and delta in XLA (CUDA only). idx must already be
@@ -283,7 +284,8 @@ def backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, block_k, stages, prod
     qdo: the dq kernel also writes the GEMM's stacked [q; dO] operand per head block (and dsp in
     the matching head-block-major layout), so XLA's stack of q and dO goes away; dq_operand:
     how the dq product takes the kv tile (_dq_product, Config.bwd_dq_operand); interm,
-    interm_operand, interm_stages: the interm GEMM in XLA or in Gluon (interm.py); narrow_keys,
+    interm_operand, interm_stages, interm_pipeline: the interm GEMM in XLA or in Gluon
+    (interm.py); narrow_keys,
     reduce, block_r, reduce_warps: the inverse map's int16 sort keys, which gather-reduce
     kernel ("pallas_triton" or "gluon": dkv.py), its rows per step and warps (0 = its default;
     Config.bwd_*)."""
@@ -335,7 +337,8 @@ def backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, block_k, stages, prod
     ptc = pt_default_config(q.shape, kv.shape, idx.shape, q.dtype)
     if interm == "gluon":
         from csa_jax.kernels.gluon import interm as _interm
-        per_slot = _interm.interm(dsp, q_p, do_p, stages=interm_stages, operand=interm_operand)
+        per_slot = _interm.interm(dsp, q_p, do_p, stages=interm_stages, operand=interm_operand,
+                                  pipeline=interm_pipeline)
     elif qdo:   # interm[t] = dsp[t]^T qdo[t], contracting (head block, plane, head) = 2 * Hp
         per_slot = jax.lax.dot_general(dsp.reshape(B, T, 2 * Hp, Kp),
                                        qdo_st.reshape(B, T, 2 * Hp, Dp),

@@ -16,6 +16,9 @@ One program (CTA) = one token x one BN-column block of D, warp-specialized like 
 - default partition (8 warps = 2 consumer warpgroups, each 64 slots x BN f32 = 128 registers
   per thread at BN = 256): acc = sum over the 2*Hp / BKC chunks of A^T B on wgmma, then the tile
   leaves as bf16 (f32 accumulation, one rounding) straight from the accumulator layout.
+  pipeline (Config.bwd_interm_pipeline, operand "desc" only): each chunk's wgmma is issued
+  asynchronously and waited for one chunk later (one product in flight under the next chunk's
+  barrier wait).
 Deterministic: a fixed contraction order, no atomics. Every slot of every token is written
 (empty slots have dsp = 0, so their rows are 0; they are in no inverse-map row anyway).
 """
@@ -26,7 +29,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared, mbarrier, warpgroup_mma)
+    fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait)
 
 from csa_jax.kernels.gluon.fwd import CONSUMER_WARPS, PRODUCER_WARPS, _release
 from csa_jax.kernels.gluon.regtrans import transpose_load
@@ -78,7 +81,7 @@ def _interm_producer(dsp_ptr, q_ptr, do_ptr, ring, b_smem, full, consumed, b_bar
 def _interm_consumer(interm_ptr, ring, b_smem, full, consumed, b_bar, tok, n0,
                      HP: gl.constexpr, KP: gl.constexpr, D: gl.constexpr, BN: gl.constexpr,
                      BM: gl.constexpr, BKC: gl.constexpr, STAGES: gl.constexpr,
-                     OP: gl.constexpr):
+                     OP: gl.constexpr, PIPE: gl.constexpr):
     NKC: gl.constexpr = 2 * HP // BKC
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[gl.num_warps(), 1], instr_shape=[16, BN, 16])
@@ -103,8 +106,19 @@ def _interm_consumer(interm_ptr, ring, b_smem, full, consumed, b_bar, tok, n0,
                 a = tile.permute((1, 0)).load(a_dot)
             else:
                 a = transpose_load(tile, a_dot, BM, BKC)
-            acc = warpgroup_mma(a, b, acc, use_acc=kc > 0)
-            _release(consumed.index(s))
+            if PIPE:
+                # Keep one wgmma in flight: chunk kc runs while chunk kc + 1's barrier wait and
+                # fence are issued; stage i - 1 is released once its product has completed.
+                acc = warpgroup_mma(a, b, acc, use_acc=kc > 0, is_async=True)
+                acc = warpgroup_mma_wait(1, deps=[acc])
+                if kc > 0:
+                    _release(consumed.index((i - 1) % STAGES))
+            else:
+                acc = warpgroup_mma(a, b, acc, use_acc=kc > 0)
+                _release(consumed.index(s))
+        if PIPE:
+            acc = warpgroup_mma_wait(0, deps=[acc])
+            _release(consumed.index((mt * NKC + NKC - 1) % STAGES))
         ptrs = out_base + (mt * BM + rows).to(gl.int64)[:, None] * D + cols[None, :]
         gl.store(ptrs, acc.to(interm_ptr.dtype.element_ty))
 
@@ -112,7 +126,8 @@ def _interm_consumer(interm_ptr, ring, b_smem, full, consumed, b_bar, tok, n0,
 @gluon.jit
 def csa_interm_kernel(dsp_ptr, q_ptr, do_ptr, interm_ptr, HP: gl.constexpr, KP: gl.constexpr,
                       D: gl.constexpr, BN: gl.constexpr, BM: gl.constexpr, BKC: gl.constexpr,
-                      STAGES: gl.constexpr, OP: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+                      STAGES: gl.constexpr, OP: gl.constexpr, PIPE: gl.constexpr,
+                      PRODUCER_REGS: gl.constexpr):
     NN: gl.constexpr = D // BN
     pid = gl.program_id(0)
     tok = pid // NN
@@ -133,7 +148,7 @@ def csa_interm_kernel(dsp_ptr, q_ptr, do_ptr, interm_ptr, HP: gl.constexpr, KP: 
         mbarrier.init(b_bar.index(kc), count=PRODUCER_WARPS * 32)
     gl.warp_specialize([
         (_interm_consumer, (interm_ptr, ring, b_smem, full, consumed, b_bar, tok, n0, HP, KP, D,
-                            BN, BM, BKC, STAGES, OP)),
+                            BN, BM, BKC, STAGES, OP, PIPE)),
         (_interm_producer, (dsp_ptr, q_ptr, do_ptr, ring, b_smem, full, consumed, b_bar, tok,
                             n0, HP, KP, D, BN, BM, BKC, STAGES)),
     ], [PRODUCER_WARPS], [PRODUCER_REGS])
@@ -159,12 +174,16 @@ def arg_types(dt="bf16"):
     return [f"*{dt}"] * 4
 
 
-def constexprs(*, Hp, Kp, D, stages=4, operand="desc", producer_regs=96):
+def constexprs(*, Hp, Kp, D, stages=4, operand="desc", pipeline=False, producer_regs=96):
+    if pipeline and operand != "desc":
+        # An in-flight wgmma still reads its register A operand; only the descriptor form
+        # (A in shared memory, released one chunk later) is pipelined.
+        raise ValueError(f"pipeline=True needs operand='desc' (got {operand!r})")
     return dict(HP=Hp, KP=Kp, D=D, BN=block_n(Hp, D), BM=BM, BKC=BKC, STAGES=stages,
-                OP=OPERANDS.index(operand), PRODUCER_REGS=producer_regs)
+                OP=OPERANDS.index(operand), PIPE=bool(pipeline), PRODUCER_REGS=producer_regs)
 
 
-def interm(dsp, q_p, do_p, *, stages=4, operand="desc", producer_regs=96):
+def interm(dsp, q_p, do_p, *, stages=4, operand="desc", pipeline=False, producer_regs=96):
     """interm [B, T, Kp, Dp] (q's dtype) = dsp^T [q; dO] per token; dsp [B*T, 2, Hp, Kp] (or
     [B, T, 2, Hp, Kp]), q_p / do_p [B, T, Hp, Dp]. Hp a multiple of 64, Kp of 128, Dp >= 64."""
     from csa_jax.kernels.gluon.adapter import gluon_call
@@ -184,6 +203,6 @@ def interm(dsp, q_p, do_p, *, stages=4, operand="desc", producer_regs=96):
         kernel=csa_interm_kernel,
         out_shape=jax.ShapeDtypeStruct((B * T * Kp, D), q_p.dtype),
         grid=(B * T * (D // bn),), num_warps=CONSUMER_WARPS, name="csa_gluon_interm",
-        **constexprs(Hp=Hp, Kp=Kp, D=D, stages=stages, operand=operand,
+        **constexprs(Hp=Hp, Kp=Kp, D=D, stages=stages, operand=operand, pipeline=pipeline,
                      producer_regs=producer_regs))
     return out.reshape(B, T, Kp, D)
