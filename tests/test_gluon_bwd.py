@@ -319,3 +319,20 @@ def test_transpose_probe_modes_compile_to_the_three_ways():
         calls = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n64k16\.f32\.bf16\.bf16[^;]*;",
                            c.asm["ptx"])
         assert len(calls) == 4 and all(x.endswith(f"1, 1, {bits};") for x in calls), calls
+
+
+def test_dkv_parts_benchmark_dry_run():
+    """benchmarks/gluon_dkv_parts.py's pieces on a CPU (tiny Pro cr4 problem, the reduce in the
+    Pallas interpreter): every CPU piece reports a time, the int16-key inverse map equals the
+    int32 one, and nothing fails (the GPU-only pieces are skipped)."""
+    from benchmarks import gluon_check, gluon_dkv_parts as dp
+    start = len(gluon_check.RESULTS)
+    dp.part_pieces([("pro", 4, 64)], seed=3, reps=1, reduce_variants=[(16, 4)],
+                   gluon_reduce_variants=[(16, 4)], interm_operands=["desc"], pieces=set(),
+                   interpret=True)
+    rows = gluon_check.RESULTS[start:]
+    assert not [r for r in rows if r.get("ok") is False], rows
+    timed = {r["piece"] for r in rows if "ms" in r}
+    assert timed == {"stack", "gemm", "gemm_qdo", "invmap", "invmap16", "reduce", "reduce_16_4",
+                     "read", "dkv"}, timed
+    assert [r["ok"] for r in rows if r["piece"] == "invmap16_same"] == [True]
