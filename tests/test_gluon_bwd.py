@@ -156,6 +156,19 @@ def test_dkv_reduce_kernel_compiles_sm90(D, R, warps, regs_max):
                         num_warps=16)
 
 
+@pytest.mark.parametrize("target,warp", [("gfx942", 64), ("gfx950", 64), ("gfx1250", 32)])
+def test_dkv_reduce_kernel_compiles_amd(target, warp):
+    """The Gluon reduce uses no NVIDIA-only op: it compiles for the AMD targets (64-lane waves
+    on CDNA), in their LDS, without scratch (spills). Compile only: nothing launches it on AMD."""
+    from csa_jax.kernels.gluon import dkv
+    c = adapter.compile_kernel(dkv.csa_dkv_reduce_kernel, dkv.arg_types("bf16"),
+                               dkv.constexprs(N=20480, E=16384 * 1152, D=512, R=16, warp=warp),
+                               target=target, num_warps=4)
+    r = adapter.resources(c, target)
+    assert r["shared"] <= adapter.SHARED_LIMIT[target], r
+    assert not r.get("vgpr_spill") and not r.get("scratch"), r
+
+
 def test_config_switch():
     assert gluon.Config().bwd == "gluon"
     assert dataclasses.replace(gluon.Config(), bwd="pallas_triton").bwd == "pallas_triton"
@@ -214,12 +227,12 @@ def _emulated_dq_kernel(q, do, kv, idx, ntiles, lse, dc, *, kernel, out_shape, g
 
 
 def _emulated_reduce_kernel(offsets, perm, interm, *, kernel, out_shape, grid, num_warps, name,
-                            N, E, D, R, TC):
+                            N, E, D, R, TC, WARP):
     """What csa_dkv_reduce_kernel computes (kernels/gluon/dkv.py), in jnp: per row n of
     offsets [B*N, 2], the sum of interm rows perm[b, start:end]."""
     from csa_jax.kernels.gluon import dkv
     assert kernel is dkv.csa_dkv_reduce_kernel and grid == (offsets.shape[0],)
-    assert R >= num_warps * (32 // TC) and interm.shape == (perm.shape[0] * E, D)
+    assert R >= num_warps * (WARP // TC) and interm.shape == (perm.shape[0] * E, D)
     BN = offsets.shape[0]
     b = jnp.arange(BN) // N
     e = jnp.arange(E)[None, :]

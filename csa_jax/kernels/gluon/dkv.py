@@ -32,12 +32,14 @@ def _chunk(interm_ptr, perm_ptr, start, count, c, rows, cols, D: gl.constexpr, R
 @gluon.jit
 def csa_dkv_reduce_kernel(off_ptr, perm_ptr, interm_ptr, dkv_ptr, N: gl.constexpr,
                           E: gl.constexpr, D: gl.constexpr, R: gl.constexpr,
-                          TC: gl.constexpr):
+                          TC: gl.constexpr, WARP: gl.constexpr):
     pid = gl.program_id(0)                       # = b * N + n
     b = pid // N
     # TC threads per row segment of 8 * TC columns (TC = 32 at D >= 256: a warp reads 512 B of
-    # one row per instruction), 32 // TC rows per warp.
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TC, TC], [gl.num_warps(), 1], [1, 0])
+    # one row per instruction), WARP // TC rows per warp (WARP = 32; 64 on AMD CDNA, where the
+    # kernel compiles too: it uses no NVIDIA-only op).
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [WARP // TC, TC], [gl.num_warps(), 1],
+                                            [1, 0])
     rows = gl.arange(0, R, layout=gl.SliceLayout(1, layout))
     cols = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
     start = gl.load(off_ptr + 2 * pid)
@@ -58,8 +60,8 @@ def arg_types(dt="bf16", out_dt=None):
     return ["*i32", "*i32", f"*{dt}", f"*{out_dt or dt}"]
 
 
-def constexprs(*, N, E, D, R):
-    return dict(N=N, E=E, D=D, R=R, TC=min(32, D // 8))
+def constexprs(*, N, E, D, R, warp=32):
+    return dict(N=N, E=E, D=D, R=R, TC=min(32, D // 8), WARP=warp)
 
 
 def reduce_rows(offsets, perm, interm, dtype, *, block_r=16, num_warps=4):
