@@ -2,6 +2,8 @@
 
     python -m benchmarks.gluon_transpose_probe [--compile-only] [--out f.json]
 
+(--compile-only also compiles the load modes 0, 1, 3 for AMD gfx950 / gfx942: compile_amd.)
+
 A bf16 tile sits in shared memory as [K, M] (M contiguous); the consumer wants it as the wgmma
 A operand [M, K] in registers (DotOperandLayout, k_width 2): the situation of dS^T q, P^T dO and
 a kv tile read transposed in the CSA backward. Modes, everything else equal (same tile, same
@@ -246,6 +248,76 @@ def compile_only():
     return rows
 
 
+@gluon.jit
+def amd_transpose_probe_kernel(src_ptr, it_ptr, out_ptr, MODE: gl.constexpr, M: gl.constexpr,
+                               KD: gl.constexpr, NB: gl.constexpr, VER: gl.constexpr):
+    """The load modes 0 (plain), 1 (transposed view) and 3 (unswizzled transposed view) for AMD
+    CDNA (compile only: no AMD GPU here): the MFMA A-operand layout (32x32x16, k_width 8) from
+    a [M, K] or [K, M] tile in LDS. On gfx950 (CDNA4) the transposed view can use
+    ds_read_b64_tr_b16, the transpose-load; gfx942 (CDNA3) has none."""
+    mfma: gl.constexpr = gl.amd.AMDMFMALayout(version=VER, instr_shape=[32, 32, 16],
+                                              transposed=True,
+                                              warps_per_cta=[gl.num_warps(), 1])
+    dot: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mfma, k_width=8)
+    blk: gl.constexpr = gl.BlockedLayout([1, 8], [8, 8], [gl.num_warps(), 1], [1, 0])
+    dt: gl.constexpr = src_ptr.dtype.element_ty
+    if MODE == 0:
+        R: gl.constexpr = M
+        C: gl.constexpr = KD
+    else:
+        R: gl.constexpr = KD
+        C: gl.constexpr = M
+    if MODE == 3:
+        lay: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    else:
+        lay: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, [1, 0])
+    smem = gl.allocate_shared_memory(dt, [NB, R, C], lay)
+    rows = gl.arange(0, R, layout=gl.SliceLayout(1, blk))
+    cols = gl.arange(0, C, layout=gl.SliceLayout(0, blk))
+    for j in gl.static_range(NB):
+        smem.index(j).store(gl.load(src_ptr + (j * R + rows)[:, None] * C + cols[None, :]))
+    gl.thread_barrier()
+    acc = gl.zeros([M, KD], dt, dot)
+    for i in range(gl.load(it_ptr)):
+        buf = smem.index(i % NB)
+        if MODE == 0:
+            a = buf.load(dot)
+        else:
+            a = buf.permute((1, 0)).load(dot)
+        acc = acc + a
+    orows = gl.arange(0, M, layout=gl.SliceLayout(1, blk))
+    ocols = gl.arange(0, KD, layout=gl.SliceLayout(0, blk))
+    gl.store(out_ptr + gl.program_id(0) * (M * KD) + orows[:, None] * KD + ocols[None, :],
+             gl.convert_layout(acc, blk))
+
+
+AMD_TARGETS = {"gfx950": 4, "gfx942": 3}
+
+
+def amd_lds_mix(asm):
+    """Counts of the LDS instructions of an .amdgcn module (whole kernel, static)."""
+    out = {}
+    for k in re.findall(r"\b(ds_read\w*|ds_load\w*|ds_write\w*|ds_store\w*|ds_bpermute\w*)", asm):
+        out[k] = out.get(k, 0) + 1
+    return out
+
+
+def compile_amd():
+    from csa_jax.kernels.gluon.adapter import compile_kernel, resources
+    rows = []
+    for target, ver in AMD_TARGETS.items():
+        for mode in (0, 1, 3):
+            c = compile_kernel(amd_transpose_probe_kernel, ARG_TYPES,
+                               dict(MODE=mode, M=64, KD=64, NB=2, VER=ver), target=target,
+                               num_warps=4)
+            r = resources(c, target)
+            rows.append(dict(target=target, mode=mode, name=MODES[mode], shared=r["shared"],
+                             vgpr=r.get("vgpr"), vgpr_spill=r.get("vgpr_spill"),
+                             occupancy=r.get("occupancy"), lds_mix=amd_lds_mix(c.asm["amdgcn"])))
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def adapter_resources(c):
     from csa_jax.kernels.gluon.adapter import resources
     r = resources(c, "sm_90a")
@@ -366,7 +438,7 @@ def main(argv=None):
     ap.add_argument("--compile-only", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    rows = compile_only() if args.compile_only else run_gpu()
+    rows = compile_only() + compile_amd() if args.compile_only else run_gpu()
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)

@@ -169,6 +169,19 @@ def test_dkv_reduce_kernel_compiles_amd(target, warp):
     assert not r.get("vgpr_spill") and not r.get("scratch"), r
 
 
+def test_transpose_probe_amd_transpose_load():
+    """The AMD analog compiles (no AMD GPU here): on gfx950 the transposed view of the tile is
+    read with ds_read_b64_tr_b16 (CDNA4's transpose-load), on gfx942 with 2-byte ds_read_u16;
+    no spills."""
+    from benchmarks import gluon_transpose_probe as tp
+    rows = {(r["target"], r["mode"]): r for r in tp.compile_amd()}
+    assert all(r["vgpr_spill"] == 0 for r in rows.values()), rows
+    assert "ds_read_b64_tr_b16" not in rows["gfx950", 0]["lds_mix"]
+    assert rows["gfx950", 1]["lds_mix"].get("ds_read_b64_tr_b16", 0) >= 8
+    assert "ds_read_b64_tr_b16" not in rows["gfx942", 1]["lds_mix"]
+    assert rows["gfx942", 1]["lds_mix"].get("ds_read_u16", 0) >= 32
+
+
 def test_config_switch():
     assert gluon.Config().bwd == "gluon"
     assert dataclasses.replace(gluon.Config(), bwd="pallas_triton").bwd == "pallas_triton"
