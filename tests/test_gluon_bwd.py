@@ -169,6 +169,17 @@ def test_dkv_reduce_kernel_compiles_amd(target, warp):
     assert not r.get("vgpr_spill") and not r.get("scratch"), r
 
 
+@pytest.mark.parametrize("target", ["gfx942", "gfx950", "gfx1250"])
+def test_interm_kernel_is_nvidia_only(target):
+    """wgmma, NVMMA layouts and setmaxnreg: the AMD backends reject the interm GEMM while
+    building it, as they do the dq kernel."""
+    from csa_jax.kernels.gluon import interm
+    with pytest.raises(RuntimeError):
+        adapter.compile_kernel(interm.csa_interm_kernel, interm.arg_types("bf16"),
+                               interm.constexprs(Hp=128, Kp=256, D=512), target=target,
+                               num_warps=bwd.CONSUMER_WARPS)
+
+
 def test_transpose_probe_amd_transpose_load():
     """The AMD analog compiles (no AMD GPU here): on gfx950 the transposed view of the tile is
     read with ds_read_b64_tr_b16 (CDNA4's transpose-load), on gfx942 with 2-byte ds_read_u16;
