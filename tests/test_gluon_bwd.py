@@ -66,12 +66,144 @@ def test_dq_kernel_variants_compile(prefetch, ablate, shapes):
     assert ("st.global.v4" in ptx) == (ablate != 1)       # the scale*dS / P stores
 
 
+def _compile_dq(**kw):
+    """The dq kernel at D = 512, 32-row tiles x 2 stages for sm_90a: (compiled, resources),
+    checked launchable and spill-free."""
+    c = adapter.compile_kernel(
+        bwd.csa_dq_kernel, bwd.arg_types("bf16"),
+        bwd.constexprs(T=64, N=300, NHB=2, D=512, K=192, BK=32, stages=2, scale=0.05,
+                       producer_regs=96, **kw),
+        target="sm_90a", num_warps=bwd.CONSUMER_WARPS)
+    r = adapter.resources(c, "sm_90a")
+    assert r["launch_problem"] is None and r.get("spill_stores", 0) == 0, r
+    return c, r
+
+
+@pytest.mark.parametrize("op,wgmma,mix", [
+    ("desc", {"32", "256"}, {}),
+    ("desc_a", {"32", "64"}, {}),
+    ("ldsm_trans", {"32", "64"}, {"ldmatrix.sync.aligned.m8n8.x4.trans": 8}),
+    ("movmatrix", {"32", "64"}, {"ldmatrix.sync.aligned.m8n8.x4.shared": 8, "movmatrix": 32})])
+def test_dq_kernel_operand_modes_compile(op, wgmma, mix):
+    """Config.bwd_dq_operand: the four ways the dq product takes the kv tile compile with the
+    same shared memory, no spills, the instruction shapes and shared loads meant, and no extra
+    shared-memory round trip (st.shared count as the default's)."""
+    c, r = _compile_dq(dq_operand=op)
+    assert r["shared"] == 217_292, r
+    ptx = c.asm["ptx"]
+    assert set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16", ptx)) == wgmma
+    keys = ("ldmatrix.sync.aligned.m8n8.x4.trans", "ldmatrix.sync.aligned.m8n8.x4.shared",
+            "movmatrix")
+    assert {k: ptx.count(k) for k in keys if ptx.count(k)} == mix
+    assert ptx.count("st.shared") == 12
+
+
+@pytest.mark.parametrize("op,stages,mix", [
+    ("desc", 4, {}), ("desc", 3, {}), ("desc_pipe", 4, {}),
+    ("ldsm_trans", 4, {"ldmatrix.sync.aligned.m8n8.x4.trans": 16}),
+    ("movmatrix", 4, {"ldmatrix.sync.aligned.m8n8.x4.shared": 16, "movmatrix": 64})])
+def test_interm_kernel_compiles_sm90(op, stages, mix):
+    """kernels/gluon/interm.py at Pro shapes (Hp 128, Kp 1152, D 512): inside the H200's shared
+    memory, no spills, m64n256k16 with B (and A when op = "desc") through MN-major descriptors
+    (the wgmma transpose immediates), A loaded as meant otherwise."""
+    from csa_jax.kernels.gluon import interm
+    c = adapter.compile_kernel(interm.csa_interm_kernel, interm.arg_types("bf16"),
+                               interm.constexprs(Hp=128, Kp=1152, D=512, stages=stages,
+                                                 operand=op.split("_pipe")[0],
+                                                 pipeline=op.endswith("_pipe")),
+                               target="sm_90a", num_warps=bwd.CONSUMER_WARPS)
+    r = adapter.resources(c, "sm_90a")
+    assert r["launch_problem"] is None and r.get("spill_stores", 0) == 0, r
+    est = interm.shared_bytes(128, 512, stages)
+    assert est <= r["shared"] <= min(est + 1024, adapter.SHARED_LIMIT["sm_90a"]), (r, est)
+    ptx = c.asm["ptx"]
+    calls = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n256k16\.f32\.bf16\.bf16[^;]*;", ptx)
+    assert calls and not re.findall(r"m64n(?!256)\d+k16", ptx)
+    tail = "1, 1, 1, 1;" if op.startswith("desc") else "1, 1, 1;"  # (scale-b,) trans-a, -b
+    assert ("wgmma.wait_group.sync.aligned 1" in ptx) == op.endswith("_pipe")
+    assert all(x.endswith(tail) for x in calls), calls[:2]
+    keys = ("ldmatrix.sync.aligned.m8n8.x4.trans", "ldmatrix.sync.aligned.m8n8.x4.shared",
+            "movmatrix")
+    assert {k: ptx.count(k) for k in keys if ptx.count(k)} == mix
+
+
+def test_dq_kernel_qdo_compiles():
+    """Config.bwd_qdo: the same kernel plus the [q; dO] copy-out (2 * 64 rows x 512 columns in
+    32-row chunks: 4 more 16-byte store instructions per chunk), same shared memory, no spills."""
+    got = {}
+    for qdo in (False, True):
+        c, r = _compile_dq(qdo=qdo)
+        got[qdo] = (r["shared"], len(re.findall(r"st\.global\.v4", c.asm["ptx"])))
+    assert got[True][0] == got[False][0], got
+    assert got[True][1] == got[False][1] + 32, got        # 128 rows x 1 KiB / (256 x 16 B)
+
+
+@pytest.mark.parametrize("D,R,warps,regs_max", [(512, 16, 4, 168), (512, 32, 8, 168),
+                                                (64, 16, 4, 64)])
+def test_dkv_reduce_kernel_compiles_sm90(D, R, warps, regs_max):
+    """kernels/gluon/dkv.py: 16-byte loads (ld.global.v4), no spills at the tiles offered."""
+    from csa_jax.kernels.gluon import dkv
+    c = adapter.compile_kernel(dkv.csa_dkv_reduce_kernel, dkv.arg_types("bf16"),
+                               dkv.constexprs(N=20480, E=16384 * 1152, D=D, R=R),
+                               target="sm_90a", num_warps=warps)
+    r = adapter.resources(c, "sm_90a")
+    assert r["launch_problem"] is None, r
+    assert r.get("spill_stores", 0) == 0 and r["registers"] <= regs_max, r
+    assert "ld.global.v4" in c.asm["ptx"]
+    with pytest.raises(ValueError, match="block_r=8"):
+        dkv.reduce_rows(jnp.zeros((1, 4, 2), jnp.int32), jnp.zeros((1, 8), jnp.int32),
+                        jnp.zeros((1, 8, 512), jnp.bfloat16), jnp.bfloat16, block_r=8,
+                        num_warps=16)
+
+
+@pytest.mark.parametrize("target,warp", [("gfx942", 64), ("gfx950", 64), ("gfx1250", 32)])
+def test_dkv_reduce_kernel_compiles_amd(target, warp):
+    """The Gluon reduce uses no NVIDIA-only op: it compiles for the AMD targets (64-lane waves
+    on CDNA), in their LDS, without scratch (spills). Compile only: nothing launches it on AMD."""
+    from csa_jax.kernels.gluon import dkv
+    c = adapter.compile_kernel(dkv.csa_dkv_reduce_kernel, dkv.arg_types("bf16"),
+                               dkv.constexprs(N=20480, E=16384 * 1152, D=512, R=16, warp=warp),
+                               target=target, num_warps=4)
+    r = adapter.resources(c, target)
+    assert r["shared"] <= adapter.SHARED_LIMIT[target], r
+    assert not r.get("vgpr_spill") and not r.get("scratch"), r
+
+
+@pytest.mark.parametrize("target", ["gfx942", "gfx950", "gfx1250"])
+def test_interm_kernel_is_nvidia_only(target):
+    """wgmma, NVMMA layouts and setmaxnreg: the AMD backends reject the interm GEMM while
+    building it, as they do the dq kernel."""
+    from csa_jax.kernels.gluon import interm
+    with pytest.raises(RuntimeError):
+        adapter.compile_kernel(interm.csa_interm_kernel, interm.arg_types("bf16"),
+                               interm.constexprs(Hp=128, Kp=256, D=512), target=target,
+                               num_warps=bwd.CONSUMER_WARPS)
+
+
+def test_transpose_probe_amd_transpose_load():
+    """The AMD analog compiles (no AMD GPU here): on gfx950 the transposed view of the tile is
+    read with ds_read_b64_tr_b16 (CDNA4's transpose-load), on gfx942 with 2-byte ds_read_u16;
+    no spills."""
+    from benchmarks import gluon_transpose_probe as tp
+    rows = {(r["target"], r["mode"]): r for r in tp.compile_amd()}
+    assert all(r["vgpr_spill"] == 0 for r in rows.values()), rows
+    assert "ds_read_b64_tr_b16" not in rows["gfx950", 0]["lds_mix"]
+    assert rows["gfx950", 1]["lds_mix"].get("ds_read_b64_tr_b16", 0) >= 8
+    assert "ds_read_b64_tr_b16" not in rows["gfx942", 1]["lds_mix"]
+    assert rows["gfx942", 1]["lds_mix"].get("ds_read_u16", 0) >= 32
+
+
 def test_config_switch():
     assert gluon.Config().bwd == "gluon"
     assert dataclasses.replace(gluon.Config(), bwd="pallas_triton").bwd == "pallas_triton"
     for bad in (dict(bwd="xla"), dict(bwd_block_k=48), dict(bwd_stages=0),
                 dict(bwd_stages=True), dict(bwd_prefetch=1), dict(bwd_ablate=5),
-                dict(bwd_ablate=True)):
+                dict(bwd_ablate=True), dict(bwd_qdo=1), dict(bwd_narrow_keys="yes"),
+                dict(bwd_block_r=24), dict(bwd_reduce_warps=3), dict(bwd_reduce="xla"),
+                dict(bwd_dq_operand="strided"), dict(bwd_interm="cublas"),
+                dict(bwd_interm_operand="strided"), dict(bwd_interm_stages=5),
+                dict(bwd_interm="gluon", bwd_qdo=True), dict(bwd_interm_pipeline=1),
+                dict(bwd_interm_pipeline=True, bwd_interm_operand="movmatrix")):
         with pytest.raises(ValueError, match=next(iter(bad))):
             gluon.Config(**bad)
     for D in (64, 128, 256, 512):
@@ -90,7 +222,7 @@ def test_oversized_tiles_are_refused_by_name():
 
 
 def _emulated_dq_kernel(q, do, kv, idx, ntiles, lse, dc, *, kernel, out_shape, grid, num_warps,
-                        name, T, N, NHB, D, K, BK, SCALE, **_):
+                        name, T, N, NHB, D, K, BK, SCALE, QDO, **_):
     """What csa_dq_kernel computes, in jnp (its contract; see the bwd.py docstring)."""
     from csa_jax.kernels.gluon import amd_bwd
     amd_warps = amd_bwd.DQ_DEFAULTS["gfx950"]["warps"]
@@ -111,16 +243,35 @@ def _emulated_dq_kernel(q, do, kv, idx, ntiles, lse, dc, *, kernel, out_shape, g
     ds = p * (jnp.einsum("thd,tkd->thk", dof, rows) + dc2)
     dt = out_shape[0].dtype
     dq = SCALE * jnp.einsum("thk,tkd->thd", ds.astype(dt).astype(f32), rows)
-    dsp = jnp.stack([ds * SCALE, p], axis=1)
-    return dq.reshape(BT * Hp, D).astype(dt), dsp.astype(out_shape[1].dtype)
+    dsp = jnp.stack([ds * SCALE, p], axis=1)                                  # [BT, 2, Hp, K]
+    if kernel is not bwd.csa_dq_kernel:        # the AMD kernel: (dq, dsp), no [q; dO] copy
+        return dq.reshape(BT * Hp, D).astype(dt), dsp.astype(out_shape[1].dtype)
+    qdo = jnp.zeros(out_shape[2].shape, dt)
+    if QDO:     # head block first: [BT, NHB, 2, 64, .], and the kernel's copy of [q; dO]
+        hb = lambda x: x.reshape(BT, 2, NHB, bwd.HB, -1).transpose(0, 2, 1, 3, 4)
+        dsp = hb(dsp)
+        qdo = hb(jnp.stack([q.reshape(BT, Hp, D), do.reshape(BT, Hp, D)], axis=1)).astype(dt)
+    assert dsp.shape == out_shape[1].shape and qdo.shape == out_shape[2].shape
+    return dq.reshape(BT * Hp, D).astype(dt), dsp.astype(out_shape[1].dtype), qdo
 
 
-@pytest.mark.parametrize("H,D,K,bk,amd", [(20, 24, 40, 16, None), (64, 64, 70, 32, None),
-                                           (70, 40, 75, 32, "gfx950")])
-def test_wrapper_against_dense_oracle(rng, monkeypatch, H, D, K, bk, amd):
-    """amd: the ROCm route (amd_bwd.csa_dq_amd_kernel, same contract; never run on a GPU)."""
+@pytest.mark.parametrize("H,D,K,bk,qdo,narrow,reduce,interm,amd", [
+    (20, 24, 40, 16, False, False, "pallas_triton", "xla", None),
+    (64, 64, 70, 32, False, False, "gluon", "xla", None),
+    (130, 24, 40, 16, True, True, "pallas_triton", "xla", None),
+    (130, 24, 40, 16, True, True, "gluon", "xla", None),
+    (130, 24, 140, 32, False, True, "gluon", "gluon", None),
+    (64, 64, 40, 16, False, False, "pallas_triton", "gluon", None),
+    (70, 40, 75, 32, False, False, "pallas_triton", "xla", "gfx950")])
+def test_wrapper_against_dense_oracle(rng, monkeypatch, H, D, K, bk, qdo, narrow, reduce,
+                                      interm, amd):
+    """qdo = Config.bwd_qdo (the dq kernel writes [q; dO] and dsp head block first; 3 head
+    blocks at H = 130), narrow = Config.bwd_narrow_keys (int16 inverse-map keys), reduce =
+    Config.bwd_reduce, interm = Config.bwd_interm (the Gluon reduce and interm kernels
+    emulated: their launch plumbing, K padded to 128 for the interm GEMM, the CSR map);
+    amd: the ROCm route (amd_bwd.csa_dq_amd_kernel, same contract; never run on a GPU)."""
     from csa_jax.common import sanitize_indices
-    monkeypatch.setattr(adapter, "gluon_call", _emulated_dq_kernel)
+    monkeypatch.setattr(adapter, "gluon_call", _emulated_call)
     q, kv, idx, sink = random_problem(rng, T=10, H=H, D=D, K=K, dtype=jnp.float32, empty_rows=2)
     idx = sanitize_indices(idx, kv.shape[1])
     scale = 0.7 * D ** -0.5
@@ -129,7 +280,9 @@ def test_wrapper_against_dense_oracle(rng, monkeypatch, H, D, K, bk, amd):
     o, lse = dense_oracle(q, kv, idx, sink, scale)
     o, lse = jnp.asarray(o, jnp.float32), jnp.asarray(lse, jnp.float32)
     dq, dkv, dsink = bwd.backward(q, kv, idx, sink, o, lse, do, dlse, scale=scale, block_k=bk,
-                                  stages=2, producer_regs=96, interpret_reduce=True, amd=amd)
+                                  stages=2, producer_regs=96, qdo=qdo, narrow_keys=narrow,
+                                  reduce=reduce, interm=interm, block_r=16 if qdo else 0,
+                                  interpret_reduce=True, amd=amd)
     _, _, rdq, rdkv, rdsink = dense_oracle(q, kv, idx, sink, scale, do, dlse)
     for what, got, want in (("dq", dq, rdq), ("dkv", dkv, rdkv), ("dsink", dsink, rdsink)):
         assert got.shape == want.shape, (what, got.shape, want.shape)
@@ -155,7 +308,7 @@ def test_transpose_probe_modes_compile_to_the_three_ways():
     from benchmarks import gluon_transpose_probe as tp
     mix = {}
     for mode in tp.MODES:
-        c = adapter.compile_kernel(tp.transpose_probe_kernel, ["*bf16", "*bf16"],
+        c = adapter.compile_kernel(tp.transpose_probe_kernel, tp.ARG_TYPES,
                                    tp.constexprs(mode), target="sm_90a", num_warps=4)
         assert adapter.resources(c, "sm_90a").get("spill_stores", 0) == 0
         mix[mode] = tp.instruction_mix(tp.loop_body(c.asm["ptx"]))
@@ -164,3 +317,30 @@ def test_transpose_probe_modes_compile_to_the_three_ways():
     # "register" transpose: Triton's layout conversion goes back through shared memory.
     assert mix[2]["ld.shared.v4"] == 4 and mix[2]["st.shared"] >= 1 and mix[2]["bar.sync"] >= 1
     assert mix[3] == {"ld.shared.b16": 32}                                   # strided 2-byte
+    assert mix[6] == {"ldmatrix.sync.aligned.m8n8.x4.shared": 4,             # register transpose
+                      "movmatrix.sync.aligned.m8n8.trans.b16": 16}
+    # wgmma reading both operands from shared memory: the descriptors' transpose immediates.
+    for mode, bits in ((4, "0, 0"), (5, "1, 1")):
+        c = adapter.compile_kernel(tp.wgmma_probe_kernel, tp.WGMMA_ARG_TYPES,
+                                   tp.wgmma_constexprs(mode), target="sm_90a", num_warps=4)
+        assert adapter.resources(c, "sm_90a").get("spill_stores", 0) == 0
+        calls = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n64k16\.f32\.bf16\.bf16[^;]*;",
+                           c.asm["ptx"])
+        assert len(calls) == 4 and all(x.endswith(f"1, 1, {bits};") for x in calls), calls
+
+
+def test_dkv_parts_benchmark_dry_run():
+    """benchmarks/gluon_dkv_parts.py's pieces on a CPU (tiny Pro cr4 problem, the reduce in the
+    Pallas interpreter): every CPU piece reports a time, the int16-key inverse map equals the
+    int32 one, and nothing fails (the GPU-only pieces are skipped)."""
+    from benchmarks import gluon_check, gluon_dkv_parts as dp
+    start = len(gluon_check.RESULTS)
+    dp.part_pieces([("pro", 4, 64)], seed=3, reps=1, reduce_variants=[(16, 4)],
+                   gluon_reduce_variants=[(16, 4)], interm_operands=["desc"], pieces=set(),
+                   interpret=True)
+    rows = gluon_check.RESULTS[start:]
+    assert not [r for r in rows if r.get("ok") is False], rows
+    timed = {r["piece"] for r in rows if "ms" in r}
+    assert timed == {"stack", "gemm", "gemm_qdo", "invmap", "invmap16", "reduce", "reduce_16_4",
+                     "read", "dkv"}, timed
+    assert [r["ok"] for r in rows if r["piece"] == "invmap16_same"] == [True]

@@ -6,9 +6,10 @@ gathering kv rows with cp.async into an mbarrier ring, two consumer warpgroups o
 through jax-triton's primitive by adapter.py.
 
 BACKWARD (Config.bwd): "gluon" (default) = the warp-specialized dq kernel of bwd.py (it also
-stores scale*dS and P) + the Pallas Triton impl's deterministic per-slot GEMM and inverse-map
-reduce for dkv; "pallas_triton" = the whole Pallas Triton-dialect backward (its default config)
-on the forward's (o, lse), which follow the same contract.
+stores scale*dS and P) + the deterministic per-slot GEMM and inverse-map gather-reduce for dkv
+(the reduce: the Pallas Triton impl's or dkv.py's, Config.bwd_reduce); "pallas_triton" = the
+whole Pallas Triton-dialect backward (its default config) on the forward's (o, lse), which
+follow the same contract.
 
 Needs the optional extra `csa_jax[gluon]` (triton==3.6.0, jax-triton==0.3.1) and an NVIDIA GPU of
 compute capability 9.0 (sm_90a: wgmma, setmaxnreg). Gluon has no CPU interpreter: on a CPU the
@@ -58,6 +59,27 @@ class Config:
         `prefetch` in the forward); off by default: not yet timed in the dq kernel.
     bwd_ablate: BENCHMARK ONLY, wrong results: 1 = no scale*dS / P stores, 2 = no dq product,
         3 = no score product, 4 = no compute (the dq kernel's consumers only wait and release).
+    bwd_dq_operand: how the dq kernel's dq product takes the kv tile, the transposed operand
+        (bwd.py _dq_product; issue 14's ablation): "desc" (dq += dS kv, the tile as B through an
+        MN-major shared-memory descriptor; default), or dq^T += kv^T dS^T with kv^T as A:
+        "desc_a" (MN-major A descriptor), "ldsm_trans" (registers by ldmatrix .trans),
+        "movmatrix" (registers by plain ldmatrix + an explicit register transpose).
+    bwd_interm: how the per-slot intermediate interm = dsp^T [q; dO] is formed: "xla" (one
+        batched XLA dot per token on a stacked [q; dO]) or "gluon" (kernels/gluon/interm.py: a
+        warp-specialized wgmma GEMM reading q and dO in place, dsp^T and [q; dO] through
+        MN-major, "transposed", descriptors); bwd_interm_operand: that kernel's A operand
+        (dsp^T): "desc" (MN-major descriptor), "ldsm_trans" or "movmatrix" (into registers by
+        ldmatrix .trans, or plain ldmatrix + a register transpose); bwd_interm_stages: its
+        A ring depth (2..4); bwd_interm_pipeline: one async wgmma in flight ("desc" only).
+    bwd_qdo: the dq kernel also writes the interm GEMM's stacked [q; dO] operand from its shared
+        memory (4.3 GB of writes at Pro cr4 T = 16384 in place of XLA's stack: 4.3 GB read +
+        4.3 GB written); dsp is then laid out head block first to match.
+    bwd_narrow_keys: the dkv inverse map sorts int16 keys when N < 2**15 (same map).
+    bwd_reduce: the dkv gather-reduce kernel: "pallas_triton" (the Pallas Triton impl's) or
+        "gluon" (kernels/gluon/dkv.py: 16-byte loads, two chunks of rows in flight, f32 [R, D]
+        partials summed once); both deterministic, with different (fixed) summation orders.
+    bwd_block_r, bwd_reduce_warps: that kernel's inverse-map entries per step and warps
+        (0 = its default: 32 x 4 warps for pallas_triton, 16 x 4 for gluon).
     """
 
     block_k: int = 64
@@ -72,6 +94,16 @@ class Config:
     bwd_stages: int = 2
     bwd_prefetch: bool = False
     bwd_ablate: int = 0
+    bwd_dq_operand: str = "desc"
+    bwd_interm: str = "xla"
+    bwd_interm_operand: str = "desc"
+    bwd_interm_stages: int = 4
+    bwd_interm_pipeline: bool = False
+    bwd_qdo: bool = False
+    bwd_narrow_keys: bool = False
+    bwd_reduce: str = "pallas_triton"
+    bwd_block_r: int = 0
+    bwd_reduce_warps: int = 0
 
     def __post_init__(self):
         if self.bwd not in ("gluon", "pallas_triton"):
@@ -85,6 +117,35 @@ class Config:
         if isinstance(self.bwd_ablate, bool) or self.bwd_ablate not in (0, 1, 2, 3, 4):
             raise ValueError(f"bwd_ablate={self.bwd_ablate!r} must be 0 (off) or 1..4 "
                              f"(benchmark only)")
+        for name in ("bwd_qdo", "bwd_narrow_keys"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
+        if self.bwd_dq_operand not in ("desc", "desc_a", "ldsm_trans", "movmatrix"):
+            raise ValueError(f"bwd_dq_operand={self.bwd_dq_operand!r} must be 'desc', 'desc_a', "
+                             f"'ldsm_trans' or 'movmatrix'")
+        if self.bwd_interm not in ("xla", "gluon"):
+            raise ValueError(f"bwd_interm={self.bwd_interm!r} must be 'xla' or 'gluon'")
+        if self.bwd_interm_operand not in ("desc", "ldsm_trans", "movmatrix"):
+            raise ValueError(f"bwd_interm_operand={self.bwd_interm_operand!r} must be 'desc', "
+                             f"'ldsm_trans' or 'movmatrix'")
+        if self.bwd_interm_stages not in (2, 3, 4) or isinstance(self.bwd_interm_stages, bool):
+            raise ValueError(f"bwd_interm_stages={self.bwd_interm_stages!r} must be 2, 3 or 4")
+        if not isinstance(self.bwd_interm_pipeline, bool):
+            raise ValueError(f"bwd_interm_pipeline={self.bwd_interm_pipeline!r} must be a bool")
+        if self.bwd_interm_pipeline and self.bwd_interm_operand != "desc":
+            raise ValueError("bwd_interm_pipeline=True needs bwd_interm_operand='desc'")
+        if self.bwd_qdo and self.bwd_interm == "gluon":
+            raise ValueError("bwd_qdo=True feeds the XLA interm GEMM; bwd_interm='gluon' reads "
+                             "q and dO in place (set bwd_qdo=False)")
+        if self.bwd_reduce not in ("pallas_triton", "gluon"):
+            raise ValueError(f"bwd_reduce={self.bwd_reduce!r} must be 'pallas_triton' or 'gluon'")
+        if self.bwd_block_r not in (0, 8, 16, 32, 64, 128) or isinstance(self.bwd_block_r, bool):
+            raise ValueError(f"bwd_block_r={self.bwd_block_r!r} must be 0 (default) or 8, 16, "
+                             f"32, 64, 128")
+        if self.bwd_reduce_warps not in (0, 1, 2, 4, 8, 16) or isinstance(
+                self.bwd_reduce_warps, bool):
+            raise ValueError(f"bwd_reduce_warps={self.bwd_reduce_warps!r} must be 0 (default) "
+                             f"or 1, 2, 4, 8, 16")
         if self.block_k not in (32, 64):
             raise ValueError(f"block_k={self.block_k!r} must be 32 or 64")
         if isinstance(self.stages, bool) or not isinstance(self.stages, int) or not (
@@ -230,7 +291,14 @@ def backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, interpret, config):
         return _bwd.backward(q, kv, idx, sink, o, lse, do, dlse, scale=float(scale),
                              block_k=config.bwd_block_k, stages=config.bwd_stages,
                              producer_regs=config.producer_regs, prefetch=config.bwd_prefetch,
-                             ablate=config.bwd_ablate, amd=_amd())
+                             ablate=config.bwd_ablate, qdo=config.bwd_qdo,
+                             dq_operand=config.bwd_dq_operand, interm=config.bwd_interm,
+                             interm_operand=config.bwd_interm_operand,
+                             interm_stages=config.bwd_interm_stages,
+                             interm_pipeline=config.bwd_interm_pipeline,
+                             narrow_keys=config.bwd_narrow_keys, reduce=config.bwd_reduce,
+                             block_r=config.bwd_block_r, reduce_warps=config.bwd_reduce_warps,
+                             amd=_amd())
     from csa_jax.kernels import triton as pt      # the pallas_triton impl module
     cfg = pt.default_config(q.shape, kv.shape, idx.shape, q.dtype)
     return pt.backward(q, kv, idx, sink, o, lse, do, dlse, scale=scale, interpret=False,

@@ -19,13 +19,17 @@ dq kernel, one program (CTA) = 64 heads of one token (as the forward, fwd.py):
   5. the stage is released (fwd._release). Tiles past the token's last non-empty one are not
      walked; their dsp columns are written as zeros. dq = scale * acc in q's dtype.
 
-dkv stays the deterministic path of the Pallas Triton impl: interm[t] = [scale*dS; P]^T [q; dO],
-one batched GEMM per token in XLA, then the CSR inverse-map gather-reduce kernel (no atomics;
-empty slots have no inverse-map entry). delta = sum(o * dO) and dsink = sum_t exp(sink - lse)
-(dlse - delta) are XLA reductions.
+dkv stays deterministic: interm[t] = [scale*dS; P]^T [q; dO], one batched GEMM per token in XLA,
+then a CSR inverse-map gather-reduce kernel (no atomics; empty slots have no inverse-map entry):
+the Pallas Triton impl's, or the Gluon one of dkv.py (Config.bwd_reduce). With Config.bwd_qdo the
+dq kernel also copies its resident [q; dO] out (the GEMM's operand, no XLA stack) and lays dsp
+out head block first to match. Config.bwd_dq_operand picks how the dq product takes the kv tile
+(the transposed-operand ablation, _dq_product). delta = sum(o * dO) and dsink = sum_t exp(sink -
+lse) (dlse - delta) are XLA reductions.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -37,6 +41,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from csa_jax.kernels.gluon.dims import HB, SMEM_LIMIT, padded_dims
 from csa_jax.kernels.gluon.dims import dq_shared_bytes as shared_bytes
+from csa_jax.kernels.gluon.regtrans import transpose_load
 from csa_jax.kernels.gluon.fwd import (
     CONSUMER_WARPS, LOG2E, PRODUCER_WARPS, _next_ids, _producer, _program, _release)
 
@@ -62,16 +67,56 @@ def _dq_producer(q_ptr, do_ptr, kv_ptr, idx_ptr, qdo_smem, ring, full, consumed,
 
 
 @gluon.jit
-def _dq_consumer(idx_ptr, lse_ptr, dc_ptr, dq_ptr, dsp_ptr, qdo_smem, ring, full, consumed,
-                 q_bar, do_bar, sd_smem, ds_smem, row, tok, hb, ntiles,
+def _store_qdo(qdo_ptr, qdo_smem, row, D: gl.constexpr, HBC: gl.constexpr):
+    """Copy this program's resident [q; dO] [2*HBC, D] from shared memory to qdo[row] (the
+    interm GEMM's operand, in place of XLA's stack), 32 rows at a time, 16-byte stores."""
+    blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
+    r = gl.arange(0, 32, layout=gl.SliceLayout(1, blk))
+    c = gl.arange(0, D, layout=gl.SliceLayout(0, blk))
+    base = qdo_ptr + row.to(gl.int64) * (2 * HBC * D)
+    for j in gl.static_range(2 * HBC // 32):
+        v = qdo_smem.slice(32 * j, 32).load(blk)
+        gl.store(base + (32 * j + r)[:, None] * D + c[None, :], v)
+
+
+@gluon.jit
+def _dq_product(tile, ds_smem, acc, a_dot: gl.constexpr, D: gl.constexpr, BK: gl.constexpr,
+                DQ_OP: gl.constexpr):
+    """dq += dS kv for one tile, the kv tile taken one of four ways (Config.bwd_dq_operand):
+    0 "desc":       dq += dS kv, the tile [BK, D] as B through an MN-major ("transposed")
+                    shared-memory descriptor (the timed default);
+    then dq^T += kv^T dS^T with dS^T (K-major descriptor) as B and kv^T [D, BK] as A:
+    1 "desc_a":     A from shared memory through an MN-major descriptor;
+    2 "ldsm_trans": A in registers, loaded with ldmatrix .trans (the transpose-load);
+    3 "movmatrix":  A in registers, loaded with plain ldmatrix and transposed in registers
+                    (regtrans.transpose_load: PTX movmatrix, no shared-memory round trip)."""
+    if DQ_OP == 0:
+        acc = warpgroup_mma(ds_smem, tile, acc)
+    elif DQ_OP == 1:
+        acc = warpgroup_mma(tile.permute((1, 0)), ds_smem.permute((1, 0)), acc)
+    elif DQ_OP == 2:
+        acc = warpgroup_mma(tile.permute((1, 0)).load(a_dot), ds_smem.permute((1, 0)), acc)
+    else:
+        acc = warpgroup_mma(transpose_load(tile, a_dot, D, BK), ds_smem.permute((1, 0)), acc)
+    return acc
+
+
+@gluon.jit
+def _dq_consumer(idx_ptr, lse_ptr, dc_ptr, dq_ptr, dsp_ptr, qdo_ptr, qdo_smem, ring, full,
+                 consumed, q_bar, do_bar, sd_smem, ds_smem, row, tok, hb, ntiles,
                  D: gl.constexpr, K: gl.constexpr, HP: gl.constexpr, BK: gl.constexpr,
                  STAGES: gl.constexpr, HBC: gl.constexpr, EW_C: gl.constexpr,
                  QK_SCALE: gl.constexpr, SCALE: gl.constexpr, PREFETCH: gl.constexpr,
-                 ABLATE: gl.constexpr):
+                 ABLATE: gl.constexpr, QDO: gl.constexpr, DQ_OP: gl.constexpr):
     sd_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, BK, 16])
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, D // 2, 16])
+    if DQ_OP == 0:      # dq [HBC, D] += dS kv: each warpgroup owns half of dq's columns
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, D // 2, 16])
+    else:               # dq^T [D, HBC] += kv^T dS^T: the kv tile is the (transposed) A operand
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, HBC, 16])
+    a_dot: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     # Element-wise layout of one [HBC, BK] tile over the 8 warps: EW_C consecutive slots per
     # thread (16-byte stores of the bf16 dsp rows).
     ew: gl.constexpr = gl.BlockedLayout([1, EW_C], [32 // (BK // EW_C), BK // EW_C],
@@ -84,15 +129,26 @@ def _dq_consumer(idx_ptr, lse_ptr, dc_ptr, dq_ptr, dsp_ptr, qdo_smem, ring, full
     kcols = gl.arange(0, BK, layout=ecol)
     lse2 = gl.load(lse_ptr + row * HBC + hrows) * _LOG2E       # exp2 domain
     dc = gl.load(dc_ptr + row * HBC + hrows)                   # dlse - delta
-    # dsp [B*T, 2, HP, K]: this program's heads hb*HBC.., plane 0 = scale*dS, plane 1 = P.
-    ds_ptrs = (dsp_ptr + tok.to(gl.int64) * (2 * HP * K)
-               + (hb * HBC + hrows).to(gl.int64)[:, None] * K + kcols[None, :])
-    p_ptrs = ds_ptrs + HP * K
+    # dsp [B*T, 2, HP, K]: this program's heads hb*HBC.., plane 0 = scale*dS, plane 1 = P;
+    # with QDO [B*T, NHB, 2, HBC, K] (head block outermost, as the qdo rows the kernel writes).
+    if QDO:
+        ds_ptrs = (dsp_ptr + tok.to(gl.int64) * (2 * HP * K) + hb.to(gl.int64) * (2 * HBC * K)
+                   + hrows.to(gl.int64)[:, None] * K + kcols[None, :])
+        p_ptrs = ds_ptrs + HBC * K
+    else:
+        ds_ptrs = (dsp_ptr + tok.to(gl.int64) * (2 * HP * K)
+                   + (hb * HBC + hrows).to(gl.int64)[:, None] * K + kcols[None, :])
+        p_ptrs = ds_ptrs + HP * K
     sd_zero = gl.zeros([2 * HBC, BK], gl.float32, sd_layout)
-    acc = gl.zeros([HBC, D], gl.float32, acc_layout)
+    if DQ_OP == 0:
+        acc = gl.zeros([HBC, D], gl.float32, acc_layout)
+    else:
+        acc = gl.zeros([D, HBC], gl.float32, acc_layout)
     ids_next = gl.load(idx_ptr + kcols)                 # tile 0's ids (K >= BK), PREFETCH only
     mbarrier.wait(q_bar, 0)
     mbarrier.wait(do_bar, 0)
+    if QDO:
+        _store_qdo(qdo_ptr, qdo_smem, row, D, HBC)
     for i in range(ntiles):
         s = i % STAGES
         mbarrier.wait(full.index(s), (i // STAGES) & 1)
@@ -120,25 +176,31 @@ def _dq_consumer(idx_ptr, lse_ptr, dc_ptr, dq_ptr, dsp_ptr, qdo_smem, ring, full
             fence_async_shared()      # generic-proxy stores -> wgmma reads
             gl.thread_barrier()
             if ABLATE != 2:
-                acc = warpgroup_mma(ds_smem, tile, acc)
+                acc = _dq_product(tile, ds_smem, acc, a_dot, D, BK, DQ_OP)
             _release(consumed.index(s))
     if ABLATE != 1:
         zero = gl.zeros([HBC, BK], dt, ew)
         for i in range(ntiles, K // BK):  # past the last non-empty tile: exact zeros
             gl.store(ds_ptrs + i * BK, zero)
             gl.store(p_ptrs + i * BK, zero)
-    orows = gl.arange(0, HBC, layout=gl.SliceLayout(1, acc_layout))
-    ocols = gl.arange(0, D, layout=gl.SliceLayout(0, acc_layout))
-    dq_ptrs = dq_ptr + (row * HBC + orows).to(gl.int64)[:, None] * D + ocols[None, :]
+    if DQ_OP == 0:
+        orows = gl.arange(0, HBC, layout=gl.SliceLayout(1, acc_layout))
+        ocols = gl.arange(0, D, layout=gl.SliceLayout(0, acc_layout))
+        dq_ptrs = dq_ptr + (row * HBC + orows).to(gl.int64)[:, None] * D + ocols[None, :]
+    else:               # acc = dq^T: element (d, h) goes to dq[h, d]
+        dcols = gl.arange(0, D, layout=gl.SliceLayout(1, acc_layout))
+        hcols = gl.arange(0, HBC, layout=gl.SliceLayout(0, acc_layout))
+        dq_ptrs = dq_ptr + (row * HBC + hcols).to(gl.int64)[None, :] * D + dcols[:, None]
     gl.store(dq_ptrs, (acc * SCALE).to(dq_ptr.dtype.element_ty))
 
 
 @gluon.jit
 def csa_dq_kernel(q_ptr, do_ptr, kv_ptr, idx_ptr, ntiles_ptr, lse_ptr, dc_ptr, dq_ptr, dsp_ptr,
-                  T: gl.constexpr, N: gl.constexpr, NHB: gl.constexpr, D: gl.constexpr,
+                  qdo_ptr, T: gl.constexpr, N: gl.constexpr, NHB: gl.constexpr, D: gl.constexpr,
                   K: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, EW_C: gl.constexpr,
                   QK_SCALE: gl.constexpr, SCALE: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                  PREFETCH: gl.constexpr, ABLATE: gl.constexpr):
+                  PREFETCH: gl.constexpr, ABLATE: gl.constexpr, QDO: gl.constexpr,
+                  DQ_OP: gl.constexpr):
     row, tok, hb, b, ntiles, idx_tok = _program(ntiles_ptr, idx_ptr, T, NHB, K)
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     HBC: gl.constexpr = 64
@@ -162,9 +224,10 @@ def csa_dq_kernel(q_ptr, do_ptr, kv_ptr, idx_ptr, ntiles_ptr, lse_ptr, dc_ptr, d
         mbarrier.init(full.index(s), count=PRODUCER_WARPS * 32)
         mbarrier.init(consumed.index(s), count=1)
     gl.warp_specialize([
-        (_dq_consumer, (idx_tok, lse_ptr, dc_ptr, dq_ptr, dsp_ptr, qdo_smem, ring, full,
-                        consumed, q_bar, do_bar, sd_smem, ds_smem, row, tok, hb, ntiles, D, K,
-                        NHB * HBC, BK, STAGES, HBC, EW_C, QK_SCALE, SCALE, PREFETCH, ABLATE)),
+        (_dq_consumer, (idx_tok, lse_ptr, dc_ptr, dq_ptr, dsp_ptr, qdo_ptr, qdo_smem, ring,
+                        full, consumed, q_bar, do_bar, sd_smem, ds_smem, row, tok, hb, ntiles, D,
+                        K, NHB * HBC, BK, STAGES, HBC, EW_C, QK_SCALE, SCALE, PREFETCH, ABLATE,
+                        QDO, DQ_OP)),
         (_dq_producer, (q_ptr, do_ptr, kv_ptr, idx_tok, qdo_smem, ring, full, consumed, q_bar,
                         do_bar, row, b, ntiles, N, D, K, BK, STAGES, HBC, PREFETCH)),
     ], [PRODUCER_WARPS], [PRODUCER_REGS])
@@ -172,7 +235,8 @@ def csa_dq_kernel(q_ptr, do_ptr, kv_ptr, idx_ptr, ntiles_ptr, lse_ptr, dc_ptr, d
 
 # ----------------------------------------------------------------------------- host side
 
-ARG_TYPES = ("*{dt}", "*{dt}", "*{dt}", "*i32", "*i32", "*fp32", "*fp32", "*{dt}", "*{dt}")
+ARG_TYPES = ("*{dt}", "*{dt}", "*{dt}", "*i32", "*i32", "*fp32", "*fp32", "*{dt}", "*{dt}",
+             "*{dt}")
 
 
 def arg_types(dt="bf16"):
@@ -184,34 +248,60 @@ def ew_cols(bk):
     return 8 if bk >= 32 else 4
 
 
-def constexprs(*, T, N, NHB, D, K, BK, stages, scale, producer_regs, prefetch=False, ablate=0):
+DQ_OPERANDS = ("desc", "desc_a", "ldsm_trans", "movmatrix")     # Config.bwd_dq_operand
+
+
+def constexprs(*, T, N, NHB, D, K, BK, stages, scale, producer_regs, prefetch=False, ablate=0,
+               qdo=False, dq_operand="desc"):
     """The dq kernel's compile-time parameters (also used by the CPU compile checks)."""
     return dict(T=T, N=N, NHB=NHB, D=D, K=K, BK=BK, STAGES=stages, EW_C=ew_cols(BK),
                 QK_SCALE=float(scale) * LOG2E, SCALE=float(scale), PRODUCER_REGS=producer_regs,
-                PREFETCH=bool(prefetch), ABLATE=int(ablate))
+                PREFETCH=bool(prefetch), ABLATE=int(ablate), QDO=bool(qdo),
+                DQ_OP=DQ_OPERANDS.index(dq_operand))
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_k", "stages", "producer_regs",
-                                             "prefetch", "ablate", "interpret_reduce", "amd"))
+                                             "prefetch", "ablate", "qdo", "dq_operand",
+                                             "interm", "interm_operand", "interm_stages",
+                                             "interm_pipeline",
+                                             "narrow_keys",
+                                             "reduce", "block_r", "reduce_warps",
+                                             "interpret_reduce", "amd"))
 def backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, block_k, stages, producer_regs,
-             prefetch=False, ablate=0, interpret_reduce=False, amd=None):
+             prefetch=False, ablate=0, qdo=False, dq_operand="desc", interm="xla",
+             interm_operand="desc", interm_stages=4, interm_pipeline=False, narrow_keys=False,
+             reduce="pallas_triton", block_r=0, reduce_warps=0, interpret_reduce=False,
+             amd=None):
     """(dq, dkv, dsink): dq by csa_dq_kernel, dkv by the deterministic interm GEMM + inverse-map
     reduce of the Pallas Triton impl, dsink and delta in XLA (CUDA only). idx must already be
     sanitized (-1 for every empty or out-of-range slot). interpret_reduce runs the reduce kernel
     in the Pallas interpreter (the CPU test of this wrapper, with the dq kernel emulated).
+    qdo: the dq kernel also writes the GEMM's stacked [q; dO] operand per head block (and dsp in
+    the matching head-block-major layout), so XLA's stack of q and dO goes away; dq_operand:
+    how the dq product takes the kv tile (_dq_product, Config.bwd_dq_operand); interm,
+    interm_operand, interm_stages, interm_pipeline: the interm GEMM in XLA or in Gluon
+    (interm.py); narrow_keys,
+    reduce, block_r, reduce_warps: the inverse map's int16 sort keys, which gather-reduce
+    kernel ("pallas_triton" or "gluon": dkv.py), its rows per step and warps (0 = its default;
+    Config.bwd_*).
     amd: a gfx architecture (amd_bwd.DQ_DEFAULTS) -> amd_bwd.csa_dq_amd_kernel, same contract,
-    at block_k / stages (producer_regs, prefetch, ablate unused); NEVER RUN (no AMD GPU)."""
+    at block_k / stages (producer_regs, prefetch, ablate unused; qdo, dq_operand and the Gluon
+    interm GEMM are NVIDIA-only); NEVER RUN (no AMD GPU)."""
     import jax.numpy as jnp
     from csa_jax.kernels.gluon.adapter import gluon_call
     # The Pallas Triton impl's padding helpers and its dkv path (kernels/triton: plan.py,
     # backward.py), shared rather than copied.
     from csa_jax.kernels.triton import default_config as pt_default_config
-    from csa_jax.kernels.triton.backward import _interm_gemm, _reduce_call
+    from csa_jax.kernels.triton.backward import _interm_gemm, _inverse_map, _reduce_call
     from csa_jax.kernels.triton.plan import _Dims, _ntiles, _pad_to, _prep_idx
     f32 = jnp.float32
     B, T, H, D = q.shape
     N, K = kv.shape[1], idx.shape[2]
-    Hp, Dp, Kp = padded_dims(H, D, K, block_k)
+    if qdo and interm == "gluon":
+        raise ValueError("qdo=True feeds the XLA interm GEMM; interm='gluon' reads q and dO")
+    # The Gluon interm GEMM walks slots in 128-row tiles: pad K to that (the dq kernel writes
+    # exact zeros for the padding; padded slots are -1, in no inverse-map row).
+    Hp, Dp, Kp = padded_dims(H, D, K, 128 if interm == "gluon" else block_k)
     need = shared_bytes(D, block_k, stages)
     if amd is None and need > SMEM_LIMIT:
         raise ValueError(f"dq kernel tiles bwd_block_k={block_k}, bwd_stages={stages} at D={D} "
@@ -229,11 +319,17 @@ def backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, block_k, stages, prod
     dc_p = pad(dlse.astype(f32) - delta, 2, Hp).reshape(-1)
     nhb = Hp // HB
     if amd is None:
+        dsp_shape = (B * T, nhb, 2, HB, Kp) if qdo else (B * T, 2, Hp, Kp)
+        qdo_shape = (B * T, nhb, 2, HB, Dp) if qdo else (8,)     # (8,): unused, never written
         kernel, warps, name = csa_dq_kernel, CONSUMER_WARPS, "csa_gluon_dq"
         consts = constexprs(T=T, N=N, NHB=nhb, D=Dp, K=Kp, BK=block_k, stages=stages,
                             scale=scale, producer_regs=producer_regs, prefetch=prefetch,
-                            ablate=ablate)
+                            ablate=ablate, qdo=qdo, dq_operand=dq_operand)
+        outs = [(B * T * Hp, Dp), dsp_shape, qdo_shape]
     else:
+        if qdo or interm == "gluon" or dq_operand != "desc":
+            raise ValueError(f"bwd_qdo={qdo}, bwd_interm={interm!r}, bwd_dq_operand="
+                             f"{dq_operand!r}: NVIDIA-only options (not on {amd})")
         from csa_jax.kernels.gluon import amd_bwd
         from csa_jax.kernels.gluon.dims import AMD_LDS, amd_lds_bytes
         a = amd_bwd.DQ_DEFAULTS[amd]
@@ -246,17 +342,37 @@ def backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, block_k, stages, prod
         kernel, warps, name = amd_bwd.csa_dq_amd_kernel, a["warps"], "csa_gluon_dq_amd"
         consts = amd_bwd.constexprs(target=amd, T=T, N=N, NHB=nhb, D=Dp, K=Kp, BK=block_k,
                                     stages=stages, scale=scale, qdo=a["qdo"])
-    dq, dsp = gluon_call(
+        outs = [(B * T * Hp, Dp), (B * T, 2, Hp, Kp)]
+    dq, dsp, *rest = gluon_call(
         q_p.reshape(B * T * Hp, Dp), do_p.reshape(B * T * Hp, Dp), kv_p.reshape(B * N, Dp),
         idx_p.reshape(B * T, Kp), ntiles, lse_p, dc_p,
         kernel=kernel,
         out_shape=[jax.ShapeDtypeStruct((B * T * Hp, Dp), q.dtype),
-                   jax.ShapeDtypeStruct((B * T, 2, Hp, Kp), q.dtype)],
+                   *[jax.ShapeDtypeStruct(s, q.dtype) for s in outs[1:]]],
         grid=(B * T * nhb,), num_warps=warps, name=name, **consts)
+    qdo_st = rest[0] if rest else None
     # dkv: the Pallas Triton impl's deterministic per-slot GEMM + inverse-map gather-reduce.
     ptc = pt_default_config(q.shape, kv.shape, idx.shape, q.dtype)
-    interm = _interm_gemm(dsp.reshape(B, T, 2, Hp, Kp), q_p, do_p, None, q.dtype)
-    dkv = _reduce_call(d, ptc, interpret_reduce, idx_p, interm, kv.dtype)
+    if interm == "gluon":
+        from csa_jax.kernels.gluon import interm as _interm
+        per_slot = _interm.interm(dsp, q_p, do_p, stages=interm_stages, operand=interm_operand,
+                                  pipeline=interm_pipeline)
+    elif qdo:   # interm[t] = dsp[t]^T qdo[t], contracting (head block, plane, head) = 2 * Hp
+        per_slot = jax.lax.dot_general(dsp.reshape(B, T, 2 * Hp, Kp),
+                                       qdo_st.reshape(B, T, 2 * Hp, Dp),
+                                       (((2,), (2,)), ((0, 1), (0, 1))),
+                                       preferred_element_type=q.dtype)
+    else:
+        per_slot = _interm_gemm(dsp.reshape(B, T, 2, Hp, Kp), q_p, do_p, None, q.dtype)
+    if reduce == "gluon":
+        from csa_jax.kernels.gluon import dkv as _dkv
+        offsets, perm = _inverse_map(idx_p, N, narrow_keys)
+        dkv = _dkv.reduce_rows(offsets, perm, per_slot.reshape(B, T * Kp, Dp), kv.dtype,
+                               block_r=block_r or 16, num_warps=reduce_warps or 4)
+    else:
+        ptc = dataclasses.replace(ptc, block_r=block_r or ptc.block_r,
+                                  num_warps_reduce=reduce_warps or ptc.num_warps_reduce)
+        dkv = _reduce_call(d, ptc, interpret_reduce, idx_p, per_slot, kv.dtype, narrow_keys)
     w = jnp.exp(sink[None, None, :] - lse)
     dsink = jnp.sum(w * (dlse - delta), axis=(0, 1))
     return dq.reshape(B, T, Hp, Dp)[:, :, :H, :D], dkv[:, :, :D], dsink

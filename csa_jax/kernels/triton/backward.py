@@ -107,14 +107,15 @@ def _reduce_kernel(off_ref, perm_ref, interm_ref, dkv_ref, *, br):
     dkv_ref[...] = acc.astype(dkv_ref.dtype)
 
 
-def _inverse_map(idx_p, N):
+def _inverse_map(idx_p, N, narrow_keys=False):
     """CSR of the slot -> kv row map per batch: (offsets [B, N, 2], perm [B, T*Kp]).
 
     perm lists flat slot positions t*Kp + j sorted by kv row (stable: ascending slot order within
     a row, which fixes the summation order); empty slots sort past row N-1 and are never read.
     The map is csa_jax.blockmath.inverse_map; offsets holds each row's [start, end)."""
     B = idx_p.shape[0]
-    perm, _, offs = blockmath.inverse_map(idx_p.reshape(B, -1), N, N)           # offs [B, N+1]
+    perm, _, offs = blockmath.inverse_map(idx_p.reshape(B, -1), N, N,       # offs [B, N+1]
+                                          narrow=narrow_keys)
     return jnp.stack([offs[:, :-1], offs[:, 1:]], axis=-1), perm
 
 
@@ -240,11 +241,16 @@ def _interm_call(d, config, scale, interpret, prec, used, idx_p, q_p, do_p, lse_
     )(live, idx_p, q_p, do_p, *(jnp.swapaxes(x, 2, 3) for x in (lse_p, delta_p, dlse_p)), kv_p)
 
 
-def _reduce_call(d, config, interpret, idx_p, interm, dtype):
+def _reduce_call(d, config, interpret, idx_p, interm, dtype, narrow_keys=False):
     """dkv [B, N, Dp]: deterministic gather-reduce over the inverse map, programs over rows."""
+    offsets, perm = _inverse_map(idx_p, d.N, narrow_keys)
+    return _reduce_rows(d, config, interpret, offsets, perm, interm, dtype)
+
+
+def _reduce_rows(d, config, interpret, offsets, perm, interm, dtype):
+    """The gather-reduce kernel alone, on a ready inverse map (offsets, perm)."""
     E = d.T * d.Kp
     br = config.block_r
-    offsets, perm = _inverse_map(idx_p, d.N)
     perm = _pad_to(perm, 1, E + br)          # a masked tail read never leaves the array
     return pl.pallas_call(
         functools.partial(_reduce_kernel, br=br),

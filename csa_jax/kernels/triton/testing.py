@@ -7,7 +7,11 @@ and nothing outside benchmarks/ and tests/ imports it.
 
     dims(q, kv, idx, config)            padded launch dims (_Dims: B, T, H, D, N, K, Hp, Dp, Kp)
     prep_idx(idx, dims)                 (idx padded to Kp with -1 [B, T, Kp], used slots [B, T])
-    inverse_map(idx_p, N)               the dkv reduce's CSR: (offsets [B, N, 2], perm [B, T*Kp])
+    inverse_map(idx_p, N, narrow_keys=False)  the dkv reduce's CSR: (offsets [B, N, 2], perm
+                                        [B, T*Kp]); narrow_keys sorts int16 keys (N < 2**15)
+    reduce_rows(dims, config, interpret, offsets, perm, interm, dtype)  the gather-reduce
+                                        kernel alone on a ready inverse map
+    interm_gemm(dsp, q, do, precision, dtype)  the per-slot GEMM (with XLA's [q; dO] stack)
     forward_with_kernel(..., kernel=)   the forward launch with another kernel body (same
                                         signature as the library's; benchmarks/triton_fwd_probe.py)
     fwd_step, fwd_store                 the forward's tile step and output store (for such bodies)
@@ -18,7 +22,9 @@ and nothing outside benchmarks/ and tests/ imports it.
 """
 from csa_jax.kernels.triton.backward import _backward as backward_parts
 from csa_jax.kernels.triton.backward import _dq_call as dq_call
+from csa_jax.kernels.triton.backward import _interm_gemm as interm_gemm
 from csa_jax.kernels.triton.backward import _inverse_map as inverse_map
+from csa_jax.kernels.triton.backward import _reduce_rows as reduce_rows
 from csa_jax.kernels.triton.forward import _forward as forward_with_kernel
 from csa_jax.kernels.triton.forward import _fwd_step as fwd_step
 from csa_jax.kernels.triton.forward import _fwd_store as fwd_store
@@ -27,5 +33,5 @@ from csa_jax.kernels.triton.plan import _gather_rows as gather_rows
 from csa_jax.kernels.triton.plan import _gather_tile as gather_tile
 from csa_jax.kernels.triton.plan import _prep_idx as prep_idx
 
-__all__ = ["dims", "prep_idx", "inverse_map", "forward_with_kernel", "fwd_step", "fwd_store",
+__all__ = ["dims", "prep_idx", "inverse_map", "reduce_rows", "interm_gemm", "forward_with_kernel", "fwd_step", "fwd_store",
            "gather_tile", "gather_rows", "backward_parts", "dq_call"]

@@ -1,0 +1,87 @@
+"""The dkv gather-reduce in Gluon (Config.bwd_reduce="gluon"): deterministic, no atomics.
+
+dkv[b, n] = sum of interm[b, e] over the entries e of kv row n in the CSR inverse map
+(offsets [B*N, 2] = each row's [start, end) in perm, perm [B, E] = flat slot positions sorted by
+row, stable). One program = one kv row, NUM_WARPS warps. The row's entries are walked in chunks
+of R: each chunk's R interm rows [R, D] are loaded with 16-byte vector loads (8 consecutive bf16
+per thread, a warp covering 256 contiguous columns of one row, so every 1 KiB interm row is read
+in fully used 128-byte sectors), the NEXT chunk's loads are issued before the current chunk is
+added (a register double buffer: two chunks in flight per program), and the chunk is added
+element-wise into an f32 [R, D] accumulator; the R partial rows are summed once at the end.
+Summation order (fixed by R and the layout, never by timing): entry k goes to partial row k % R in
+entry order, then a fixed tree over the R rows, so the bits are the same on every run. Empty and
+out-of-range slots are in no row's range and contribute nothing; a row with no entries gets 0.
+"""
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+__all__ = ["csa_dkv_reduce_kernel", "reduce_rows", "arg_types", "constexprs"]
+
+
+@gluon.jit
+def _chunk(interm_ptr, perm_ptr, start, count, c, rows, cols, D: gl.constexpr, R: gl.constexpr):
+    k = c * R + rows
+    live = k < count
+    pos = gl.load(perm_ptr + start + k, mask=live, other=0)
+    ptrs = interm_ptr + pos.to(gl.int64)[:, None] * D + cols[None, :]
+    return gl.load(ptrs, mask=live[:, None], other=0.0)
+
+
+@gluon.jit
+def csa_dkv_reduce_kernel(off_ptr, perm_ptr, interm_ptr, dkv_ptr, N: gl.constexpr,
+                          E: gl.constexpr, D: gl.constexpr, R: gl.constexpr,
+                          TC: gl.constexpr, WARP: gl.constexpr):
+    pid = gl.program_id(0)                       # = b * N + n
+    b = pid // N
+    # TC threads per row segment of 8 * TC columns (TC = 32 at D >= 256: a warp reads 512 B of
+    # one row per instruction), WARP // TC rows per warp (WARP = 32; 64 on AMD CDNA, where the
+    # kernel compiles too: it uses no NVIDIA-only op).
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [WARP // TC, TC], [gl.num_warps(), 1],
+                                            [1, 0])
+    rows = gl.arange(0, R, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
+    start = gl.load(off_ptr + 2 * pid)
+    count = gl.load(off_ptr + 2 * pid + 1) - start
+    perm_b = perm_ptr + b.to(gl.int64) * E
+    interm_b = interm_ptr + b.to(gl.int64) * E * D
+    acc = gl.zeros([R, D], gl.float32, layout)
+    x = _chunk(interm_b, perm_b, start, count, 0, rows, cols, D, R)
+    for c in range(1, gl.cdiv(count, R) + 1):
+        nxt = _chunk(interm_b, perm_b, start, count, c, rows, cols, D, R)   # in flight ...
+        acc = acc + x.to(gl.float32)                                        # ... while this adds
+        x = nxt
+    out = gl.sum(acc, axis=0)
+    gl.store(dkv_ptr + pid.to(gl.int64) * D + cols, out.to(dkv_ptr.dtype.element_ty))
+
+
+def arg_types(dt="bf16", out_dt=None):
+    return ["*i32", "*i32", f"*{dt}", f"*{out_dt or dt}"]
+
+
+def constexprs(*, N, E, D, R, warp=32):
+    return dict(N=N, E=E, D=D, R=R, TC=min(32, D // 8), WARP=warp)
+
+
+def reduce_rows(offsets, perm, interm, dtype, *, block_r=16, num_warps=4):
+    """dkv [B, N, D] (dtype) from the CSR map (offsets [B, N, 2], perm [B, E]) and interm
+    [B, E, D] (or [B, T, Kp, D]); the Gluon kernel above, launched through adapter.gluon_call."""
+    import jax
+    import jax.numpy as jnp
+    from csa_jax.kernels.gluon.adapter import gluon_call
+    B, N = offsets.shape[:2]
+    E = perm.shape[1]
+    D = interm.shape[-1]
+    if D < 64 or D & (D - 1):
+        raise ValueError(f"the Gluon dkv reduce needs D a power of two >= 64, got D={D}")
+    rows_per_pass = num_warps * (32 // min(32, D // 8))
+    if block_r & (block_r - 1) or block_r < rows_per_pass:
+        raise ValueError(f"block_r={block_r} must be a power of two >= {rows_per_pass} "
+                         f"({num_warps} warps at D={D})")
+    return gluon_call(
+        offsets.reshape(B * N, 2).astype(jnp.int32), perm.astype(jnp.int32),
+        interm.reshape(B * E, D),
+        kernel=csa_dkv_reduce_kernel,
+        out_shape=jax.ShapeDtypeStruct((B * N, D), dtype), grid=(B * N,), num_warps=num_warps,
+        name="csa_gluon_dkv_reduce", **constexprs(N=N, E=E, D=D, R=block_r)).reshape(B, N, D)
