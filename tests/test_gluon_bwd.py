@@ -255,6 +255,42 @@ def _emulated_dq_kernel(q, do, kv, idx, ntiles, lse, dc, *, kernel, out_shape, g
     return dq.reshape(BT * Hp, D).astype(dt), dsp.astype(out_shape[1].dtype), qdo
 
 
+def _emulated_reduce_kernel(offsets, perm, interm, *, kernel, out_shape, grid, num_warps, name,
+                            N, E, D, R, TC, WARP):
+    """What csa_dkv_reduce_kernel computes (kernels/gluon/dkv.py), in jnp: per row n of
+    offsets [B*N, 2], the sum of interm rows perm[b, start:end]."""
+    from csa_jax.kernels.gluon import dkv
+    assert kernel is dkv.csa_dkv_reduce_kernel and grid == (offsets.shape[0],)
+    assert R >= num_warps * (WARP // TC) and interm.shape == (perm.shape[0] * E, D)
+    BN = offsets.shape[0]
+    b = jnp.arange(BN) // N
+    e = jnp.arange(E)[None, :]
+    member = (e >= offsets[:, :1]) & (e < offsets[:, 1:])                      # [BN, E]
+    rows = interm.reshape(-1, E, D)[b[:, None], perm[b]].astype(jnp.float32)   # [BN, E, D]
+    out = jnp.sum(jnp.where(member[..., None], rows, 0.0), axis=1)
+    return out.astype(out_shape.dtype)
+
+
+def _emulated_interm_kernel(dsp, q, do, *, kernel, out_shape, grid, num_warps, name, HP, KP,
+                            D, BN, BM, BKC, **_):
+    """What csa_interm_kernel computes (kernels/gluon/interm.py), in jnp: per token,
+    dsp[t]^T [q[t]; dO[t]] with f32 accumulation, one rounding."""
+    BT = q.shape[0] // HP
+    assert grid == (BT * (D // BN),) and KP % BM == 0 and HP % BKC == 0, (grid, KP, HP)
+    assert dsp.shape == (BT * 2 * HP, KP) and num_warps == bwd.CONSUMER_WARPS
+    x = jnp.concatenate([q.reshape(BT, HP, D), do.reshape(BT, HP, D)], axis=1)
+    out = jnp.einsum("tck,tcd->tkd", dsp.reshape(BT, 2 * HP, KP).astype(jnp.float32),
+                     x.astype(jnp.float32))
+    return out.reshape(BT * KP, D).astype(out_shape.dtype)
+
+
+def _emulated_call(*args, kernel, **kw):
+    from csa_jax.kernels.gluon import dkv, interm
+    f = {dkv.csa_dkv_reduce_kernel: _emulated_reduce_kernel,
+         interm.csa_interm_kernel: _emulated_interm_kernel}.get(kernel, _emulated_dq_kernel)
+    return f(*args, kernel=kernel, **kw)
+
+
 @pytest.mark.parametrize("H,D,K,bk,qdo,narrow,reduce,interm,amd", [
     (20, 24, 40, 16, False, False, "pallas_triton", "xla", None),
     (64, 64, 70, 32, False, False, "gluon", "xla", None),
