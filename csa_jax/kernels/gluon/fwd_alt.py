@@ -1,0 +1,232 @@
+"""The CSA forward with alternating consumer warpgroups (`Config.schedule="alternate"`).
+
+FlashMLA's SM90 schedule (../shared/gpu_kernels.md), written for Gluon: three partitions of
+4 warps each (384 threads), one program = 64 heads of one token as in fwd.py:
+
+- producer (worker, `Config.producer_regs`): fwd._producer unchanged: q once, then every 64-row
+  tile of the token's slots gathered with cp.async into the 2-stage ring ("full" barriers); it
+  refills a stage once its "consumed" barrier has had one arrival from EACH consumer.
+- consumer warpgroup W (W = 0: the default partition, W = 1: a worker, `Config.consumer_regs`)
+  owns the tiles i with i % 2 == W and output columns [W*D/2, (W+1)*D/2). For its own tile it
+  computes the whole S = q kv^T (m64n64, q and the tile from shared memory), the online softmax
+  from the running (max, sum) left by the other warpgroup's previous tile, publishes (max, sum,
+  rescale factor) and the bf16 P tile in shared memory (its `ex` barrier), then runs PV for its
+  column half with P from registers. For the other's tiles it waits on the other's `ex`, rescales
+  its accumulator and runs PV for its half with P from shared memory, then hands the P buffer
+  back (`exfree`). Order per own tile i: issue S_i; PV_{i-1} of the other's tile (async, so S_i
+  and PV_{i-1} share the tensor pipe while the other warpgroup runs its softmax); wait S_i;
+  softmax; publish; wait PV_{i-1}, release its stage; PV_i; release stage i.
+  The running max and sum travel with the tiles, so both warpgroups end with the final (m, l)
+  and each writes its half of o; warpgroup 0 writes lse.
+
+Numerics are fwd.py's (exp2 domain, finite initial max, empty slots masked, sink joined at the
+end, empty rows o = 0 and lse = sink or EMPTY_LSE); the tile loop stops at the token's last
+non-empty tile. Needs an even ring depth (stage parity = tile parity).
+"""
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait)
+
+from csa_jax.kernels.gluon.fwd import LOG2E, NEG, PRODUCER_WARPS, _producer
+
+WG_WARPS = gl.constexpr(4)   # each consumer partition is one warpgroup
+NUM_WARPS = 4         # the default partition (consumer 0); workers: consumer 1 + producer
+
+
+@gluon.jit
+def _row(stats, k):
+    n: gl.constexpr = stats.shape[0] // 8
+    return stats.slice(k * n, n)
+
+
+@gluon.jit
+def _release(bar):
+    gl.thread_barrier()          # every warp of this warpgroup is past its reads
+    mbarrier.arrive(bar)
+
+
+@gluon.jit
+def _publish(stats, W: gl.constexpr, p_smem, p, m, l, alpha, bar):
+    """Owner -> other warpgroup: the bf16 P tile and (max, sum, rescale) of a tile."""
+    p_smem.store(p.to(p_smem.dtype))
+    _row(stats, 4 * W).store(m)
+    _row(stats, 4 * W + 1).store(l)
+    _row(stats, 4 * W + 2).store(alpha)
+    fence_async_shared()         # P is read by the other warpgroup's wgmma (async proxy)
+    gl.thread_barrier()
+    mbarrier.arrive(bar)
+
+
+@gluon.jit
+def _other_pv_issue(stats, p_smem, ring, acc, ex, j, srow: gl.constexpr, orow: gl.constexpr,
+                    W: gl.constexpr, STAGES: gl.constexpr, DH: gl.constexpr):
+    """Wait for the other warpgroup's tile j, rescale, issue PV_j on this half (async)."""
+    mbarrier.wait(ex, (j // 2) & 1)
+    m = _row(stats, 4 * (1 - W)).load(srow)
+    l = _row(stats, 4 * (1 - W) + 1).load(srow)
+    alpha = _row(stats, 4 * (1 - W) + 2).load(srow)
+    acc = acc * gl.convert_layout(alpha, orow)[:, None]
+    v = ring.index(j % STAGES).slice(W * DH, DH, dim=1)
+    acc = warpgroup_mma(p_smem, v, acc, is_async=True)
+    return acc, m, l
+
+
+@gluon.jit
+def _own_tile(idx_ptr, i, acc, m, l, bufs, HAS_PREV: gl.constexpr, W: gl.constexpr,
+              BK: gl.constexpr, STAGES: gl.constexpr, DH: gl.constexpr, QK_SCALE: gl.constexpr,
+              srow: gl.constexpr, orow: gl.constexpr, p_layout: gl.constexpr):
+    """This warpgroup's tile i (and, with HAS_PREV, the PV of the other's tile i-1 meanwhile):
+    returns (acc, m, l) after both."""
+    ring, q_smem, full, consumed, ex, exfree, own_p, oth_p, st_bufs, s_zero, kcols = bufs
+    OTHER: gl.constexpr = 1 - W
+    s = i % STAGES
+    ids = gl.load(idx_ptr + i * BK + kcols)
+    mbarrier.wait(full.index(s), (i // STAGES) & 1)
+    fence_async_shared()
+    tile = ring.index(s)
+    sc = warpgroup_mma(q_smem, tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    if HAS_PREV:
+        # The other's tile i-1 (its P and stats published once its softmax is done) runs on the
+        # tensor cores behind S_i.
+        acc, m, l = _other_pv_issue(st_bufs, oth_p, ring, acc, ex.index(OTHER), i - 1,
+                                    srow, orow, W, STAGES, DH)
+        sc = warpgroup_mma_wait(1, deps=[sc])
+    else:
+        sc = warpgroup_mma_wait(0, deps=[sc])
+    sc = gl.where((ids >= 0)[None, :], sc * QK_SCALE, float("-inf"))
+    m_new = gl.maximum(m, gl.max(sc, axis=1))
+    p = gl.exp2(sc - m_new[:, None])
+    alpha = gl.exp2(m - m_new)
+    l = l * alpha + gl.sum(p, axis=1)
+    if i >= 2:
+        mbarrier.wait(exfree.index(W), ((i // 2) - 1) & 1)   # the other has read tile i-2's P
+    _publish(st_bufs, W, own_p, p, m_new, l, alpha, ex.index(W))
+    if HAS_PREV:
+        acc = warpgroup_mma_wait(0, deps=[acc])
+        _release(consumed.index((i - 1) % STAGES))
+        _release(exfree.index(OTHER))
+    acc = acc * gl.convert_layout(alpha, orow)[:, None]
+    pv = gl.convert_layout(p.to(ring.dtype), p_layout)
+    acc = warpgroup_mma(pv, tile.slice(W * DH, DH, dim=1), acc)
+    _release(consumed.index(s))
+    return acc, m_new, l
+
+
+@gluon.jit
+def _alt_consumer(idx_ptr, sink_ptr, o_ptr, lse_ptr, q_smem, ring, full, consumed, q_bar,
+                  p_bufs, st_bufs, ex, exfree, row, h0, ntiles, W: gl.constexpr,
+                  D: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, HBC: gl.constexpr,
+                  QK_SCALE: gl.constexpr):
+    DH: gl.constexpr = D // 2
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BK, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DH, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    srow: gl.constexpr = gl.SliceLayout(1, s_layout)
+    scol: gl.constexpr = gl.SliceLayout(0, s_layout)
+    orow: gl.constexpr = gl.SliceLayout(1, o_layout)
+    ocol: gl.constexpr = gl.SliceLayout(0, o_layout)
+    OTHER: gl.constexpr = 1 - W
+    own_p = p_bufs.index(W)
+    oth_p = p_bufs.index(OTHER)
+
+    m = gl.full([HBC], NEG, gl.float32, srow)
+    l = gl.zeros([HBC], gl.float32, srow)
+    acc = gl.zeros([HBC, DH], gl.float32, o_layout)
+    s_zero = gl.zeros([HBC, BK], gl.float32, s_layout)
+    kcols = gl.arange(0, BK, layout=scol)
+    mbarrier.wait(q_bar, 0)
+    bufs = (ring, q_smem, full, consumed, ex, exfree, own_p, oth_p, st_bufs, s_zero, kcols)
+    if W == 0:
+        if ntiles > 0:          # tile 0: no earlier tile of the other warpgroup
+            acc, m, l = _own_tile(idx_ptr, 0, acc, m, l, bufs, False, W, BK, STAGES, DH,
+                                  QK_SCALE, srow, orow, p_layout)
+    for i in range(2 - W, ntiles, 2):
+        acc, m, l = _own_tile(idx_ptr, i, acc, m, l, bufs, True, W, BK, STAGES, DH, QK_SCALE,
+                              srow, orow, p_layout)
+    # The other's last tile, if the list ends on one.
+    last = ntiles - 1
+    if last >= 0:
+        if last % 2 == OTHER:
+            acc, m, l = _other_pv_issue(st_bufs, oth_p, ring, acc, ex.index(OTHER), last,
+                                        srow, orow, W, STAGES, DH)
+            acc = warpgroup_mma_wait(0, deps=[acc])
+            _release(consumed.index(last % STAGES))
+
+    # Join the sink (natural-log logit, converted to the exp2 domain) and normalize.
+    hrows = gl.arange(0, HBC, layout=srow)
+    sink2 = gl.load(sink_ptr + h0 + hrows) * 1.4426950408889634
+    m_tot = gl.maximum(m, sink2)
+    l_tot = l * gl.exp2(m - m_tot) + gl.exp2(sink2 - m_tot)
+    nonempty = l_tot > 0
+    safe_l = gl.where(nonempty, l_tot, 1.0)
+    if W == 0:
+        lse = gl.where(nonempty, (m_tot + gl.log2(safe_l)) * 0.6931471805599453, NEG)
+        gl.store(lse_ptr + row * HBC + hrows, lse)
+    o_scale = gl.where(nonempty, gl.exp2(m - m_tot) / safe_l, 0.0)
+    o = (acc * gl.convert_layout(o_scale, orow)[:, None]).to(o_ptr.dtype.element_ty)
+    orows = gl.arange(0, HBC, layout=orow)
+    ocols = W * DH + gl.arange(0, DH, layout=ocol)
+    o_ptrs = o_ptr + (row * HBC + orows).to(gl.int64)[:, None] * D + ocols[None, :]
+    gl.store(o_ptrs, o)
+
+
+@gluon.jit
+def csa_fwd_alt_kernel(q_ptr, kv_ptr, idx_ptr, ntiles_ptr, sink_ptr, o_ptr, lse_ptr,
+                       T: gl.constexpr, N: gl.constexpr, NHB: gl.constexpr, D: gl.constexpr,
+                       K: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
+                       QK_SCALE: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                       CONSUMER_REGS: gl.constexpr, PREFETCH: gl.constexpr):
+    row = gl.program_id(0)
+    tok = row // NHB
+    hb = row % NHB
+    b = tok // T
+    ntiles = gl.load(ntiles_ptr + tok)
+    idx_tok = idx_ptr + tok.to(gl.int64) * K
+    dtype: gl.constexpr = q_ptr.dtype.element_ty
+    HBC: gl.constexpr = 64
+    op_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HBC, D], dtype)
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BK, D], dtype)
+    p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HBC, BK], dtype)
+    q_smem = gl.allocate_shared_memory(dtype, [HBC, D], op_layout)
+    ring = gl.allocate_shared_memory(dtype, [STAGES, BK, D], kv_layout)
+    p_bufs = gl.allocate_shared_memory(dtype, [2, HBC, BK], p_layout)
+    # (max, sum, rescale) of warpgroup w's latest tile: rows 4w .. 4w+2.
+    st_bufs = gl.allocate_shared_memory(gl.float32, [8 * HBC], gl.SwizzledSharedLayout(
+        1, 1, 1, [0]))
+    full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    consumed = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ex = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    exfree = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=PRODUCER_WARPS * 32)
+    for s in gl.static_range(STAGES):
+        mbarrier.init(full.index(s), count=PRODUCER_WARPS * 32)
+        mbarrier.init(consumed.index(s), count=2)       # one arrival per consumer warpgroup
+    for w in gl.static_range(2):
+        mbarrier.init(ex.index(w), count=1)
+        mbarrier.init(exfree.index(w), count=1)
+    gl.warp_specialize([
+        (_alt_consumer, (idx_tok, sink_ptr, o_ptr, lse_ptr, q_smem, ring, full, consumed, q_bar,
+                         p_bufs, st_bufs, ex, exfree, row, hb * HBC, ntiles, 0, D, BK, STAGES,
+                         HBC, QK_SCALE)),
+        (_alt_consumer, (idx_tok, sink_ptr, o_ptr, lse_ptr, q_smem, ring, full, consumed, q_bar,
+                         p_bufs, st_bufs, ex, exfree, row, hb * HBC, ntiles, 1, D, BK, STAGES,
+                         HBC, QK_SCALE)),
+        (_producer, (q_ptr, kv_ptr, idx_tok, q_smem, ring, full, consumed, q_bar, row, b,
+                     ntiles, N, D, K, BK, STAGES, HBC, PREFETCH)),
+    ], [WG_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+def constexprs(*, T, N, NHB, D, K, BK, stages, scale, producer_regs, consumer_regs=216,
+               prefetch=True):
+    """The alternating kernel's compile-time parameters (also used by the CPU compile checks)."""
+    if stages % 2:
+        raise ValueError(f"schedule='alternate' needs an even ring depth, got stages={stages}")
+    return dict(T=T, N=N, NHB=NHB, D=D, K=K, BK=BK, STAGES=stages,
+                QK_SCALE=float(scale) * LOG2E, PRODUCER_REGS=producer_regs,
+                CONSUMER_REGS=consumer_regs, PREFETCH=bool(prefetch))
