@@ -44,6 +44,14 @@ class Config:
     ablate: BENCHMARK ONLY, wrong results: 1 = no PV product, 2 = no QK^T product, 3 = neither,
         4 = no compute at all (the consumers only wait for and release the ring: the producer's
         pace). Used to place the time inside the kernel (docs/perf/gluon_h200.md).
+    schedule: "default" = fwd.py (one 8-warp consumer partition: both warpgroups compute half
+        of every S and their half of every PV); "alternate" = fwd_alt.py, FlashMLA's schedule
+        (two 4-warp consumer partitions that take turns: S and the softmax of even tiles on
+        warpgroup 0, odd tiles on 1, P and the running max / sum handed over in shared memory,
+        each PV on the warpgroup's own 256 columns; the producer keeps producer_regs or more and
+        the consumers get the rest, 200 registers at 96, 216 at 72). `pipeline`,
+        `smem_epilogue` and `ablate` apply to the default schedule only; "alternate" needs an
+        even `stages`.
     bwd: "gluon" (the dq kernel of bwd.py, dkv by the Pallas Triton GEMM + reduce) or
         "pallas_triton" (its whole backward); bwd_block_k (16, 32, 64) and bwd_stages: the dq
         kernel's ring tile rows and depth (32 x 2 at D = 512: [q; dO] 128 KiB + 2 x 32 KiB).
@@ -60,6 +68,7 @@ class Config:
     smem_epilogue: bool = False
     prefetch: bool = True
     ablate: int = 0
+    schedule: str = "default"
     bwd: str = "gluon"
     bwd_block_k: int = 32
     bwd_stages: int = 2
@@ -93,13 +102,27 @@ class Config:
             raise ValueError(f"ablate={self.ablate!r} must be 0 (off) or 1..4 (benchmark only)")
         if self.ablate and self.pipeline:
             raise ValueError("ablate applies to pipeline=False only")
+        if self.schedule not in ("default", "alternate"):
+            raise ValueError(f"schedule={self.schedule!r} must be 'default' or 'alternate'")
+        if self.schedule == "alternate":
+            if self.stages % 2:
+                raise ValueError(f"schedule='alternate' needs an even stages, got "
+                                 f"stages={self.stages}")
+            on = [n for n in ("pipeline", "smem_epilogue", "ablate") if getattr(self, n)]
+            if on:
+                raise ValueError(f"{', '.join(on)} apply to schedule='default' only "
+                                 f"(schedule='alternate' has its own overlap and epilogue)")
 
 
 def shared_bytes(D, config, itemsize=2):
-    """Shared memory the kernel's buffers need (q + ring; the compiler adds a few KiB)."""
+    """Shared memory the kernel's buffers need (q + ring; "alternate" adds its two P tiles and
+    the max / sum exchange; the compiler adds a few KiB)."""
     from csa_jax.kernels.gluon.dims import HB, padded_dims
     Dp = padded_dims(64, D, config.block_k, config.block_k)[1]
-    return (HB + config.stages * config.block_k) * Dp * itemsize
+    extra = 0
+    if config.schedule == "alternate":
+        extra = 2 * HB * config.block_k * itemsize + 8 * HB * 4
+    return (HB + config.stages * config.block_k) * Dp * itemsize + extra
 
 
 _SMEM_BUDGET = 232_448 - 16_384      # the H200's per-block limit minus compiler scratch

@@ -271,16 +271,22 @@ def forward(q, kv, idx, sink, *, scale, config):
     kv_p = pad(kv, 2, Dp).reshape(B * N, Dp)
     sink_p = pad(sink.astype(jnp.float32), 0, Hp, -jnp.inf)
     nhb = Hp // HB
+    dims = dict(T=T, N=N, NHB=nhb, D=Dp, K=Kp, BK=bk, stages=config.stages, scale=scale,
+                producer_regs=config.producer_regs, prefetch=config.prefetch)
+    if config.schedule == "alternate":
+        from csa_jax.kernels.gluon import fwd_alt
+        kernel, warps, consts = (fwd_alt.csa_fwd_alt_kernel, fwd_alt.NUM_WARPS,
+                                 fwd_alt.constexprs(**dims))
+    else:
+        kernel, warps = csa_fwd_kernel, CONSUMER_WARPS
+        consts = constexprs(**dims, pipeline=config.pipeline,
+                            smem_epilogue=config.smem_epilogue, ablate=config.ablate)
     o, lse = gluon_call(
         q_p, kv_p, idx_p.reshape(B * T, Kp), ntiles, sink_p,
-        kernel=csa_fwd_kernel,
+        kernel=kernel,
         out_shape=[jax.ShapeDtypeStruct((B * T * Hp, Dp), q.dtype),
                    jax.ShapeDtypeStruct((B * T * Hp,), jnp.float32)],
-        grid=(B * T * nhb,), num_warps=CONSUMER_WARPS, name="csa_gluon_fwd",
-        **constexprs(T=T, N=N, NHB=nhb, D=Dp, K=Kp, BK=bk, stages=config.stages, scale=scale,
-                     producer_regs=config.producer_regs, pipeline=config.pipeline,
-                     smem_epilogue=config.smem_epilogue, ablate=config.ablate,
-                     prefetch=config.prefetch))
+        grid=(B * T * nhb,), num_warps=warps, name="csa_gluon_fwd", **consts)
     o = o.reshape(B, T, Hp, Dp)[:, :, :H, :D]
     lse = lse.reshape(B, T, Hp)[:, :, :H]
     return o, lse

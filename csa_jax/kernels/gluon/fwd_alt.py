@@ -3,11 +3,12 @@
 FlashMLA's SM90 schedule (../shared/gpu_kernels.md), written for Gluon: three partitions of
 4 warps each (384 threads), one program = 64 heads of one token as in fwd.py:
 
-- producer (worker, `Config.producer_regs`): fwd._producer unchanged: q once, then every 64-row
-  tile of the token's slots gathered with cp.async into the 2-stage ring ("full" barriers); it
-  refills a stage once its "consumed" barrier has had one arrival from EACH consumer.
-- consumer warpgroup W (W = 0: the default partition, W = 1: a worker, `Config.consumer_regs`)
-  owns the tiles i with i % 2 == W and output columns [W*D/2, (W+1)*D/2). For its own tile it
+- producer = the default partition: fwd._producer unchanged: q once, then every 64-row tile
+  of the token's slots gathered with cp.async into the 2-stage ring ("full" barriers); it
+  refills a stage once its "consumed" barrier has had one arrival from EACH consumer. It keeps
+  what the consumers leave of the register file (at least `Config.producer_regs`).
+- consumer warpgroup W = 0, 1: two worker partitions, `consumer_regs(producer_regs)` registers
+  (setmaxnreg: 216 at producer_regs = 72, 200 at the default 96). Warpgroup W owns the tiles i with i % 2 == W and output columns [W*D/2, (W+1)*D/2). For its own tile it
   computes the whole S = q kv^T (m64n64, q and the tile from shared memory), the online softmax
   from the running (max, sum) left by the other warpgroup's previous tile, publishes (max, sum,
   rescale factor) and the bf16 P tile in shared memory (its `ex` barrier), then runs PV for its
@@ -22,18 +23,31 @@ FlashMLA's SM90 schedule (../shared/gpu_kernels.md), written for Gluon: three pa
 Numerics are fwd.py's (exp2 domain, finite initial max, empty slots masked, sink joined at the
 end, empty rows o = 0 and lse = sink or EMPTY_LSE); the tile loop stops at the token's last
 non-empty tile. Needs an even ring depth (stage parity = tile parity).
+
+Register spills (CPU compile, sm_90a, ptxas -v): without `_opaque`, LLVM hoisted q's 32 wgmma
+descriptors out of the tile loop and ptxas spilled them (232 B with the consumers as the two
+workers, 444 B with consumer 0 as the default partition); as written: 0 spills at 200 and 216.
 """
 from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait)
+    fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait)
 
 from csa_jax.kernels.gluon.fwd import LOG2E, NEG, PRODUCER_WARPS, _producer
 
 WG_WARPS = gl.constexpr(4)   # each consumer partition is one warpgroup
-NUM_WARPS = 4         # the default partition (consumer 0); workers: consumer 1 + producer
+NUM_WARPS = 4                # the default partition (the producer); 12 warps in all
+
+
+@gluon.jit
+def _opaque(x):
+    # A value LLVM cannot see through, so the wgmma descriptors built from it stay in the loop:
+    # q's 32 (and, with 2 stages and a step-2 loop, the tile's) are loop invariant, and hoisting
+    # them out of the tile loop left ptxas spilling uniform registers (232 B at 216 registers).
+    return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=gl.int32,
+                                     is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -65,6 +79,7 @@ def _other_pv_issue(stats, p_smem, ring, acc, ex, j, srow: gl.constexpr, orow: g
                     W: gl.constexpr, STAGES: gl.constexpr, DH: gl.constexpr):
     """Wait for the other warpgroup's tile j, rescale, issue PV_j on this half (async)."""
     mbarrier.wait(ex, (j // 2) & 1)
+    acc = warpgroup_mma_wait(1, deps=[acc])       # (nothing of acc's is in flight)
     m = _row(stats, 4 * (1 - W)).load(srow)
     l = _row(stats, 4 * (1 - W) + 1).load(srow)
     alpha = _row(stats, 4 * (1 - W) + 2).load(srow)
@@ -75,27 +90,30 @@ def _other_pv_issue(stats, p_smem, ring, acc, ex, j, srow: gl.constexpr, orow: g
 
 
 @gluon.jit
-def _own_tile(idx_ptr, i, acc, m, l, bufs, HAS_PREV: gl.constexpr, W: gl.constexpr,
+def _own_tile(idx_ptr, i, acc, m, l, bufs, W: gl.constexpr,
               BK: gl.constexpr, STAGES: gl.constexpr, DH: gl.constexpr, QK_SCALE: gl.constexpr,
               srow: gl.constexpr, orow: gl.constexpr, p_layout: gl.constexpr):
     """This warpgroup's tile i (and, with HAS_PREV, the PV of the other's tile i-1 meanwhile):
     returns (acc, m, l) after both."""
     ring, q_smem, full, consumed, ex, exfree, own_p, oth_p, st_bufs, s_zero, kcols = bufs
     OTHER: gl.constexpr = 1 - W
-    s = i % STAGES
+    s = _opaque(i % STAGES)
     ids = gl.load(idx_ptr + i * BK + kcols)
     mbarrier.wait(full.index(s), (i // STAGES) & 1)
     fence_async_shared()
     tile = ring.index(s)
-    sc = warpgroup_mma(q_smem, tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    if HAS_PREV:
+    q = q_smem.index(_opaque(i * 0))
+    sc = warpgroup_mma(q, tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    acc = warpgroup_mma_init(acc)
+    if i >= 1:
         # The other's tile i-1 (its P and stats published once its softmax is done) runs on the
         # tensor cores behind S_i.
         acc, m, l = _other_pv_issue(st_bufs, oth_p, ring, acc, ex.index(OTHER), i - 1,
                                     srow, orow, W, STAGES, DH)
-        sc = warpgroup_mma_wait(1, deps=[sc])
     else:
-        sc = warpgroup_mma_wait(0, deps=[sc])
+        # Tile 0: S_0 is all that is in flight (the wait-count below must be an immediate).
+        acc = warpgroup_mma_init(warpgroup_mma_wait(0, deps=[acc]))
+    sc = warpgroup_mma_wait(1, deps=[sc])
     sc = gl.where((ids >= 0)[None, :], sc * QK_SCALE, float("-inf"))
     m_new = gl.maximum(m, gl.max(sc, axis=1))
     p = gl.exp2(sc - m_new[:, None])
@@ -104,8 +122,8 @@ def _own_tile(idx_ptr, i, acc, m, l, bufs, HAS_PREV: gl.constexpr, W: gl.constex
     if i >= 2:
         mbarrier.wait(exfree.index(W), ((i // 2) - 1) & 1)   # the other has read tile i-2's P
     _publish(st_bufs, W, own_p, p, m_new, l, alpha, ex.index(W))
-    if HAS_PREV:
-        acc = warpgroup_mma_wait(0, deps=[acc])
+    acc = warpgroup_mma_wait(0, deps=[acc])
+    if i >= 1:
         _release(consumed.index((i - 1) % STAGES))
         _release(exfree.index(OTHER))
     acc = acc * gl.convert_layout(alpha, orow)[:, None]
@@ -141,12 +159,8 @@ def _alt_consumer(idx_ptr, sink_ptr, o_ptr, lse_ptr, q_smem, ring, full, consume
     kcols = gl.arange(0, BK, layout=scol)
     mbarrier.wait(q_bar, 0)
     bufs = (ring, q_smem, full, consumed, ex, exfree, own_p, oth_p, st_bufs, s_zero, kcols)
-    if W == 0:
-        if ntiles > 0:          # tile 0: no earlier tile of the other warpgroup
-            acc, m, l = _own_tile(idx_ptr, 0, acc, m, l, bufs, False, W, BK, STAGES, DH,
-                                  QK_SCALE, srow, orow, p_layout)
-    for i in range(2 - W, ntiles, 2):
-        acc, m, l = _own_tile(idx_ptr, i, acc, m, l, bufs, True, W, BK, STAGES, DH, QK_SCALE,
+    for i in range(W, ntiles, 2):
+        acc, m, l = _own_tile(idx_ptr, i, acc, m, l, bufs, W, BK, STAGES, DH, QK_SCALE,
                               srow, orow, p_layout)
     # The other's last tile, if the list ends on one.
     last = ntiles - 1
@@ -179,8 +193,8 @@ def _alt_consumer(idx_ptr, sink_ptr, o_ptr, lse_ptr, q_smem, ring, full, consume
 def csa_fwd_alt_kernel(q_ptr, kv_ptr, idx_ptr, ntiles_ptr, sink_ptr, o_ptr, lse_ptr,
                        T: gl.constexpr, N: gl.constexpr, NHB: gl.constexpr, D: gl.constexpr,
                        K: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-                       QK_SCALE: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                       CONSUMER_REGS: gl.constexpr, PREFETCH: gl.constexpr):
+                       QK_SCALE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                       PREFETCH: gl.constexpr):
     row = gl.program_id(0)
     tok = row // NHB
     hb = row % NHB
@@ -192,7 +206,7 @@ def csa_fwd_alt_kernel(q_ptr, kv_ptr, idx_ptr, ntiles_ptr, sink_ptr, o_ptr, lse_
     op_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HBC, D], dtype)
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BK, D], dtype)
     p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HBC, BK], dtype)
-    q_smem = gl.allocate_shared_memory(dtype, [HBC, D], op_layout)
+    q_smem = gl.allocate_shared_memory(dtype, [1, HBC, D], op_layout)
     ring = gl.allocate_shared_memory(dtype, [STAGES, BK, D], kv_layout)
     p_bufs = gl.allocate_shared_memory(dtype, [2, HBC, BK], p_layout)
     # (max, sum, rescale) of warpgroup w's latest tile: rows 4w .. 4w+2.
@@ -210,23 +224,34 @@ def csa_fwd_alt_kernel(q_ptr, kv_ptr, idx_ptr, ntiles_ptr, sink_ptr, o_ptr, lse_
     for w in gl.static_range(2):
         mbarrier.init(ex.index(w), count=1)
         mbarrier.init(exfree.index(w), count=1)
+    # The producer is the default partition (it gets what the two consumers leave of the
+    # register file: 72 per thread at 216 each); the consumers are the two workers.
     gl.warp_specialize([
+        (_producer, (q_ptr, kv_ptr, idx_tok, q_smem.index(0), ring, full, consumed, q_bar, row, b,
+                     ntiles, N, D, K, BK, STAGES, HBC, PREFETCH)),
         (_alt_consumer, (idx_tok, sink_ptr, o_ptr, lse_ptr, q_smem, ring, full, consumed, q_bar,
                          p_bufs, st_bufs, ex, exfree, row, hb * HBC, ntiles, 0, D, BK, STAGES,
                          HBC, QK_SCALE)),
         (_alt_consumer, (idx_tok, sink_ptr, o_ptr, lse_ptr, q_smem, ring, full, consumed, q_bar,
                          p_bufs, st_bufs, ex, exfree, row, hb * HBC, ntiles, 1, D, BK, STAGES,
                          HBC, QK_SCALE)),
-        (_producer, (q_ptr, kv_ptr, idx_tok, q_smem, ring, full, consumed, q_bar, row, b,
-                     ntiles, N, D, K, BK, STAGES, HBC, PREFETCH)),
-    ], [WG_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
+    ], [WG_WARPS, WG_WARPS], [CONSUMER_REGS, CONSUMER_REGS])
 
 
-def constexprs(*, T, N, NHB, D, K, BK, stages, scale, producer_regs, consumer_regs=216,
-               prefetch=True):
+REG_FILE = 168 * 384   # what ptxas gives 384 threads (.maxnreg 168), shared out by setmaxnreg
+
+
+def consumer_regs(producer_regs):
+    """Registers per consumer thread when the producer warpgroup keeps at least producer_regs:
+    the largest multiple of 8 that leaves them (216 at 72, 200 at 96); the producer, the
+    default partition, gets the rest."""
+    return min(256, (REG_FILE - 128 * int(producer_regs)) // 256 // 8 * 8)
+
+
+def constexprs(*, T, N, NHB, D, K, BK, stages, scale, producer_regs, prefetch=True):
     """The alternating kernel's compile-time parameters (also used by the CPU compile checks)."""
     if stages % 2:
         raise ValueError(f"schedule='alternate' needs an even ring depth, got stages={stages}")
     return dict(T=T, N=N, NHB=NHB, D=D, K=K, BK=BK, STAGES=stages,
-                QK_SCALE=float(scale) * LOG2E, PRODUCER_REGS=producer_regs,
-                CONSUMER_REGS=consumer_regs, PREFETCH=bool(prefetch))
+                QK_SCALE=float(scale) * LOG2E, CONSUMER_REGS=consumer_regs(producer_regs),
+                PREFETCH=bool(prefetch))
