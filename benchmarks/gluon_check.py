@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import time_fn
+from benchmarks.common import parse_overrides, time_fn
 
 TOL = {"bfloat16": 2e-2, "float16": 5e-3}
 RESULTS = []
@@ -221,10 +221,7 @@ def main(argv=None):
     ap.add_argument("--out", default=None)
     ap.add_argument("--config", default="", help="gluon Config overrides: key=val,...")
     args = ap.parse_args(argv)
-    for kv in filter(None, args.config.split(",")):
-        k, _, v = kv.partition("=")
-        OVERRIDES[k.strip()] = (v.strip().lower() == "true" if v.strip().lower() in
-                                ("true", "false") else int(v))
+    OVERRIDES.update(parse_overrides(args.config))     # bools, ints, strings (schedule=...)
     parts = args.parts.split(",")
     print(f"# device {jax.devices()[0].device_kind}, jax {jax.__version__}, seed {args.seed}, "
           f"gluon config overrides {OVERRIDES}", flush=True)
