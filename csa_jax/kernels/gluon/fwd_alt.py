@@ -8,14 +8,15 @@ FlashMLA's SM90 schedule (../shared/gpu_kernels.md), written for Gluon: three pa
   refills a stage once its "consumed" barrier has had one arrival from EACH consumer. It keeps
   what the consumers leave of the register file (at least `Config.producer_regs`).
 - consumer warpgroup W = 0, 1: two worker partitions, `consumer_regs(producer_regs)` registers
-  (setmaxnreg: 216 at producer_regs = 72, 200 at the default 96). Warpgroup W owns the tiles i with i % 2 == W and output columns [W*D/2, (W+1)*D/2). For its own tile it
-  computes the whole S = q kv^T (m64n64, q and the tile from shared memory), the online softmax
-  from the running (max, sum) left by the other warpgroup's previous tile, publishes (max, sum,
-  rescale factor) and the bf16 P tile in shared memory (its `ex` barrier), then runs PV for its
-  column half with P from registers. For the other's tiles it waits on the other's `ex`, rescales
-  its accumulator and runs PV for its half with P from shared memory, then hands the P buffer
-  back (`exfree`). Order per own tile i: issue S_i; PV_{i-1} of the other's tile (async, so S_i
-  and PV_{i-1} share the tensor pipe while the other warpgroup runs its softmax); wait S_i;
+  (setmaxnreg: 216 at producer_regs = 72, 200 at the default 96). Warpgroup W owns the tiles
+  i with i % 2 == W and output columns [W*D/2, (W+1)*D/2). For its own tile it computes the
+  whole S = q kv^T (m64n64, q and the tile from shared memory) and the online softmax from the
+  running (max, sum) left by the other warpgroup's previous tile, publishes (max, sum, rescale
+  factor) and the bf16 P tile in shared memory (its `ex` barrier), then runs PV for its column
+  half with P from registers. For the other's tiles it waits on the other's `ex`, rescales its
+  accumulator and runs PV for its half with P from shared memory, then hands the P buffer back
+  (`exfree`). Order per own tile i: issue S_i; PV_{i-1} of the other's tile (async, so S_i and
+  PV_{i-1} share the tensor pipe while the other warpgroup runs its softmax); wait S_i;
   softmax; publish; wait PV_{i-1}, release its stage; PV_i; release stage i.
   The running max and sum travel with the tiles, so both warpgroups end with the final (m, l)
   and each writes its half of o; warpgroup 0 writes lse.
@@ -75,10 +76,15 @@ def _publish(stats, W: gl.constexpr, p_smem, p, m, l, alpha, bar):
 
 
 @gluon.jit
-def _other_pv_issue(stats, p_smem, ring, acc, ex, j, srow: gl.constexpr, orow: gl.constexpr,
-                    W: gl.constexpr, STAGES: gl.constexpr, DH: gl.constexpr):
+def _other_pv_issue(stats, p_smem, ring, full, acc, ex, j, srow: gl.constexpr,
+                    orow: gl.constexpr, W: gl.constexpr, STAGES: gl.constexpr,
+                    DH: gl.constexpr):
     """Wait for the other warpgroup's tile j, rescale, issue PV_j on this half (async)."""
     mbarrier.wait(ex, (j // 2) & 1)
+    # The tile's own barrier too (long complete; its next phase needs this warpgroup's release),
+    # then the proxy fence, so this warpgroup's wgmma sees the cp.async data.
+    mbarrier.wait(full.index(j % STAGES), (j // STAGES) & 1)
+    fence_async_shared()
     acc = warpgroup_mma_wait(1, deps=[acc])       # (nothing of acc's is in flight)
     m = _row(stats, 4 * (1 - W)).load(srow)
     l = _row(stats, 4 * (1 - W) + 1).load(srow)
@@ -93,7 +99,7 @@ def _other_pv_issue(stats, p_smem, ring, acc, ex, j, srow: gl.constexpr, orow: g
 def _own_tile(idx_ptr, i, acc, m, l, bufs, W: gl.constexpr,
               BK: gl.constexpr, STAGES: gl.constexpr, DH: gl.constexpr, QK_SCALE: gl.constexpr,
               srow: gl.constexpr, orow: gl.constexpr, p_layout: gl.constexpr):
-    """This warpgroup's tile i (and, with HAS_PREV, the PV of the other's tile i-1 meanwhile):
+    """This warpgroup's tile i, and meanwhile (i >= 1) the PV of the other's tile i-1:
     returns (acc, m, l) after both."""
     ring, q_smem, full, consumed, ex, exfree, own_p, oth_p, st_bufs, s_zero, kcols = bufs
     OTHER: gl.constexpr = 1 - W
@@ -108,7 +114,7 @@ def _own_tile(idx_ptr, i, acc, m, l, bufs, W: gl.constexpr,
     if i >= 1:
         # The other's tile i-1 (its P and stats published once its softmax is done) runs on the
         # tensor cores behind S_i.
-        acc, m, l = _other_pv_issue(st_bufs, oth_p, ring, acc, ex.index(OTHER), i - 1,
+        acc, m, l = _other_pv_issue(st_bufs, oth_p, ring, full, acc, ex.index(OTHER), i - 1,
                                     srow, orow, W, STAGES, DH)
     else:
         # Tile 0: S_0 is all that is in flight (the wait-count below must be an immediate).
@@ -166,7 +172,7 @@ def _alt_consumer(idx_ptr, sink_ptr, o_ptr, lse_ptr, q_smem, ring, full, consume
     last = ntiles - 1
     if last >= 0:
         if last % 2 == OTHER:
-            acc, m, l = _other_pv_issue(st_bufs, oth_p, ring, acc, ex.index(OTHER), last,
+            acc, m, l = _other_pv_issue(st_bufs, oth_p, ring, full, acc, ex.index(OTHER), last,
                                         srow, orow, W, STAGES, DH)
             acc = warpgroup_mma_wait(0, deps=[acc])
             _release(consumed.index(last % STAGES))
