@@ -58,7 +58,8 @@ def kernels(variants):
         if cfg.schedule == "alternate":
             from csa_jax.kernels.gluon import fwd_alt
             yield (f"csa_fwd[{name}]", name == "default", fwd_alt.csa_fwd_alt_kernel,
-                   fwd.arg_types(), fwd_alt.constexprs(**dims), fwd_alt.NUM_WARPS)
+                   fwd.arg_types(), fwd_alt.constexprs(**dims, split=cfg.alt_split),
+                   fwd_alt.NUM_WARPS)
             continue
         consts = fwd.constexprs(**dims, pipeline=cfg.pipeline, smem_epilogue=cfg.smem_epilogue,
                                 ablate=cfg.ablate)

@@ -65,6 +65,7 @@ def test_config_defaults_fit_shared_memory():
     (dict(schedule="lockstep"), "schedule='lockstep'"),
     (dict(schedule="alternate", stages=3), "even stages, got stages=3"),
     (dict(schedule="alternate", pipeline=True), "pipeline apply to schedule='default' only"),
+    (dict(alt_split=True), "alt_split=True applies to schedule='alternate' only"),
 ])
 def test_config_rejects(kw, match):
     with pytest.raises(ValueError, match=match):
@@ -221,6 +222,7 @@ def test_forward_variants_compile(kw):
 
 @pytest.mark.parametrize("kw, regs", [(dict(), 200), (dict(producer_regs=72), 216),
                                       (dict(D=64, K=64, stages=4), 200),
+                                      (dict(producer_regs=72, split=True), 216),
                                       (dict(block_k=32, stages=4, dt="fp16"), 200)])
 def test_alternate_schedule_compiles_without_spills(kw, regs):
     """schedule="alternate" (fwd_alt.py): 12 warps = producer (default partition) + two 4-warp

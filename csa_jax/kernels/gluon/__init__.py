@@ -52,6 +52,9 @@ class Config:
         the consumers get the rest, 200 registers at 96, 216 at 72). `pipeline`,
         `smem_epilogue` and `ablate` apply to the default schedule only; "alternate" needs an
         even `stages`.
+    alt_split: schedule="alternate" only: each ring stage in two column halves with their own
+        barriers (the producer refills a half as soon as its readers are done, the owner starts
+        S on the first half while the second lands; FlashMLA's half-D pipelining).
     bwd: "gluon" (the dq kernel of bwd.py, dkv by the Pallas Triton GEMM + reduce) or
         "pallas_triton" (its whole backward); bwd_block_k (16, 32, 64) and bwd_stages: the dq
         kernel's ring tile rows and depth (32 x 2 at D = 512: [q; dO] 128 KiB + 2 x 32 KiB).
@@ -69,6 +72,7 @@ class Config:
     prefetch: bool = True
     ablate: int = 0
     schedule: str = "default"
+    alt_split: bool = False
     bwd: str = "gluon"
     bwd_block_k: int = 32
     bwd_stages: int = 2
@@ -95,7 +99,7 @@ class Config:
         r = self.producer_regs
         if isinstance(r, bool) or not isinstance(r, int) or r % 8 or not 24 <= r <= 256:
             raise ValueError(f"producer_regs={r!r} must be a multiple of 8 in 24..256")
-        for name in ("pipeline", "smem_epilogue", "prefetch"):
+        for name in ("pipeline", "smem_epilogue", "prefetch", "alt_split"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
         if self.ablate not in (0, 1, 2, 3, 4) or isinstance(self.ablate, bool):
@@ -104,6 +108,8 @@ class Config:
             raise ValueError("ablate applies to pipeline=False only")
         if self.schedule not in ("default", "alternate"):
             raise ValueError(f"schedule={self.schedule!r} must be 'default' or 'alternate'")
+        if self.alt_split and self.schedule != "alternate":
+            raise ValueError("alt_split=True applies to schedule='alternate' only")
         if self.schedule == "alternate":
             if self.stages % 2:
                 raise ValueError(f"schedule='alternate' needs an even stages, got "

@@ -99,6 +99,29 @@ def _next_ids(idx_ptr, ids_next, i, kcols, K: gl.constexpr, BK: gl.constexpr,
 
 
 @gluon.jit
+def _join_sink(m, l, sink_ptrs):
+    """(lse, o scale) per row from the running max / sum (exp2 domain) and the sink's
+    natural-log logit; an empty row without sink: lse = EMPTY_LSE (NEG), o scale 0."""
+    sink2 = gl.load(sink_ptrs) * 1.4426950408889634
+    m_tot = gl.maximum(m, sink2)
+    l_tot = l * gl.exp2(m - m_tot) + gl.exp2(sink2 - m_tot)
+    nonempty = l_tot > 0
+    safe_l = gl.where(nonempty, l_tot, 1.0)
+    lse = gl.where(nonempty, (m_tot + gl.log2(safe_l)) * 0.6931471805599453, NEG)
+    return lse, gl.where(nonempty, gl.exp2(m - m_tot) / safe_l, 0.0)
+
+
+@gluon.jit
+def _program(ntiles_ptr, idx_ptr, T: gl.constexpr, NHB: gl.constexpr, K: gl.constexpr):
+    """This program's (row, head block, batch, tile count, slot list): program = (b, t, head
+    block), head block fastest; `row` indexes the [B*T*NHB] head blocks."""
+    row = gl.program_id(0)
+    tok = row // NHB
+    return (row, row % NHB, tok // T, gl.load(ntiles_ptr + tok),
+            idx_ptr + tok.to(gl.int64) * K)
+
+
+@gluon.jit
 def _release(bar):
     # Every consumer warp is past its reads of the stage, then one arrival.
     gl.thread_barrier()
@@ -172,15 +195,8 @@ def _consumer(idx_ptr, sink_ptr, o_ptr, lse_ptr, q_smem, ring, full, consumed, q
                     acc = acc + gl.convert_layout(gl.sum(p, axis=1), orow)[:, None]
                 _release(consumed.index(s))
 
-    # Join the sink (natural-log logit, converted to the exp2 domain) and normalize.
     hrows = gl.arange(0, HBC, layout=srow)
-    sink2 = gl.load(sink_ptr + h0 + hrows) * 1.4426950408889634
-    m_tot = gl.maximum(m, sink2)
-    l_tot = l * gl.exp2(m - m_tot) + gl.exp2(sink2 - m_tot)
-    nonempty = l_tot > 0
-    safe_l = gl.where(nonempty, l_tot, 1.0)
-    lse = gl.where(nonempty, (m_tot + gl.log2(safe_l)) * 0.6931471805599453, NEG)
-    o_scale = gl.where(nonempty, gl.exp2(m - m_tot) / safe_l, 0.0)
+    lse, o_scale = _join_sink(m, l, sink_ptr + h0 + hrows)
     gl.store(lse_ptr + row * HBC + hrows, lse)
     o = (acc * gl.convert_layout(o_scale, orow)[:, None]).to(o_ptr.dtype.element_ty)
     if SMEM_EPILOGUE:
@@ -206,13 +222,7 @@ def csa_fwd_kernel(q_ptr, kv_ptr, idx_ptr, ntiles_ptr, sink_ptr, o_ptr, lse_ptr,
                    QK_SCALE: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                    PIPELINE: gl.constexpr, SMEM_EPILOGUE: gl.constexpr, ABLATE: gl.constexpr,
                    PREFETCH: gl.constexpr):
-    # program = (b, t, head block), head block fastest; `row` indexes [B*T*NHB] head blocks.
-    row = gl.program_id(0)
-    tok = row // NHB
-    hb = row % NHB
-    b = tok // T
-    ntiles = gl.load(ntiles_ptr + tok)
-    idx_tok = idx_ptr + tok.to(gl.int64) * K
+    row, hb, b, ntiles, idx_tok = _program(ntiles_ptr, idx_ptr, T, NHB, K)
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     HBC: gl.constexpr = 64
     op_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HBC, D], dtype)
@@ -276,7 +286,7 @@ def forward(q, kv, idx, sink, *, scale, config):
     if config.schedule == "alternate":
         from csa_jax.kernels.gluon import fwd_alt
         kernel, warps, consts = (fwd_alt.csa_fwd_alt_kernel, fwd_alt.NUM_WARPS,
-                                 fwd_alt.constexprs(**dims))
+                                 fwd_alt.constexprs(**dims, split=config.alt_split))
     else:
         kernel, warps = csa_fwd_kernel, CONSUMER_WARPS
         consts = constexprs(**dims, pipeline=config.pipeline,

@@ -21,6 +21,11 @@ FlashMLA's SM90 schedule (../shared/gpu_kernels.md), written for Gluon: three pa
   The running max and sum travel with the tiles, so both warpgroups end with the final (m, l)
   and each writes its half of o; warpgroup 0 writes lse.
 
+SPLIT (`Config.alt_split`): each stage is gathered as two column halves with their own "full"
+and "consumed" barriers (_producer_split): the owner starts S on half 0 while half 1 lands, and
+half h is refilled once its readers are done (half s % 2 of stage s: its owner's PV; the other
+half: the owner's S and the other warpgroup's PV), FlashMLA's half-D pipelining.
+
 Numerics are fwd.py's (exp2 domain, finite initial max, empty slots masked, sink joined at the
 end, empty rows o = 0 and lse = sink or EMPTY_LSE); the tile loop stops at the token's last
 non-empty tile. Needs an even ring depth (stage parity = tile parity).
@@ -33,10 +38,12 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait)
 
-from csa_jax.kernels.gluon.fwd import LOG2E, NEG, PRODUCER_WARPS, _producer
+from csa_jax.kernels.gluon.fwd import (LOG2E, NEG, PRODUCER_WARPS, _join_sink, _producer,
+                                       _program)
 
 WG_WARPS = gl.constexpr(4)   # each consumer partition is one warpgroup
 NUM_WARPS = 4                # the default partition (the producer); 12 warps in all
@@ -49,6 +56,60 @@ def _opaque(x):
     # them out of the tile loop left ptxas spilling uniform registers (232 B at 216 registers).
     return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=gl.int32,
                                      is_pure=False, pack=1)
+
+
+@gluon.jit
+def _bar(bars, s, h, SPLIT: gl.constexpr):
+    """Stage s's barrier, or with SPLIT its column half h's (barriers [2 * STAGES])."""
+    if SPLIT:
+        return bars.index(s * 2 + h)
+    else:
+        return bars.index(s)
+
+
+@gluon.jit
+def _producer_split(q_ptr, kv_ptr, idx_ptr, q_smem, ring, full, consumed, q_bar, row, b,
+                    ntiles, N: gl.constexpr, D: gl.constexpr, K: gl.constexpr,
+                    BK: gl.constexpr, STAGES: gl.constexpr, HBC: gl.constexpr):
+    """fwd._producer with each tile gathered as two column halves, each with its own "full"
+    and "consumed" barrier: half h of stage s is refilled as soon as its readers are done."""
+    DH: gl.constexpr = D // 2
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [PRODUCER_WARPS, 1], [1, 0])
+    cols = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
+    hrows = gl.arange(0, HBC, layout=gl.SliceLayout(1, layout))
+    q_ptrs = q_ptr + (row * HBC + hrows).to(gl.int64)[:, None] * D + cols[None, :]
+    async_copy.async_copy_global_to_shared(q_smem, q_ptrs)
+    async_copy.mbarrier_arrive(q_bar, increment_count=False)
+    hcols = gl.arange(0, DH, layout=gl.SliceLayout(0, layout))
+    krows = gl.arange(0, BK, layout=gl.SliceLayout(1, layout))
+    kv_base = kv_ptr + b.to(gl.int64) * (N * D)
+    ids = gl.load(idx_ptr + krows)                     # K >= BK: always in bounds
+    for i in range(ntiles):
+        s = i % STAGES
+        valid = ids >= 0
+        rows = kv_base + gl.where(valid, ids, 0).to(gl.int64)[:, None] * D
+        for h in gl.static_range(2):
+            if i >= STAGES:
+                mbarrier.wait(consumed.index(s * 2 + h), ((i // STAGES) - 1) & 1)
+            async_copy.async_copy_global_to_shared(ring.index(s).slice(h * DH, DH, dim=1),
+                                                   rows + (h * DH + hcols)[None, :],
+                                                   mask=valid[:, None])
+            async_copy.mbarrier_arrive(full.index(s * 2 + h), increment_count=False)
+        nxt = (i + 1) * BK + krows
+        ids = gl.load(idx_ptr + nxt, mask=nxt < K, other=-1)
+
+
+@gluon.jit
+def _producer_for(q_ptr, kv_ptr, idx_ptr, q_smem, ring, full, consumed, q_bar, row, b, ntiles,
+                  N: gl.constexpr, D: gl.constexpr, K: gl.constexpr, BK: gl.constexpr,
+                  STAGES: gl.constexpr, HBC: gl.constexpr, PREFETCH: gl.constexpr,
+                  SPLIT: gl.constexpr):
+    if SPLIT:
+        _producer_split(q_ptr, kv_ptr, idx_ptr, q_smem, ring, full, consumed, q_bar, row, b,
+                        ntiles, N, D, K, BK, STAGES, HBC)
+    else:
+        _producer(q_ptr, kv_ptr, idx_ptr, q_smem, ring, full, consumed, q_bar, row, b, ntiles,
+                  N, D, K, BK, STAGES, HBC, PREFETCH)
 
 
 @gluon.jit
@@ -78,12 +139,12 @@ def _publish(stats, W: gl.constexpr, p_smem, p, m, l, alpha, bar):
 @gluon.jit
 def _other_pv_issue(stats, p_smem, ring, full, acc, ex, j, srow: gl.constexpr,
                     orow: gl.constexpr, W: gl.constexpr, STAGES: gl.constexpr,
-                    DH: gl.constexpr):
+                    DH: gl.constexpr, SPLIT: gl.constexpr):
     """Wait for the other warpgroup's tile j, rescale, issue PV_j on this half (async)."""
     mbarrier.wait(ex, (j // 2) & 1)
     # The tile's own barrier too (long complete; its next phase needs this warpgroup's release),
     # then the proxy fence, so this warpgroup's wgmma sees the cp.async data.
-    mbarrier.wait(full.index(j % STAGES), (j // STAGES) & 1)
+    mbarrier.wait(_bar(full, j % STAGES, W, SPLIT), (j // STAGES) & 1)
     fence_async_shared()
     acc = warpgroup_mma_wait(1, deps=[acc])       # (nothing of acc's is in flight)
     m = _row(stats, 4 * (1 - W)).load(srow)
@@ -98,28 +159,43 @@ def _other_pv_issue(stats, p_smem, ring, full, acc, ex, j, srow: gl.constexpr,
 @gluon.jit
 def _own_tile(idx_ptr, i, acc, m, l, bufs, W: gl.constexpr,
               BK: gl.constexpr, STAGES: gl.constexpr, DH: gl.constexpr, QK_SCALE: gl.constexpr,
-              srow: gl.constexpr, orow: gl.constexpr, p_layout: gl.constexpr):
+              srow: gl.constexpr, orow: gl.constexpr, p_layout: gl.constexpr,
+              SPLIT: gl.constexpr):
     """This warpgroup's tile i, and meanwhile (i >= 1) the PV of the other's tile i-1:
     returns (acc, m, l) after both."""
     ring, q_smem, full, consumed, ex, exfree, own_p, oth_p, st_bufs, s_zero, kcols = bufs
     OTHER: gl.constexpr = 1 - W
     s = _opaque(i % STAGES)
     ids = gl.load(idx_ptr + i * BK + kcols)
-    mbarrier.wait(full.index(s), (i // STAGES) & 1)
-    fence_async_shared()
     tile = ring.index(s)
     q = q_smem.index(_opaque(i * 0))
-    sc = warpgroup_mma(q, tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    if SPLIT:
+        # S in two column halves, the first while the second half of the tile still lands.
+        DHS: gl.constexpr = DH
+        mbarrier.wait(_bar(full, s, 0, SPLIT), (i // STAGES) & 1)
+        fence_async_shared()
+        sc = warpgroup_mma(q.slice(0, DHS, dim=1), tile.slice(0, DHS, dim=1).permute((1, 0)),
+                           s_zero, use_acc=False, is_async=True)
+        mbarrier.wait(_bar(full, s, 1, SPLIT), (i // STAGES) & 1)
+        fence_async_shared()
+        sc = warpgroup_mma(q.slice(DHS, DHS, dim=1),
+                           tile.slice(DHS, DHS, dim=1).permute((1, 0)), sc, is_async=True)
+    else:
+        mbarrier.wait(full.index(s), (i // STAGES) & 1)
+        fence_async_shared()
+        sc = warpgroup_mma(q, tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
     acc = warpgroup_mma_init(acc)
     if i >= 1:
         # The other's tile i-1 (its P and stats published once its softmax is done) runs on the
         # tensor cores behind S_i.
         acc, m, l = _other_pv_issue(st_bufs, oth_p, ring, full, acc, ex.index(OTHER), i - 1,
-                                    srow, orow, W, STAGES, DH)
+                                    srow, orow, W, STAGES, DH, SPLIT)
     else:
         # Tile 0: S_0 is all that is in flight (the wait-count below must be an immediate).
         acc = warpgroup_mma_init(warpgroup_mma_wait(0, deps=[acc]))
     sc = warpgroup_mma_wait(1, deps=[sc])
+    if SPLIT:
+        _release(_bar(consumed, s, OTHER, SPLIT))    # the other's column half: S is done
     sc = gl.where((ids >= 0)[None, :], sc * QK_SCALE, float("-inf"))
     m_new = gl.maximum(m, gl.max(sc, axis=1))
     p = gl.exp2(sc - m_new[:, None])
@@ -130,12 +206,12 @@ def _own_tile(idx_ptr, i, acc, m, l, bufs, W: gl.constexpr,
     _publish(st_bufs, W, own_p, p, m_new, l, alpha, ex.index(W))
     acc = warpgroup_mma_wait(0, deps=[acc])
     if i >= 1:
-        _release(consumed.index((i - 1) % STAGES))
+        _release(_bar(consumed, (i - 1) % STAGES, W, SPLIT))
         _release(exfree.index(OTHER))
     acc = acc * gl.convert_layout(alpha, orow)[:, None]
     pv = gl.convert_layout(p.to(ring.dtype), p_layout)
     acc = warpgroup_mma(pv, tile.slice(W * DH, DH, dim=1), acc)
-    _release(consumed.index(s))
+    _release(_bar(consumed, s, W, SPLIT))
     return acc, m_new, l
 
 
@@ -143,7 +219,7 @@ def _own_tile(idx_ptr, i, acc, m, l, bufs, W: gl.constexpr,
 def _alt_consumer(idx_ptr, sink_ptr, o_ptr, lse_ptr, q_smem, ring, full, consumed, q_bar,
                   p_bufs, st_bufs, ex, exfree, row, h0, ntiles, W: gl.constexpr,
                   D: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, HBC: gl.constexpr,
-                  QK_SCALE: gl.constexpr):
+                  QK_SCALE: gl.constexpr, SPLIT: gl.constexpr):
     DH: gl.constexpr = D // 2
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BK, 16])
@@ -167,27 +243,20 @@ def _alt_consumer(idx_ptr, sink_ptr, o_ptr, lse_ptr, q_smem, ring, full, consume
     bufs = (ring, q_smem, full, consumed, ex, exfree, own_p, oth_p, st_bufs, s_zero, kcols)
     for i in range(W, ntiles, 2):
         acc, m, l = _own_tile(idx_ptr, i, acc, m, l, bufs, W, BK, STAGES, DH, QK_SCALE,
-                              srow, orow, p_layout)
+                              srow, orow, p_layout, SPLIT)
     # The other's last tile, if the list ends on one.
     last = ntiles - 1
     if last >= 0:
         if last % 2 == OTHER:
             acc, m, l = _other_pv_issue(st_bufs, oth_p, ring, full, acc, ex.index(OTHER), last,
-                                        srow, orow, W, STAGES, DH)
+                                        srow, orow, W, STAGES, DH, SPLIT)
             acc = warpgroup_mma_wait(0, deps=[acc])
-            _release(consumed.index(last % STAGES))
+            _release(_bar(consumed, last % STAGES, W, SPLIT))
 
-    # Join the sink (natural-log logit, converted to the exp2 domain) and normalize.
     hrows = gl.arange(0, HBC, layout=srow)
-    sink2 = gl.load(sink_ptr + h0 + hrows) * 1.4426950408889634
-    m_tot = gl.maximum(m, sink2)
-    l_tot = l * gl.exp2(m - m_tot) + gl.exp2(sink2 - m_tot)
-    nonempty = l_tot > 0
-    safe_l = gl.where(nonempty, l_tot, 1.0)
+    lse, o_scale = _join_sink(m, l, sink_ptr + h0 + hrows)
     if W == 0:
-        lse = gl.where(nonempty, (m_tot + gl.log2(safe_l)) * 0.6931471805599453, NEG)
         gl.store(lse_ptr + row * HBC + hrows, lse)
-    o_scale = gl.where(nonempty, gl.exp2(m - m_tot) / safe_l, 0.0)
     o = (acc * gl.convert_layout(o_scale, orow)[:, None]).to(o_ptr.dtype.element_ty)
     orows = gl.arange(0, HBC, layout=orow)
     ocols = W * DH + gl.arange(0, DH, layout=ocol)
@@ -200,13 +269,8 @@ def csa_fwd_alt_kernel(q_ptr, kv_ptr, idx_ptr, ntiles_ptr, sink_ptr, o_ptr, lse_
                        T: gl.constexpr, N: gl.constexpr, NHB: gl.constexpr, D: gl.constexpr,
                        K: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
                        QK_SCALE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                       PREFETCH: gl.constexpr):
-    row = gl.program_id(0)
-    tok = row // NHB
-    hb = row % NHB
-    b = tok // T
-    ntiles = gl.load(ntiles_ptr + tok)
-    idx_tok = idx_ptr + tok.to(gl.int64) * K
+                       PREFETCH: gl.constexpr, SPLIT: gl.constexpr):
+    row, hb, b, ntiles, idx_tok = _program(ntiles_ptr, idx_ptr, T, NHB, K)
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     HBC: gl.constexpr = 64
     op_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HBC, D], dtype)
@@ -218,29 +282,36 @@ def csa_fwd_alt_kernel(q_ptr, kv_ptr, idx_ptr, ntiles_ptr, sink_ptr, o_ptr, lse_
     # (max, sum, rescale) of warpgroup w's latest tile: rows 4w .. 4w+2.
     st_bufs = gl.allocate_shared_memory(gl.float32, [8 * HBC], gl.SwizzledSharedLayout(
         1, 1, 1, [0]))
-    full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    consumed = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    NB: gl.constexpr = STAGES * 2 if SPLIT else STAGES
+    full = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
+    consumed = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
     ex = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     exfree = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=PRODUCER_WARPS * 32)
     for s in gl.static_range(STAGES):
-        mbarrier.init(full.index(s), count=PRODUCER_WARPS * 32)
-        mbarrier.init(consumed.index(s), count=2)       # one arrival per consumer warpgroup
+        if SPLIT:
+            # Half h of a stage: read by its owner's S (owner = s % 2) and by warpgroup h's PV.
+            for h in gl.static_range(2):
+                mbarrier.init(full.index(s * 2 + h), count=PRODUCER_WARPS * 32)
+                mbarrier.init(consumed.index(s * 2 + h), count=1 if h == s % 2 else 2)
+        else:
+            mbarrier.init(full.index(s), count=PRODUCER_WARPS * 32)
+            mbarrier.init(consumed.index(s), count=2)   # one arrival per consumer warpgroup
     for w in gl.static_range(2):
         mbarrier.init(ex.index(w), count=1)
         mbarrier.init(exfree.index(w), count=1)
     # The producer is the default partition (it gets what the two consumers leave of the
     # register file: 72 per thread at 216 each); the consumers are the two workers.
     gl.warp_specialize([
-        (_producer, (q_ptr, kv_ptr, idx_tok, q_smem.index(0), ring, full, consumed, q_bar, row, b,
-                     ntiles, N, D, K, BK, STAGES, HBC, PREFETCH)),
+        (_producer_for, (q_ptr, kv_ptr, idx_tok, q_smem.index(0), ring, full, consumed, q_bar,
+                         row, b, ntiles, N, D, K, BK, STAGES, HBC, PREFETCH, SPLIT)),
         (_alt_consumer, (idx_tok, sink_ptr, o_ptr, lse_ptr, q_smem, ring, full, consumed, q_bar,
                          p_bufs, st_bufs, ex, exfree, row, hb * HBC, ntiles, 0, D, BK, STAGES,
-                         HBC, QK_SCALE)),
+                         HBC, QK_SCALE, SPLIT)),
         (_alt_consumer, (idx_tok, sink_ptr, o_ptr, lse_ptr, q_smem, ring, full, consumed, q_bar,
                          p_bufs, st_bufs, ex, exfree, row, hb * HBC, ntiles, 1, D, BK, STAGES,
-                         HBC, QK_SCALE)),
+                         HBC, QK_SCALE, SPLIT)),
     ], [WG_WARPS, WG_WARPS], [CONSUMER_REGS, CONSUMER_REGS])
 
 
@@ -254,10 +325,11 @@ def consumer_regs(producer_regs):
     return min(256, (REG_FILE - 128 * int(producer_regs)) // 256 // 8 * 8)
 
 
-def constexprs(*, T, N, NHB, D, K, BK, stages, scale, producer_regs, prefetch=True):
+def constexprs(*, T, N, NHB, D, K, BK, stages, scale, producer_regs, prefetch=True,
+               split=False):
     """The alternating kernel's compile-time parameters (also used by the CPU compile checks)."""
     if stages % 2:
         raise ValueError(f"schedule='alternate' needs an even ring depth, got stages={stages}")
     return dict(T=T, N=N, NHB=NHB, D=D, K=K, BK=BK, STAGES=stages,
                 QK_SCALE=float(scale) * LOG2E, CONSUMER_REGS=consumer_regs(producer_regs),
-                PREFETCH=bool(prefetch))
+                PREFETCH=bool(prefetch), SPLIT=bool(split))
