@@ -54,15 +54,16 @@ def kernels(variants):
     for name, over in variants:
         cfg = dataclasses.replace(base, **over)
         dims = dict(T=4096, N=5120, NHB=2, D=512, K=1152, BK=cfg.block_k, stages=cfg.stages,
-                    scale=512 ** -0.5, producer_regs=cfg.producer_regs, prefetch=cfg.prefetch)
+                    scale=512 ** -0.5, prefetch=cfg.prefetch)
         if cfg.schedule == "alternate":
             from csa_jax.kernels.gluon import fwd_alt
             yield (f"csa_fwd[{name}]", name == "default", fwd_alt.csa_fwd_alt_kernel,
-                   fwd.arg_types(), fwd_alt.constexprs(**dims, split=cfg.alt_split),
+                   fwd.arg_types(), fwd_alt.constexprs(**dims, consumer_regs=cfg.alt_regs,
+                                                       split=cfg.alt_split),
                    fwd_alt.NUM_WARPS)
             continue
-        consts = fwd.constexprs(**dims, pipeline=cfg.pipeline, smem_epilogue=cfg.smem_epilogue,
-                                ablate=cfg.ablate)
+        consts = fwd.constexprs(**dims, producer_regs=cfg.producer_regs, pipeline=cfg.pipeline,
+                                smem_epilogue=cfg.smem_epilogue, ablate=cfg.ablate)
         yield (f"csa_fwd[{name}]", name == "default", fwd.csa_fwd_kernel, fwd.arg_types(),
                consts, fwd.CONSUMER_WARPS)
     yield ("ring_gather_probe", False, ring_gather_kernel, ["*bf16", "*i32", "*bf16"],

@@ -48,10 +48,13 @@ class Config:
         of every S and their half of every PV); "alternate" = fwd_alt.py, FlashMLA's schedule
         (two 4-warp consumer partitions that take turns: S and the softmax of even tiles on
         warpgroup 0, odd tiles on 1, P and the running max / sum handed over in shared memory,
-        each PV on the warpgroup's own 256 columns; the producer keeps producer_regs or more and
-        the consumers get the rest, 200 registers at 96, 216 at 72). `pipeline`,
+        each PV on the warpgroup's own 256 columns; registers per consumer thread `alt_regs`,
+        the producer warpgroup gets the rest: 72 at 216; `producer_regs` is the default
+        schedule's and the dq kernel's). `pipeline`,
         `smem_epilogue` and `ablate` apply to the default schedule only; "alternate" needs an
         even `stages`.
+    alt_regs: schedule="alternate": registers per consumer thread (setmaxnreg; multiple of 8,
+        128..240).
     alt_split: schedule="alternate" only: each ring stage in two column halves with their own
         barriers (the producer refills a half as soon as its readers are done, the owner starts
         S on the first half while the second lands; FlashMLA's half-D pipelining).
@@ -72,6 +75,7 @@ class Config:
     prefetch: bool = True
     ablate: int = 0
     schedule: str = "default"
+    alt_regs: int = 216
     alt_split: bool = False
     bwd: str = "gluon"
     bwd_block_k: int = 32
@@ -108,6 +112,9 @@ class Config:
             raise ValueError("ablate applies to pipeline=False only")
         if self.schedule not in ("default", "alternate"):
             raise ValueError(f"schedule={self.schedule!r} must be 'default' or 'alternate'")
+        a = self.alt_regs
+        if isinstance(a, bool) or not isinstance(a, int) or a % 8 or not 128 <= a <= 240:
+            raise ValueError(f"alt_regs={a!r} must be a multiple of 8 in 128..240")
         if self.alt_split and self.schedule != "alternate":
             raise ValueError("alt_split=True applies to schedule='alternate' only")
         if self.schedule == "alternate":

@@ -282,15 +282,17 @@ def forward(q, kv, idx, sink, *, scale, config):
     sink_p = pad(sink.astype(jnp.float32), 0, Hp, -jnp.inf)
     nhb = Hp // HB
     dims = dict(T=T, N=N, NHB=nhb, D=Dp, K=Kp, BK=bk, stages=config.stages, scale=scale,
-                producer_regs=config.producer_regs, prefetch=config.prefetch)
+                prefetch=config.prefetch)
     if config.schedule == "alternate":
         from csa_jax.kernels.gluon import fwd_alt
         kernel, warps, consts = (fwd_alt.csa_fwd_alt_kernel, fwd_alt.NUM_WARPS,
-                                 fwd_alt.constexprs(**dims, split=config.alt_split))
+                                 fwd_alt.constexprs(**dims, consumer_regs=config.alt_regs,
+                                                    split=config.alt_split))
     else:
         kernel, warps = csa_fwd_kernel, CONSUMER_WARPS
-        consts = constexprs(**dims, pipeline=config.pipeline,
-                            smem_epilogue=config.smem_epilogue, ablate=config.ablate)
+        consts = constexprs(**dims, producer_regs=config.producer_regs,
+                            pipeline=config.pipeline, smem_epilogue=config.smem_epilogue,
+                            ablate=config.ablate)
     o, lse = gluon_call(
         q_p, kv_p, idx_p.reshape(B * T, Kp), ntiles, sink_p,
         kernel=kernel,

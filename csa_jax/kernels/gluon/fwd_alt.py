@@ -6,9 +6,9 @@ FlashMLA's SM90 schedule (../shared/gpu_kernels.md), written for Gluon: three pa
 - producer = the default partition: fwd._producer unchanged: q once, then every 64-row tile
   of the token's slots gathered with cp.async into the 2-stage ring ("full" barriers); it
   refills a stage once its "consumed" barrier has had one arrival from EACH consumer. It keeps
-  what the consumers leave of the register file (at least `Config.producer_regs`).
-- consumer warpgroup W = 0, 1: two worker partitions, `consumer_regs(producer_regs)` registers
-  (setmaxnreg: 216 at producer_regs = 72, 200 at the default 96). Warpgroup W owns the tiles
+  what the consumers leave of the register file (`producer_regs(consumer_regs)`: 72 at 216).
+- consumer warpgroup W = 0, 1: two worker partitions of `Config.alt_regs` registers per
+  thread (setmaxnreg; 216 by default, FlashMLA's split). Warpgroup W owns the tiles
   i with i % 2 == W and output columns [W*D/2, (W+1)*D/2). For its own tile it computes the
   whole S = q kv^T (m64n64, q and the tile from shared memory) and the online softmax from the
   running (max, sum) left by the other warpgroup's previous tile, publishes (max, sum, rescale
@@ -32,7 +32,8 @@ non-empty tile. Needs an even ring depth (stage parity = tile parity).
 
 Register spills (CPU compile, sm_90a, ptxas -v): without `_opaque`, LLVM hoisted q's 32 wgmma
 descriptors out of the tile loop and ptxas spilled them (232 B with the consumers as the two
-workers, 444 B with consumer 0 as the default partition); as written: 0 spills at 200 and 216.
+workers, 444 B with consumer 0 as the default partition); as written: 0 spills at 200 and 216
+consumer registers.
 """
 from __future__ import annotations
 
@@ -318,18 +319,16 @@ def csa_fwd_alt_kernel(q_ptr, kv_ptr, idx_ptr, ntiles_ptr, sink_ptr, o_ptr, lse_
 REG_FILE = 168 * 384   # what ptxas gives 384 threads (.maxnreg 168), shared out by setmaxnreg
 
 
-def consumer_regs(producer_regs):
-    """Registers per consumer thread when the producer warpgroup keeps at least producer_regs:
-    the largest multiple of 8 that leaves them (216 at 72, 200 at 96); the producer, the
-    default partition, gets the rest."""
-    return min(256, (REG_FILE - 128 * int(producer_regs)) // 256 // 8 * 8)
+def producer_regs(consumer_regs):
+    """Registers per producer thread that two consumer warpgroups of consumer_regs leave."""
+    return (REG_FILE - 256 * int(consumer_regs)) // 128
 
 
-def constexprs(*, T, N, NHB, D, K, BK, stages, scale, producer_regs, prefetch=True,
+def constexprs(*, T, N, NHB, D, K, BK, stages, scale, consumer_regs=216, prefetch=True,
                split=False):
     """The alternating kernel's compile-time parameters (also used by the CPU compile checks)."""
     if stages % 2:
         raise ValueError(f"schedule='alternate' needs an even ring depth, got stages={stages}")
     return dict(T=T, N=N, NHB=NHB, D=D, K=K, BK=BK, STAGES=stages,
-                QK_SCALE=float(scale) * LOG2E, CONSUMER_REGS=consumer_regs(producer_regs),
+                QK_SCALE=float(scale) * LOG2E, CONSUMER_REGS=int(consumer_regs),
                 PREFETCH=bool(prefetch), SPLIT=bool(split))
