@@ -2,8 +2,10 @@
 
     python -m benchmarks.gluon_check [--golden-dir DIR] [--out check.json]
         [--parts probe,random,golden,grad,time] [--seed S] [--config key=val,...]
+        [--cases name,...]
 
---config overrides fields of the gluon Config (e.g. pipeline=true) for every gluon call.
+--config overrides fields of the gluon Config (e.g. pipeline=true) for every gluon call;
+--cases runs only the named random cases (the same inputs as in a full run with that seed).
 
 Parts:
   probe   the adapter end to end: the warp-specialized ring gather of kernels/gluon/probe.py
@@ -37,6 +39,7 @@ from benchmarks.common import parse_overrides, time_fn
 TOL = {"bfloat16": 2e-2, "float16": 5e-3}
 RESULTS = []
 OVERRIDES = {}
+CASES = set()          # --cases: run only these random cases (empty = all)
 
 
 def gluon_config(q, kv, idx):
@@ -143,8 +146,13 @@ def part_random(seed):
         ("h16_d64_bf16_sink_pad", 1, 64, 16, 64, 100, 40, jnp.bfloat16, True),
         ("h64_d512_f16_sink", 1, 64, 64, 512, 150, 100, jnp.float16, True),
     ]
+    unknown = CASES - {c[0] for c in cases}
+    if unknown:
+        raise ValueError(f"--cases {sorted(unknown)}: not random cases ({[c[0] for c in cases]})")
     for name, B, T, H, D, N, K, dt, sink in cases:
         key, k = jax.random.split(key)
+        if CASES and name not in CASES:
+            continue
         check_forward(name, *random_case(k, B, T, H, D, N, K, dt, sink))
 
 
@@ -220,8 +228,10 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=int(time.time()) % 100000)
     ap.add_argument("--out", default=None)
     ap.add_argument("--config", default="", help="gluon Config overrides: key=val,...")
+    ap.add_argument("--cases", default="", help="random part: only these cases (name,name)")
     args = ap.parse_args(argv)
     OVERRIDES.update(parse_overrides(args.config))     # bools, ints, strings (schedule=...)
+    CASES.update(filter(None, args.cases.split(",")))
     parts = args.parts.split(",")
     print(f"# device {jax.devices()[0].device_kind}, jax {jax.__version__}, seed {args.seed}, "
           f"gluon config overrides {OVERRIDES}", flush=True)
