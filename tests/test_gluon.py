@@ -237,6 +237,7 @@ def test_alternate_schedule_compiles_without_spills(kw, regs):
     assert r["num_warps"] == 12 and r["launch_problem"] is None
     assert r["shared"] <= r["shared_limit"]
     assert r["spill_stores"] == 0 and r["spill_loads"] == 0, r["ptxas"]
+    assert "C7514" not in r["ptxas"], r["ptxas"]     # ptxas: "wgmma ... serialized"
     ptx = c.asm["ptx"]
     assert re.search(rf"setmaxnreg\.inc\.sync\.aligned\.u32\s+{regs};", ptx)
     prod = fwd_alt.producer_regs(regs)                    # 72 at 216, 104 at 200

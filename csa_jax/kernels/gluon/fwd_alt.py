@@ -22,9 +22,11 @@ FlashMLA's SM90 schedule (../shared/gpu_kernels.md), written for Gluon: three pa
   and each writes its half of o; warpgroup 0 writes lse.
 
 SPLIT (`Config.alt_split`): each stage is gathered as two column halves with their own "full"
-and "consumed" barriers (_producer_split): the owner starts S on half 0 while half 1 lands, and
-half h is refilled once its readers are done (half s % 2 of stage s: its owner's PV; the other
-half: the owner's S and the other warpgroup's PV), FlashMLA's half-D pipelining.
+and "consumed" barriers (_producer_split): half h is refilled once its readers are done (half
+s % 2 of stage s: its owner's PV; the other half: the owner's S and the other warpgroup's PV),
+FlashMLA's half-D pipelining. S still waits for both halves: issuing its first half before the
+second half's barrier wait (one accumulator chained across the wait loop) made ptxas serialize
+every wgmma of the kernel (C7514), and a second accumulator spilled 436 B.
 
 Numerics are fwd.py's (exp2 domain, finite initial max, empty slots masked, sink joined at the
 end, empty rows o = 0 and lse = sink or EMPTY_LSE); the tile loop stops at the token's last
@@ -171,16 +173,10 @@ def _own_tile(idx_ptr, i, acc, m, l, bufs, W: gl.constexpr,
     tile = ring.index(s)
     q = q_smem.index(_opaque(i * 0))
     if SPLIT:
-        # S in two column halves, the first while the second half of the tile still lands.
-        DHS: gl.constexpr = DH
         mbarrier.wait(_bar(full, s, 0, SPLIT), (i // STAGES) & 1)
-        fence_async_shared()
-        sc = warpgroup_mma(q.slice(0, DHS, dim=1), tile.slice(0, DHS, dim=1).permute((1, 0)),
-                           s_zero, use_acc=False, is_async=True)
         mbarrier.wait(_bar(full, s, 1, SPLIT), (i // STAGES) & 1)
         fence_async_shared()
-        sc = warpgroup_mma(q.slice(DHS, DHS, dim=1),
-                           tile.slice(DHS, DHS, dim=1).permute((1, 0)), sc, is_async=True)
+        sc = warpgroup_mma(q, tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
     else:
         mbarrier.wait(full.index(s), (i // STAGES) & 1)
         fence_async_shared()
