@@ -55,7 +55,7 @@ def kernels(variants):
         cfg = dataclasses.replace(base, **over)
         dims = dict(T=4096, N=5120, NHB=2, D=512, K=1152, BK=cfg.block_k, stages=cfg.stages,
                     scale=512 ** -0.5, prefetch=cfg.prefetch)
-        if cfg.schedule == "alternate":
+        if cfg.resolved_schedule == "alternate":
             from csa_jax.kernels.gluon import fwd_alt
             yield (f"csa_fwd[{name}]", name == "default", fwd_alt.csa_fwd_alt_kernel,
                    fwd.arg_types(), fwd_alt.constexprs(**dims, consumer_regs=cfg.alt_regs,

@@ -65,12 +65,24 @@ def test_config_defaults_fit_shared_memory():
     (dict(schedule="lockstep"), "schedule='lockstep'"),
     (dict(schedule="alternate", stages=3), "even stages, got stages=3"),
     (dict(schedule="alternate", pipeline=True), "pipeline apply to schedule='default' only"),
-    (dict(alt_split=True), "alt_split=True applies to schedule='alternate' only"),
+    (dict(alt_split=True, schedule="default"), "alt_split=True applies to schedule='alternate'"),
     (dict(schedule="alternate", alt_regs=250), "alt_regs=250"),
 ])
 def test_config_rejects(kw, match):
     with pytest.raises(ValueError, match=match):
         impl.Config(**kw)
+
+
+def test_schedule_auto_resolution():
+    """schedule="auto" (the default) runs the alternating kernel unless a lockstep-only option
+    or an odd ring depth asks for fwd.py's."""
+    assert impl.Config().resolved_schedule == "alternate"
+    for kw in (dict(pipeline=True), dict(smem_epilogue=True), dict(ablate=1), dict(stages=3)):
+        assert impl.Config(**kw).resolved_schedule == "default", kw
+    assert impl.Config(schedule="default").resolved_schedule == "default"
+    assert impl.Config(alt_split=True).resolved_schedule == "alternate"
+    with pytest.raises(ValueError, match="alt_split=True applies"):
+        impl.Config(alt_split=True, pipeline=True)
 
 
 def test_unsupported_on_cpu_names_the_reason():

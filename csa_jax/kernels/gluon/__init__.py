@@ -44,7 +44,10 @@ class Config:
     ablate: BENCHMARK ONLY, wrong results: 1 = no PV product, 2 = no QK^T product, 3 = neither,
         4 = no compute at all (the consumers only wait for and release the ring: the producer's
         pace). Used to place the time inside the kernel (docs/perf/gluon_h200.md).
-    schedule: "default" = fwd.py (one 8-warp consumer partition: both warpgroups compute half
+    schedule: "auto" (default) = "alternate" unless an option of the lockstep kernel is set
+        (pipeline, smem_epilogue, ablate) or stages is odd, then "default" (measured:
+        docs/perf/gluon_h200.md, "alternate" 1.22x faster at Pro cr4 T=16384);
+        "default" = fwd.py (one 8-warp consumer partition: both warpgroups compute half
         of every S and their half of every PV); "alternate" = fwd_alt.py, FlashMLA's schedule
         (two 4-warp consumer partitions that take turns: S and the softmax of even tiles on
         warpgroup 0, odd tiles on 1, P and the running max / sum handed over in shared memory,
@@ -74,7 +77,7 @@ class Config:
     smem_epilogue: bool = False
     prefetch: bool = True
     ablate: int = 0
-    schedule: str = "default"
+    schedule: str = "auto"
     alt_regs: int = 216
     alt_split: bool = False
     bwd: str = "gluon"
@@ -110,21 +113,33 @@ class Config:
             raise ValueError(f"ablate={self.ablate!r} must be 0 (off) or 1..4 (benchmark only)")
         if self.ablate and self.pipeline:
             raise ValueError("ablate applies to pipeline=False only")
-        if self.schedule not in ("default", "alternate"):
-            raise ValueError(f"schedule={self.schedule!r} must be 'default' or 'alternate'")
+        if self.schedule not in ("auto", "default", "alternate"):
+            raise ValueError(f"schedule={self.schedule!r} must be 'auto', 'default' or "
+                             f"'alternate'")
         a = self.alt_regs
         if isinstance(a, bool) or not isinstance(a, int) or a % 8 or not 128 <= a <= 240:
             raise ValueError(f"alt_regs={a!r} must be a multiple of 8 in 128..240")
-        if self.alt_split and self.schedule != "alternate":
+        if self.alt_split and self.resolved_schedule != "alternate":
             raise ValueError("alt_split=True applies to schedule='alternate' only")
         if self.schedule == "alternate":
             if self.stages % 2:
                 raise ValueError(f"schedule='alternate' needs an even stages, got "
                                  f"stages={self.stages}")
-            on = [n for n in ("pipeline", "smem_epilogue", "ablate") if getattr(self, n)]
+            on = self._lockstep_options()
             if on:
                 raise ValueError(f"{', '.join(on)} apply to schedule='default' only "
                                  f"(schedule='alternate' has its own overlap and epilogue)")
+
+    def _lockstep_options(self):
+        return [n for n in ("pipeline", "smem_epilogue", "ablate") if getattr(self, n)]
+
+    @property
+    def resolved_schedule(self):
+        """"default" or "alternate": what schedule="auto" runs (an option that only the
+        lockstep kernel has, or an odd ring depth, selects "default")."""
+        if self.schedule != "auto":
+            return self.schedule
+        return "default" if self._lockstep_options() or self.stages % 2 else "alternate"
 
 
 def shared_bytes(D, config, itemsize=2):
@@ -133,7 +148,7 @@ def shared_bytes(D, config, itemsize=2):
     from csa_jax.kernels.gluon.dims import HB, padded_dims
     Dp = padded_dims(64, D, config.block_k, config.block_k)[1]
     extra = 0
-    if config.schedule == "alternate":
+    if config.resolved_schedule == "alternate":
         extra = 2 * HB * config.block_k * itemsize + 8 * HB * 4
     return (HB + config.stages * config.block_k) * Dp * itemsize + extra
 

@@ -283,7 +283,7 @@ def forward(q, kv, idx, sink, *, scale, config):
     nhb = Hp // HB
     dims = dict(T=T, N=N, NHB=nhb, D=Dp, K=Kp, BK=bk, stages=config.stages, scale=scale,
                 prefetch=config.prefetch)
-    if config.schedule == "alternate":
+    if config.resolved_schedule == "alternate":
         from csa_jax.kernels.gluon import fwd_alt
         kernel, warps, consts = (fwd_alt.csa_fwd_alt_kernel, fwd_alt.NUM_WARPS,
                                  fwd_alt.constexprs(**dims, consumer_regs=config.alt_regs,
