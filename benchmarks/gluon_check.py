@@ -2,8 +2,10 @@
 
     python -m benchmarks.gluon_check [--golden-dir DIR] [--out check.json]
         [--parts probe,random,golden,grad,time] [--seed S] [--config key=val,...]
+        [--cases name,...]
 
---config overrides fields of the gluon Config (e.g. pipeline=true) for every gluon call.
+--config overrides fields of the gluon Config (e.g. pipeline=true) for every gluon call;
+--cases runs only the named random cases (the same inputs as in a full run with that seed).
 
 Parts:
   probe   the adapter end to end: the warp-specialized ring gather of kernels/gluon/probe.py
@@ -32,11 +34,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import time_fn
+from benchmarks.common import parse_overrides, time_fn
 
 TOL = {"bfloat16": 2e-2, "float16": 5e-3}
 RESULTS = []
 OVERRIDES = {}
+CASES = set()          # --cases: run only these random cases (empty = all)
 
 
 def gluon_config(q, kv, idx):
@@ -136,15 +139,20 @@ def check_forward(name, q, kv, idx, sink, *, scale=None, ref_o=None):
 
 def part_random(seed):
     key = jax.random.PRNGKey(seed + 1)
-    cases = [
+    cases = [        # the longest list (18 tiles) first: a pipeline hang shows up at once
+        ("h128_d512_bf16_k1152", 1, 64, 128, 512, 2000, 1152, jnp.bfloat16, True),
         ("h64_d512_bf16_sink", 1, 192, 64, 512, 320, 192, jnp.bfloat16, True),
         ("h128_d512_bf16_nosink_k130", 2, 96, 128, 512, 200, 130, jnp.bfloat16, False),
         ("h16_d64_bf16_sink_pad", 1, 64, 16, 64, 100, 40, jnp.bfloat16, True),
         ("h64_d512_f16_sink", 1, 64, 64, 512, 150, 100, jnp.float16, True),
-        ("h128_d512_bf16_k1152", 1, 64, 128, 512, 2000, 1152, jnp.bfloat16, True),
     ]
+    unknown = CASES - {c[0] for c in cases}
+    if unknown:
+        raise ValueError(f"--cases {sorted(unknown)}: not random cases ({[c[0] for c in cases]})")
     for name, B, T, H, D, N, K, dt, sink in cases:
         key, k = jax.random.split(key)
+        if CASES and name not in CASES:
+            continue
         check_forward(name, *random_case(k, B, T, H, D, N, K, dt, sink))
 
 
@@ -220,11 +228,10 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=int(time.time()) % 100000)
     ap.add_argument("--out", default=None)
     ap.add_argument("--config", default="", help="gluon Config overrides: key=val,...")
+    ap.add_argument("--cases", default="", help="random part: only these cases (name,name)")
     args = ap.parse_args(argv)
-    for kv in filter(None, args.config.split(",")):
-        k, _, v = kv.partition("=")
-        OVERRIDES[k.strip()] = (v.strip().lower() == "true" if v.strip().lower() in
-                                ("true", "false") else int(v))
+    OVERRIDES.update(parse_overrides(args.config))     # bools, ints, strings (schedule=...)
+    CASES.update(filter(None, args.cases.split(",")))
     parts = args.parts.split(",")
     print(f"# device {jax.devices()[0].device_kind}, jax {jax.__version__}, seed {args.seed}, "
           f"gluon config overrides {OVERRIDES}", flush=True)

@@ -93,11 +93,17 @@ def gluon_nv_kernels(variants):
     base = impl.default_config((1, 4096, 128, 512), (1, 5120, 512), (1, 4096, 1152), "bfloat16")
     for name, over in variants:
         cfg = dataclasses.replace(base, **over)
-        consts = fwd.constexprs(T=4096, N=5120, NHB=2, D=512, K=1152, BK=cfg.block_k,
-                                stages=cfg.stages, scale=512 ** -0.5,
-                                producer_regs=cfg.producer_regs, pipeline=cfg.pipeline,
-                                smem_epilogue=cfg.smem_epilogue, prefetch=cfg.prefetch,
-                                ablate=cfg.ablate)
+        dims = dict(T=4096, N=5120, NHB=2, D=512, K=1152, BK=cfg.block_k, stages=cfg.stages,
+                    scale=512 ** -0.5, prefetch=cfg.prefetch)
+        if cfg.resolved_schedule == "alternate":
+            from csa_jax.kernels.gluon import fwd_alt
+            yield (f"csa_fwd[{name}]", name == "default", None,
+                   _gluon(fwd_alt.csa_fwd_alt_kernel, fwd.arg_types(),
+                          fwd_alt.constexprs(**dims, consumer_regs=cfg.alt_regs,
+                                             split=cfg.alt_split), fwd_alt.NUM_WARPS))
+            continue
+        consts = fwd.constexprs(**dims, producer_regs=cfg.producer_regs, pipeline=cfg.pipeline,
+                                smem_epilogue=cfg.smem_epilogue, ablate=cfg.ablate)
         yield (f"csa_fwd[{name}]", name == "default", None,
                _gluon(fwd.csa_fwd_kernel, fwd.arg_types(), consts, fwd.CONSUMER_WARPS))
     consts = bwd.constexprs(T=4096, N=5120, NHB=2, D=512, K=1152, BK=base.bwd_block_k,

@@ -62,10 +62,27 @@ def test_config_defaults_fit_shared_memory():
     (dict(pipeline=1), "pipeline=1"),
     (dict(ablate=7), "ablate=7"),
     (dict(ablate=2, pipeline=True), "pipeline=False only"),
+    (dict(schedule="lockstep"), "schedule='lockstep'"),
+    (dict(schedule="alternate", stages=3), "even stages, got stages=3"),
+    (dict(schedule="alternate", pipeline=True), "pipeline apply to schedule='default' only"),
+    (dict(alt_split=True, schedule="default"), "alt_split=True applies to schedule='alternate'"),
+    (dict(schedule="alternate", alt_regs=250), "alt_regs=250"),
 ])
 def test_config_rejects(kw, match):
     with pytest.raises(ValueError, match=match):
         impl.Config(**kw)
+
+
+def test_schedule_auto_resolution():
+    """schedule="auto" (the default) runs the alternating kernel unless a lockstep-only option
+    or an odd ring depth asks for fwd.py's."""
+    assert impl.Config().resolved_schedule == "alternate"
+    for kw in (dict(pipeline=True), dict(smem_epilogue=True), dict(ablate=1), dict(stages=3)):
+        assert impl.Config(**kw).resolved_schedule == "default", kw
+    assert impl.Config(schedule="default").resolved_schedule == "default"
+    assert impl.Config(alt_split=True).resolved_schedule == "alternate"
+    with pytest.raises(ValueError, match="alt_split=True applies"):
+        impl.Config(alt_split=True, pipeline=True)
 
 
 def test_unsupported_on_cpu_names_the_reason():
@@ -176,6 +193,13 @@ def test_gluon_call_without_gpu_jaxlib_names_the_extra():
 
 def _compile_fwd(D=512, K=1152, block_k=64, stages=2, dt="bf16", **kw):
     from csa_jax.kernels.gluon import fwd
+    if kw.pop("schedule", "default") == "alternate":
+        from csa_jax.kernels.gluon import fwd_alt
+        return adapter.compile_kernel(
+            fwd_alt.csa_fwd_alt_kernel, fwd.arg_types(dt),
+            fwd_alt.constexprs(T=64, N=256, NHB=2, D=D, K=K, BK=block_k, stages=stages,
+                               scale=D ** -0.5, **kw),
+            target="sm_90a", num_warps=fwd_alt.NUM_WARPS)
     return adapter.compile_kernel(
         fwd.csa_fwd_kernel, fwd.arg_types(dt),
         fwd.constexprs(T=64, N=256, NHB=2, D=D, K=K, BK=block_k, stages=stages,
@@ -207,6 +231,33 @@ def test_forward_variants_compile(kw):
     _need_triton()
     r = adapter.resources(_compile_fwd(**kw), "sm_90a")
     assert r["num_warps"] == 12 and r["shared"] <= r["shared_limit"]
+
+
+@pytest.mark.parametrize("kw, regs", [(dict(), 216), (dict(consumer_regs=200), 200),
+                                      (dict(D=64, K=64, stages=4), 216),
+                                      (dict(split=True), 216),
+                                      (dict(block_k=32, stages=4, dt="fp16"), 216)])
+def test_alternate_schedule_compiles_without_spills(kw, regs):
+    """schedule="alternate" (fwd_alt.py): 12 warps = producer (default partition) + two 4-warp
+    consumer workers at `regs` registers (setmaxnreg; the producer gets the rest), shared
+    memory within the limit, 0 spills (it spilled 232 B before its q descriptors were kept in
+    the loop), a full m64n64 S per tile and m64n(D/2) PV on wgmma."""
+    _need_triton()
+    from csa_jax.kernels.gluon import fwd_alt
+    c = _compile_fwd(schedule="alternate", **kw)
+    r = adapter.resources(c, "sm_90a")
+    assert r["num_warps"] == 12 and r["launch_problem"] is None
+    assert r["shared"] <= r["shared_limit"]
+    assert r["spill_stores"] == 0 and r["spill_loads"] == 0, r["ptxas"]
+    assert "C7514" not in r["ptxas"], r["ptxas"]     # ptxas: "wgmma ... serialized"
+    ptx = c.asm["ptx"]
+    assert re.search(rf"setmaxnreg\.inc\.sync\.aligned\.u32\s+{regs};", ptx)
+    prod = fwd_alt.producer_regs(regs)                    # 72 at 216, 104 at 200
+    assert re.search(rf"setmaxnreg\.dec\.sync\.aligned\.u32\s+{prod};", ptx)
+    bk, dh = kw.get("block_k", 64), kw.get("D", 512) // 2
+    dt = "f16.f16" if kw.get("dt") == "fp16" else "bf16.bf16"
+    assert f"wgmma.mma_async.sync.aligned.m64n{bk}k16.f32.{dt}" in ptx
+    assert f"wgmma.mma_async.sync.aligned.m64n{dh}k16.f32.{dt}" in ptx
 
 
 @pytest.mark.parametrize("target", ["gfx942", "gfx950", "gfx1250"])

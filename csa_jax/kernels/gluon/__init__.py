@@ -52,6 +52,23 @@ class Config:
     ablate: BENCHMARK ONLY, wrong results: 1 = no PV product, 2 = no QK^T product, 3 = neither,
         4 = no compute at all (the consumers only wait for and release the ring: the producer's
         pace). Used to place the time inside the kernel (docs/perf/gluon_h200.md).
+    schedule: "auto" (default) = "alternate" unless an option of the lockstep kernel is set
+        (pipeline, smem_epilogue, ablate) or stages is odd, then "default" (measured:
+        docs/perf/gluon_h200.md, "alternate" 1.22x faster at Pro cr4 T=16384);
+        "default" = fwd.py (one 8-warp consumer partition: both warpgroups compute half
+        of every S and their half of every PV); "alternate" = fwd_alt.py, FlashMLA's schedule
+        (two 4-warp consumer partitions that take turns: S and the softmax of even tiles on
+        warpgroup 0, odd tiles on 1, P and the running max / sum handed over in shared memory,
+        each PV on the warpgroup's own 256 columns; registers per consumer thread `alt_regs`,
+        the producer warpgroup gets the rest: 72 at 216; `producer_regs` is the default
+        schedule's and the dq kernel's). `pipeline`,
+        `smem_epilogue` and `ablate` apply to the default schedule only; "alternate" needs an
+        even `stages`.
+    alt_regs: schedule="alternate": registers per consumer thread (setmaxnreg; multiple of 8,
+        128..240).
+    alt_split: schedule="alternate" only: each ring stage in two column halves with their own
+        barriers (the producer refills a half as soon as its readers are done, the owner starts
+        S on the first half while the second lands; FlashMLA's half-D pipelining).
     bwd: "gluon" (the dq kernel of bwd.py, dkv by the Pallas Triton GEMM + reduce) or
         "pallas_triton" (its whole backward); bwd_block_k (16, 32, 64) and bwd_stages: the dq
         kernel's ring tile rows and depth (32 x 2 at D = 512: [q; dO] 128 KiB + 2 x 32 KiB).
@@ -89,6 +106,9 @@ class Config:
     smem_epilogue: bool = False
     prefetch: bool = True
     ablate: int = 0
+    schedule: str = "auto"
+    alt_regs: int = 216
+    alt_split: bool = False
     bwd: str = "gluon"
     bwd_block_k: int = 32
     bwd_stages: int = 2
@@ -154,20 +174,51 @@ class Config:
         r = self.producer_regs
         if isinstance(r, bool) or not isinstance(r, int) or r % 8 or not 24 <= r <= 256:
             raise ValueError(f"producer_regs={r!r} must be a multiple of 8 in 24..256")
-        for name in ("pipeline", "smem_epilogue", "prefetch"):
+        for name in ("pipeline", "smem_epilogue", "prefetch", "alt_split"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
         if self.ablate not in (0, 1, 2, 3, 4) or isinstance(self.ablate, bool):
             raise ValueError(f"ablate={self.ablate!r} must be 0 (off) or 1..4 (benchmark only)")
         if self.ablate and self.pipeline:
             raise ValueError("ablate applies to pipeline=False only")
+        if self.schedule not in ("auto", "default", "alternate"):
+            raise ValueError(f"schedule={self.schedule!r} must be 'auto', 'default' or "
+                             f"'alternate'")
+        a = self.alt_regs
+        if isinstance(a, bool) or not isinstance(a, int) or a % 8 or not 128 <= a <= 240:
+            raise ValueError(f"alt_regs={a!r} must be a multiple of 8 in 128..240")
+        if self.alt_split and self.resolved_schedule != "alternate":
+            raise ValueError("alt_split=True applies to schedule='alternate' only")
+        if self.schedule == "alternate":
+            if self.stages % 2:
+                raise ValueError(f"schedule='alternate' needs an even stages, got "
+                                 f"stages={self.stages}")
+            on = self._lockstep_options()
+            if on:
+                raise ValueError(f"{', '.join(on)} apply to schedule='default' only "
+                                 f"(schedule='alternate' has its own overlap and epilogue)")
+
+    def _lockstep_options(self):
+        return [n for n in ("pipeline", "smem_epilogue", "ablate") if getattr(self, n)]
+
+    @property
+    def resolved_schedule(self):
+        """"default" or "alternate": what schedule="auto" runs (an option that only the
+        lockstep kernel has, or an odd ring depth, selects "default")."""
+        if self.schedule != "auto":
+            return self.schedule
+        return "default" if self._lockstep_options() or self.stages % 2 else "alternate"
 
 
 def shared_bytes(D, config, itemsize=2):
-    """Shared memory the kernel's buffers need (q + ring; the compiler adds a few KiB)."""
+    """Shared memory the kernel's buffers need (q + ring; "alternate" adds its two P tiles and
+    the max / sum exchange; the compiler adds a few KiB)."""
     from csa_jax.kernels.gluon.dims import HB, padded_dims
     Dp = padded_dims(64, D, config.block_k, config.block_k)[1]
-    return (HB + config.stages * config.block_k) * Dp * itemsize
+    extra = 0
+    if config.resolved_schedule == "alternate":
+        extra = 2 * HB * config.block_k * itemsize + 8 * HB * 4
+    return (HB + config.stages * config.block_k) * Dp * itemsize + extra
 
 
 _SMEM_BUDGET = 232_448 - 16_384      # the H200's per-block limit minus compiler scratch

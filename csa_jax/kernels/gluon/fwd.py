@@ -300,16 +300,25 @@ def unpad(o, lse, dims):
 
 
 def forward(q, kv, idx, sink, *, scale, config):
-    """o [B, T, H, D] (q.dtype), lse [B, T, H] f32 through csa_fwd_kernel (CUDA only)."""
+    """o [B, T, H, D] (q.dtype), lse [B, T, H] f32 through csa_fwd_kernel, or fwd_alt's
+    csa_fwd_alt_kernel for Config.schedule "alternate" (CUDA only)."""
     from csa_jax.kernels.gluon.adapter import gluon_call
     bk = config.block_k
     q_p, kv_p, idx_p, ntiles, sink_p, dims = prepare(q, kv, idx, sink, bk)
     B, T, H, D, N, Hp, Dp, Kp, nhb = dims
-    o, lse = gluon_call(
-        q_p, kv_p, idx_p, ntiles, sink_p, kernel=csa_fwd_kernel, out_shape=out_shapes(q, dims),
-        grid=(B * T * nhb,), num_warps=CONSUMER_WARPS, name="csa_gluon_fwd",
-        **constexprs(T=T, N=N, NHB=nhb, D=Dp, K=Kp, BK=bk, stages=config.stages, scale=scale,
-                     producer_regs=config.producer_regs, pipeline=config.pipeline,
-                     smem_epilogue=config.smem_epilogue, ablate=config.ablate,
-                     prefetch=config.prefetch))
+    common = dict(T=T, N=N, NHB=nhb, D=Dp, K=Kp, BK=bk, stages=config.stages, scale=scale,
+                  prefetch=config.prefetch)
+    if config.resolved_schedule == "alternate":
+        from csa_jax.kernels.gluon import fwd_alt
+        kernel, warps, consts = (fwd_alt.csa_fwd_alt_kernel, fwd_alt.NUM_WARPS,
+                                 fwd_alt.constexprs(**common, consumer_regs=config.alt_regs,
+                                                    split=config.alt_split))
+    else:
+        kernel, warps = csa_fwd_kernel, CONSUMER_WARPS
+        consts = constexprs(**common, producer_regs=config.producer_regs,
+                            pipeline=config.pipeline, smem_epilogue=config.smem_epilogue,
+                            ablate=config.ablate)
+    o, lse = gluon_call(q_p, kv_p, idx_p, ntiles, sink_p, kernel=kernel,
+                        out_shape=out_shapes(q, dims), grid=(B * T * nhb,), num_warps=warps,
+                        name="csa_gluon_fwd", **consts)
     return unpad(o, lse, dims)
