@@ -86,6 +86,20 @@ def _softmax_step(sc, ids, m, l, QK_SCALE: gl.constexpr):
 
 
 @gluon.jit
+def _finish(m, l, sink_ptrs):
+    """Join the sink (natural-log logits, converted to the exp2 domain) to the running (m, l):
+    (lse, o_scale) per csa_spec.md section 3: natural-log lse, EMPTY_LSE (NEG) and o = 0 for an
+    empty row without sink. Shared by the NVIDIA and AMD forwards (amd_fwd.py)."""
+    sink2 = gl.load(sink_ptrs) * 1.4426950408889634
+    m_tot = gl.maximum(m, sink2)
+    l_tot = l * gl.exp2(m - m_tot) + gl.exp2(sink2 - m_tot)
+    nonempty = l_tot > 0
+    safe_l = gl.where(nonempty, l_tot, 1.0)
+    lse = gl.where(nonempty, (m_tot + gl.log2(safe_l)) * 0.6931471805599453, NEG)
+    return lse, gl.where(nonempty, gl.exp2(m - m_tot) / safe_l, 0.0)
+
+
+@gluon.jit
 def _next_ids(idx_ptr, ids_next, i, kcols, K: gl.constexpr, BK: gl.constexpr,
               PREFETCH: gl.constexpr):
     """(tile i's ids, the prefetched ids of tile i+1); without PREFETCH tile i's ids load now."""
@@ -172,15 +186,8 @@ def _consumer(idx_ptr, sink_ptr, o_ptr, lse_ptr, q_smem, ring, full, consumed, q
                     acc = acc + gl.convert_layout(gl.sum(p, axis=1), orow)[:, None]
                 _release(consumed.index(s))
 
-    # Join the sink (natural-log logit, converted to the exp2 domain) and normalize.
     hrows = gl.arange(0, HBC, layout=srow)
-    sink2 = gl.load(sink_ptr + h0 + hrows) * 1.4426950408889634
-    m_tot = gl.maximum(m, sink2)
-    l_tot = l * gl.exp2(m - m_tot) + gl.exp2(sink2 - m_tot)
-    nonempty = l_tot > 0
-    safe_l = gl.where(nonempty, l_tot, 1.0)
-    lse = gl.where(nonempty, (m_tot + gl.log2(safe_l)) * 0.6931471805599453, NEG)
-    o_scale = gl.where(nonempty, gl.exp2(m - m_tot) / safe_l, 0.0)
+    lse, o_scale = _finish(m, l, sink_ptr + h0 + hrows)
     gl.store(lse_ptr + row * HBC + hrows, lse)
     o = (acc * gl.convert_layout(o_scale, orow)[:, None]).to(o_ptr.dtype.element_ty)
     if SMEM_EPILOGUE:
