@@ -37,7 +37,7 @@ import traceback
 import jax
 import jax.numpy as jnp
 
-from benchmarks.common import flops, make_problem, parse_variants, time_fn
+from benchmarks.common import flops, make_problem, parse_overrides, parse_variants, time_fn
 from csa_jax import problems, registry
 
 
