@@ -220,7 +220,7 @@ def part_window(seed):
     key = jax.random.PRNGKey(seed + 3)
     cases = [  # name, layout, B, T, H, D, window, sink
         ("cr0_w128_h64_t300_sink", "cr0", 1, 300, 64, 512, 128, True),
-        ("cr0_w128_h128_b2_t200", "cr0", 2, 200, 128, 512, 128, False),
+        ("cr128_w128_h128_b2_t300", "cr128", 2, 300, 128, 512, 128, False),
         ("cr128_w64_h64_t700_sink", "cr128", 1, 700, 64, 512, 64, True),
     ]
     for name, layout, B, T, H, D, w, sink in cases:

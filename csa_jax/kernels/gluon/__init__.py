@@ -54,7 +54,9 @@ class Config:
     win_programs: programs per (sequence, head block) of the window kernel along the tokens
         (0 = one program per SM in all); win_producer_regs: its producer's registers (40: its
         consumers need the rest, 232, for a 144-row span without spills); pool_tile,
-        pool_stages: its cr128 pool ring (rows per tile, depth).
+        pool_stages: its cr128 pool ring (rows per tile, depth); win_p_smem: cr0's window P
+        goes to the PV products through shared memory instead of registers (cr128 always uses
+        the pool slot for it: window.p_smem_mode).
     ablate: BENCHMARK ONLY, wrong results: 1 = no PV product, 2 = no QK^T product, 3 = neither,
         4 = no compute at all (the consumers only wait for and release the ring: the producer's
         pace). Used to place the time inside the kernel (docs/perf/gluon_h200.md).
@@ -80,6 +82,7 @@ class Config:
     win_producer_regs: int = 40
     pool_tile: int = 16
     pool_stages: int = 1
+    win_p_smem: bool = False
     ablate: int = 0
     bwd: str = "gluon"
     bwd_block_k: int = 32
@@ -138,6 +141,8 @@ def _check_layout_fields(c):
     if c.layout in ("cr0", "cr128") and c.window not in (64, 128):
         raise ValueError(f"window={c.window}: the window-reuse kernel (layout={c.layout!r}) "
                          f"takes window 64 or 128")
+    if not isinstance(c.win_p_smem, bool):
+        raise ValueError(f"win_p_smem={c.win_p_smem!r} must be a bool")
     if c.pool_tile not in (16, 32, 64):
         raise ValueError(f"pool_tile={c.pool_tile} must be 16, 32 or 64")
 

@@ -77,7 +77,9 @@ def _producer(q_ptr, kv_ptr, q_smem, win_a, win_b, pool, q_ready, q_free, span_r
             async_copy.mbarrier_arrive(q_ready, increment_count=False)
             if RATIO > 0:
                 vis = (t0 + i + 1) // RATIO
-                for j in range(gl.cdiv(vis, PT)):
+                # at least one tile per token (all zero when none is visible): the window's P
+                # goes through the token's last pool slot (P_SMEM == 2), released after it
+                for j in range(gl.maximum(gl.cdiv(vis, PT), 1)):
                     s = pc % PSTAGES
                     if pc >= PSTAGES:
                         mbarrier.wait(pool_free.index(s), ((pc // PSTAGES) - 1) & 1)
@@ -133,11 +135,22 @@ def _pv(p, tile, acc):
 
 
 @gluon.jit
+def _pv_smem(p, pview, tile, acc):
+    """acc + p tile on wgmma with p through shared memory (both warpgroups write their columns
+    of p, then each reads all of it as the A operand): no register exchange of p, so no compiler
+    scratch for it. Callers have synchronised the partition since pview's previous readers."""
+    pview.store(p.to(pview.dtype))
+    fence_async_shared()
+    gl.thread_barrier()
+    return warpgroup_mma(pview, tile, acc)
+
+
+@gluon.jit
 def _consumer(sink_ptr, o_ptr, lse_ptr, q_smem, win_a, win_b, pool, q_ready, q_free, span_ready,
               span_free, pool_full, pool_free, b, hb, g, nblk, T: gl.constexpr,
               NHB: gl.constexpr, D: gl.constexpr, W: gl.constexpr, G: gl.constexpr,
               RATIO: gl.constexpr, PT: gl.constexpr, PSTAGES: gl.constexpr,
-              QK_SCALE: gl.constexpr):
+              QK_SCALE: gl.constexpr, P_SMEM: gl.constexpr):
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, D // 2, 16])
     orow: gl.constexpr = gl.SliceLayout(1, o_layout)
@@ -163,7 +176,8 @@ def _consumer(sink_ptr, o_ptr, lse_ptr, q_smem, win_a, win_b, pool, q_ready, q_f
             fence_async_shared()
             if RATIO > 0:
                 vis = (t + 1) // RATIO
-                for j in range(gl.cdiv(vis, PT)):
+                npt = gl.maximum(gl.cdiv(vis, PT), 1)
+                for j in range(npt):
                     s = pc % PSTAGES
                     mbarrier.wait(pool_full.index(s), (pc // PSTAGES) & 1)
                     fence_async_shared()
@@ -173,7 +187,8 @@ def _consumer(sink_ptr, o_ptr, lse_ptr, q_smem, win_a, win_b, pool, q_ready, q_f
                     p, alpha, m, l = _step(sp, T + j * PT, T, T + vis - 1, m, l, PT,
                                            QK_SCALE)
                     acc = _pv(p, tile, _rescale(acc, alpha))
-                    _release(pool_free.index(s))
+                    if j < npt - 1 or P_SMEM != 2:
+                        _release(pool_free.index(s))
                     pc += 1
             # the span's first W rows as one or two 64-row tiles (each product's P operand
             # then stays at 16 registers a thread), then its last BT rows
@@ -198,15 +213,29 @@ def _consumer(sink_ptr, o_ptr, lse_ptr, q_smem, win_a, win_b, pool, q_ready, q_f
             acc = _rescale(acc, alpha)
             pa = gl.exp2(sa - m_new[:, None])
             l = l * alpha + gl.sum(pa, axis=1)
-            acc = _pv(pa, win_a.slice(0, WT), acc)
+            if P_SMEM == 1:
+                pview = pool
+            elif P_SMEM == 2:      # the token's last pool slot (its tile's products are done)
+                pview = pool.index((pc - 1) % PSTAGES)._reinterpret(
+                    win_a.dtype, [W // WT, HBC, WT],
+                    gl.NVMMASharedLayout.get_default_for([HBC, WT], win_a.dtype))
+            if P_SMEM == 0:
+                acc = _pv(pa, win_a.slice(0, WT), acc)
+            else:
+                acc = _pv_smem(pa, pview.index(0), win_a.slice(0, WT), acc)
             if W > WT:
                 pa = gl.exp2(sa2 - m_new[:, None])
                 l = l + gl.sum(pa, axis=1)
-                acc = _pv(pa, win_a.slice(WT, WT), acc)
+                if P_SMEM == 0:
+                    acc = _pv(pa, win_a.slice(WT, WT), acc)
+                else:
+                    acc = _pv_smem(pa, pview.index(1), win_a.slice(WT, WT), acc)
             pb = gl.exp2(sb - gl.convert_layout(m_new, gl.SliceLayout(1, sb.type.layout))[:, None])
             l = l + gl.convert_layout(gl.sum(pb, axis=1), srow)
             m = m_new
             acc = _pv(pb, win_b, acc)
+            if P_SMEM == 2:
+                _release(pool_free.index((pc - 1) % PSTAGES))
             row = (b * T + t) * NHB + hb
             lse, o_scale = _finish(m, l, sink_ptrs)
             gl.store(lse_ptr + row * HBC + hrows, lse)
@@ -220,7 +249,7 @@ def csa_window_kernel(q_ptr, kv_ptr, sink_ptr, o_ptr, lse_ptr,
                       T: gl.constexpr, N: gl.constexpr, NHB: gl.constexpr, D: gl.constexpr,
                       W: gl.constexpr, G: gl.constexpr, RATIO: gl.constexpr, PT: gl.constexpr,
                       PSTAGES: gl.constexpr, QK_SCALE: gl.constexpr,
-                      PRODUCER_REGS: gl.constexpr):
+                      PRODUCER_REGS: gl.constexpr, P_SMEM: gl.constexpr):
     pid = gl.program_id(0)
     hb = pid % NHB
     g = (pid // NHB) % G
@@ -235,12 +264,17 @@ def csa_window_kernel(q_ptr, kv_ptr, sink_ptr, o_ptr, lse_ptr,
         dtype, [W, D], gl.NVMMASharedLayout.get_default_for([W, D], dtype))
     win_b = gl.allocate_shared_memory(
         dtype, [BT, D], gl.NVMMASharedLayout.get_default_for([BT, D], dtype))
-    # cr0 has no pool: a token-sized placeholder keeps the partitions' signatures.
+    WT: gl.constexpr = 64 if W > 64 else W
     PS: gl.constexpr = PSTAGES if RATIO > 0 else 1
-    PR: gl.constexpr = PT if RATIO > 0 else 8
-    PD: gl.constexpr = D if RATIO > 0 else 64
-    pool = gl.allocate_shared_memory(
-        dtype, [PS, PR, PD], gl.NVMMASharedLayout.get_default_for([PR, PD], dtype))
+    if RATIO > 0:                  # the pool ring (P_SMEM 2: the window's P in its last slot)
+        pool = gl.allocate_shared_memory(
+            dtype, [PSTAGES, PT, D], gl.NVMMASharedLayout.get_default_for([PT, D], dtype))
+    elif P_SMEM == 1:              # cr0: `pool` is the window's P buffer
+        pool = gl.allocate_shared_memory(
+            dtype, [W // WT, HBC, WT], gl.NVMMASharedLayout.get_default_for([HBC, WT], dtype))
+    else:                          # cr0, P in registers: a placeholder
+        pool = gl.allocate_shared_memory(
+            dtype, [1, 8, 8], gl.NVMMASharedLayout.get_default_for([8, 8], dtype))
     bar: gl.constexpr = mbarrier.MBarrierLayout()
     q_ready = gl.allocate_shared_memory(gl.int64, [1], bar)
     q_free = gl.allocate_shared_memory(gl.int64, [1], bar)
@@ -258,7 +292,7 @@ def csa_window_kernel(q_ptr, kv_ptr, sink_ptr, o_ptr, lse_ptr,
     gl.warp_specialize([
         (_consumer, (sink_ptr, o_ptr, lse_ptr, q_smem, win_a, win_b, pool, q_ready, q_free, span_ready,
                      span_free, pool_full, pool_free, b, hb, g, nblk, T, NHB, D, W, G, RATIO,
-                     PT, PSTAGES, QK_SCALE)),
+                     PT, PSTAGES, QK_SCALE, P_SMEM)),
         (_producer, (q_ptr, kv_ptr, q_smem, win_a, win_b, pool, q_ready, q_free, span_ready,
                      span_free, pool_full, pool_free, b, hb, g, nblk, T, N, NHB, D, W, G,
                      RATIO, PT, PSTAGES)),
@@ -266,15 +300,32 @@ def csa_window_kernel(q_ptr, kv_ptr, sink_ptr, o_ptr, lse_ptr,
 
 
 SMS = 132                      # streaming multiprocessors of the H200
-SCRATCH = 4096 + 128           # the P exchange (compiler scratch) and the barriers, measured
 
 
-def shared_bytes(D, window, ratio, pool_tile, pool_stages, itemsize=2):
-    """Shared memory of the kernel's buffers: q, the span, the cr128 pool ring (the compiler
-    adds the P exchange and barriers)."""
+def p_smem_mode(D, window, ratio, pool_tile, p_smem):
+    """Where the window's P goes for its PV products: 0 registers (the compiler exchanges it
+    between the warpgroups through 4 KiB of scratch), 1 a [window, 64] shared buffer (cr0 with
+    p_smem), 2 the token's last cr128 pool slot when it is large enough (always tried for
+    cr128: q + span + one 16-row pool tile + the register path's scratch is ~1 KiB over the H200's
+    shared memory at D = 512)."""
     Dp = padded_dims(HB, D, 1, 1)[1]
-    pool = pool_stages * pool_tile * Dp if ratio else 8 * 64
-    return (HB + window + BLOCK_T) * Dp * itemsize + pool * itemsize
+    if ratio:
+        return 2 if pool_tile * Dp >= HB * window else 0
+    return 1 if p_smem else 0
+
+
+def shared_bytes(D, window, ratio, pool_tile, pool_stages, p_mode, itemsize=2):
+    """Shared memory of the kernel, estimated: q, the span, the cr128 pool ring or the cr0 P
+    buffer, the compiler's scratch for P exchanges (4 KiB for 64-column P tiles, 2 KiB for
+    16-column ones) and the barriers (checked against the compiler by tests/test_gluon_window)."""
+    Dp = padded_dims(HB, D, 1, 1)[1]
+    rows = HB + window + BLOCK_T
+    if ratio:
+        rows += pool_stages * pool_tile
+    elif p_mode == 1:
+        rows += window * HB // Dp
+    scratch = (HB * min(window, 64) if p_mode == 0 else HB * BLOCK_T) * itemsize
+    return rows * Dp * itemsize + scratch + 256
 
 
 def programs(B, T, nhb, want=0):
@@ -286,9 +337,10 @@ def programs(B, T, nhb, want=0):
 
 
 def constexprs(*, T, N, NHB, D, window, G, ratio, pool_tile, pool_stages, scale,
-               producer_regs):
+               producer_regs, p_smem=False):
     return dict(T=T, N=N, NHB=NHB, D=D, W=window, G=G, RATIO=ratio, PT=pool_tile,
-                PSTAGES=pool_stages, QK_SCALE=float(scale) * LOG2E, PRODUCER_REGS=producer_regs)
+                PSTAGES=pool_stages, QK_SCALE=float(scale) * LOG2E, PRODUCER_REGS=producer_regs,
+                P_SMEM=p_smem_mode(D, window, ratio, pool_tile, p_smem))
 
 
 def arg_types(dt="bf16"):
@@ -313,13 +365,13 @@ def forward(q, kv, sink, *, scale, config):
     nhb = Hp // HB
     G = programs(B, T, nhb, config.win_programs)
     ratio = config.pool_ratio if config.layout == "cr128" else 0
-    need = shared_bytes(Dp, config.window, ratio, config.pool_tile, config.pool_stages)
-    if need + SCRATCH > SMEM_LIMIT:
+    p_mode = p_smem_mode(Dp, config.window, ratio, config.pool_tile, config.win_p_smem)
+    need = shared_bytes(Dp, config.window, ratio, config.pool_tile, config.pool_stages, p_mode)
+    if need > SMEM_LIMIT:
         raise NotImplementedError(
             f"layout={config.layout!r}, window={config.window}, D={D}, pool_tile="
-            f"{config.pool_tile}, pool_stages={config.pool_stages}: the window kernel's buffers "
-            f"need {need} B + ~{SCRATCH} B of compiler scratch, over the {SMEM_LIMIT} B of "
-            f"shared memory per block")
+            f"{config.pool_tile}, pool_stages={config.pool_stages}: the window kernel needs "
+            f"~{need} B of shared memory, over the {SMEM_LIMIT} B per block")
     o, lse = gluon_call(
         q_p, kv_p, sink_p,
         kernel=csa_window_kernel,
@@ -328,7 +380,7 @@ def forward(q, kv, sink, *, scale, config):
         grid=(B * G * nhb,), num_warps=CONSUMER_WARPS, name="csa_gluon_window",
         **constexprs(T=T, N=N, NHB=nhb, D=Dp, window=config.window, G=G, ratio=ratio,
                      pool_tile=config.pool_tile, pool_stages=config.pool_stages, scale=scale,
-                     producer_regs=config.win_producer_regs))
+                     producer_regs=config.win_producer_regs, p_smem=config.win_p_smem))
     o = o.reshape(B, T, Hp, Dp)[:, :, :H, :D]
     lse = lse.reshape(B, T, Hp)[:, :, :H]
     return o, lse
