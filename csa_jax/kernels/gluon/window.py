@@ -63,11 +63,6 @@ def _producer(q_ptr, kv_ptr, q_smem, win_a, win_b, pool, q_ready, q_free, span_r
     pc = 0                                            # pool tiles issued so far
     for k in range(nblk):
         t0 = (g + k * G) * BT
-        if k > 0:
-            mbarrier.wait(span_free, (k - 1) & 1)
-        _copy_rows(win_a, kv_base, t0 - W, W, N, D)
-        _copy_rows(win_b, kv_base, t0, BT, N, D)
-        async_copy.mbarrier_arrive(span_ready, increment_count=False)
         for i in range(gl.minimum(T - t0, BT)):
             it = k * BT + i
             if it > 0:
@@ -75,6 +70,12 @@ def _producer(q_ptr, kv_ptr, q_smem, win_a, win_b, pool, q_ready, q_free, span_r
             qrow = ((b * T + t0 + i) * NHB + hb) * HBC
             _copy_rows(q_smem, q_ptr, qrow, HBC, qrow + HBC, D)
             async_copy.mbarrier_arrive(q_ready, increment_count=False)
+            if i == 0:        # after the block's first q: that q waits only for a QK^T
+                if k > 0:
+                    mbarrier.wait(span_free, (k - 1) & 1)
+                _copy_rows(win_a, kv_base, t0 - W, W, N, D)
+                _copy_rows(win_b, kv_base, t0, BT, N, D)
+                async_copy.mbarrier_arrive(span_ready, increment_count=False)
             if RATIO > 0:
                 vis = (t0 + i + 1) // RATIO
                 # at least one tile per token (all zero when none is visible): the window's P
@@ -202,12 +203,13 @@ def _consumer(sink_ptr, o_ptr, lse_ptr, q_smem, win_a, win_b, pool, q_ready, q_f
                 sa, sb = warpgroup_mma_wait(0, deps=[sa, sb])
             _release(q_free)                          # the next token's q may load now
             # one online step over the whole span (joint running max)
-            sa = _masked(sa, t0 - W, t - W + 1, t, WT, QK_SCALE)
+            lo = gl.maximum(t - W + 1, 0)                  # rows < 0 are zero-filled
+            sa = _masked(sa, t0 - W, lo, t, WT, QK_SCALE)
             mx = gl.max(sa, axis=1)
             if W > WT:
-                sa2 = _masked(sa2, t0 - W + WT, t - W + 1, t, WT, QK_SCALE)
+                sa2 = _masked(sa2, t0 - W + WT, lo, t, WT, QK_SCALE)
                 mx = gl.maximum(mx, gl.max(sa2, axis=1))
-            sb = _masked(sb, t0, t - W + 1, t, BT, QK_SCALE)
+            sb = _masked(sb, t0, lo, t, BT, QK_SCALE)
             m_new = gl.maximum(m, gl.maximum(mx, gl.convert_layout(gl.max(sb, axis=1), srow)))
             alpha = gl.exp2(m - m_new)
             acc = _rescale(acc, alpha)
@@ -355,6 +357,9 @@ def forward(q, kv, sink, *, scale, config):
     from csa_jax.kernels.gluon.adapter import gluon_call
     B, T, H, D = q.shape
     N = kv.shape[1]
+    if config.layout == "cr128" and N < T + T // config.pool_ratio:
+        raise ValueError(f"layout='cr128': kv has N={N} rows, fewer than the T + T // "
+                         f"pool_ratio = {T + T // config.pool_ratio} the pool needs")
     Hp, Dp, _ = padded_dims(H, D, 1, 1)
     pad = lambda x, axis, size, v=0: x if x.shape[axis] == size else jnp.pad(
         x, [(0, size - x.shape[a]) if a == axis else (0, 0) for a in range(x.ndim)],
