@@ -139,3 +139,49 @@ def test_window_kernel_cr128_compiles(window, p_mode):
     assert r["shared"] <= r["shared_limit"], r
     assert r["shared"] <= win.shared_bytes(512, window, 128, 16, 1, p_mode), r
     assert r["spill_stores"] <= 320, r
+
+
+def _violations_by_sets(idx, layout, w, ratio):
+    """csa_spec.md section 4 by Python sets (the reference for layouts.violations)."""
+    B, T, K = idx.shape
+    bad = np.zeros((B, T), bool)
+    for b, t in np.ndindex(B, T):
+        win = [int(v) for v in idx[b, t, :w] if v >= 0]
+        rest = [int(v) for v in idx[b, t, w:] if v >= 0]
+        ok = sorted(win) == list(range(max(t - w + 1, 0), t + 1))
+        if layout == "cr0":
+            ok = ok and not rest
+        elif layout == "cr128":
+            ok = ok and sorted(rest) == [T + p for p in range((t + 1) // ratio)]
+        bad[b, t] = not ok
+    return bad
+
+
+@pytest.mark.parametrize("layout, ratio, T, w", [("cr0", 0, 90, 16), ("cr4", 0, 60, 40),
+                                                 ("cr128", 5, 120, 33)])
+def test_traced_violations_match_the_set_definition(layout, ratio, T, w):
+    """layouts.violations (bit-mask exact-set test, run under jit) against Python sets on
+    random edits: rows dropped, duplicated, shifted, moved across the window / pool slots."""
+    from csa_jax import layouts
+    rng = np.random.default_rng(1)
+    base = np.array(build_indices(T, ratio if layout == "cr128" else 0, window=w))[None]
+    if layout == "cr4":
+        base = np.concatenate([base, rng.integers(-1, T, (1, T, 5))], -1)
+    f = jax.jit(lambda i: layouts.violations(i, layout, w, ratio or 128))
+    seen = 0
+    for trial in range(12):
+        x = np.repeat(base, 2, 0)
+        for _ in range(trial % 4):
+            b, t, j = rng.integers(0, 2), rng.integers(0, T), rng.integers(0, x.shape[-1])
+            x[b, t, j] = rng.choice([-1, int(rng.integers(0, T + T // 5)),
+                                     int(x[b, t, (j + 1) % x.shape[-1]])])
+        if trial % 3 == 0:
+            k = x.shape[-1]
+            x = x[..., np.concatenate([rng.permutation(w), w + rng.permutation(k - w)])]
+        got = np.asarray(f(jnp.asarray(x, jnp.int32)))
+        want = _violations_by_sets(x, layout, w, ratio or 128)
+        if layout == "cr4":       # the pool slots are free: only the window counts
+            want = _violations_by_sets(x[..., :w], "cr4", w, 128)
+        np.testing.assert_array_equal(got, want)
+        seen += int(want.sum())
+    assert seen >= 4          # the edits did break tokens
