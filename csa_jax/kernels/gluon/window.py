@@ -155,7 +155,9 @@ def _consumer(sink_ptr, o_ptr, lse_ptr, q_smem, win_a, win_b, pool, q_ready, q_f
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, D // 2, 16])
     orow: gl.constexpr = gl.SliceLayout(1, o_layout)
-    WT: gl.constexpr = 64 if W > 64 else W            # rows per window product
+    # rows per window product: all W when P goes through shared memory, else 64-row tiles (the
+    # register P operand of one product then stays at 16 registers a thread)
+    WT: gl.constexpr = W if P_SMEM != 0 else (64 if W > 64 else W)
     srow: gl.constexpr = gl.SliceLayout(1, gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, WT // 2, 16]))
     hrows = gl.arange(0, HBC, layout=srow)
@@ -191,8 +193,7 @@ def _consumer(sink_ptr, o_ptr, lse_ptr, q_smem, win_a, win_b, pool, q_ready, q_f
                     if j < npt - 1 or P_SMEM != 2:
                         _release(pool_free.index(s))
                     pc += 1
-            # the span's first W rows as one or two 64-row tiles (each product's P operand
-            # then stays at 16 registers a thread), then its last BT rows
+            # the span's first W rows (one product, or two of 64 rows), then its last BT rows
             sa = _scores(q_smem, win_a.slice(0, WT), WT)
             if W > WT:
                 sa2 = _scores(q_smem, win_a.slice(WT, WT), WT)
@@ -266,7 +267,7 @@ def csa_window_kernel(q_ptr, kv_ptr, sink_ptr, o_ptr, lse_ptr,
         dtype, [W, D], gl.NVMMASharedLayout.get_default_for([W, D], dtype))
     win_b = gl.allocate_shared_memory(
         dtype, [BT, D], gl.NVMMASharedLayout.get_default_for([BT, D], dtype))
-    WT: gl.constexpr = 64 if W > 64 else W
+    WT: gl.constexpr = W if P_SMEM != 0 else (64 if W > 64 else W)
     PS: gl.constexpr = PSTAGES if RATIO > 0 else 1
     if RATIO > 0:                  # the pool ring (P_SMEM 2: the window's P in its last slot)
         pool = gl.allocate_shared_memory(
