@@ -294,8 +294,8 @@ def csa_window_kernel(q_ptr, kv_ptr, sink_ptr, o_ptr, lse_ptr,
         mbarrier.init(pool_free.index(s), count=1)
     gl.warp_specialize([
         (_consumer, (sink_ptr, o_ptr, lse_ptr, q_smem, win_a, win_b, pool, q_ready, q_free,
-                     span_ready, span_free, pool_full, pool_free, b, hb, g, nblk, T, NHB, D, W, G, RATIO,
-                     PT, PSTAGES, QK_SCALE, P_SMEM)),
+                     span_ready, span_free, pool_full, pool_free, b, hb, g, nblk, T, NHB, D,
+                     W, G, RATIO, PT, PSTAGES, QK_SCALE, P_SMEM)),
         (_producer, (q_ptr, kv_ptr, q_smem, win_a, win_b, pool, q_ready, q_free, span_ready,
                      span_free, pool_full, pool_free, b, hb, g, nblk, T, N, NHB, D, W, G,
                      RATIO, PT, PSTAGES)),
