@@ -56,7 +56,9 @@ class Config:
         consumers need the rest, 232, for a 144-row span without spills); pool_tile,
         pool_stages: its cr128 pool ring (rows per tile, depth); win_p_smem: cr0's window P
         goes to the PV products through shared memory instead of registers (cr128 always uses
-        the pool slot for it: window.p_smem_mode).
+        the pool slot for it: window.p_smem_mode); win_q_split: cr0 with win_p_smem loads q in
+        two column halves and releases the first as soon as its products are done, so the
+        next token's q starts loading half a QK^T earlier.
     ablate: BENCHMARK ONLY, wrong results: 1 = no PV product, 2 = no QK^T product, 3 = neither,
         4 = no compute at all (the consumers only wait for and release the ring: the producer's
         pace). Used to place the time inside the kernel (docs/perf/gluon_h200.md).
@@ -83,6 +85,7 @@ class Config:
     pool_tile: int = 16
     pool_stages: int = 1
     win_p_smem: bool = False
+    win_q_split: bool = False
     ablate: int = 0
     bwd: str = "gluon"
     bwd_block_k: int = 32
@@ -141,8 +144,12 @@ def _check_layout_fields(c):
     if c.layout in ("cr0", "cr128") and c.window not in (64, 128):
         raise ValueError(f"window={c.window}: the window-reuse kernel (layout={c.layout!r}) "
                          f"takes window 64 or 128")
-    if not isinstance(c.win_p_smem, bool):
-        raise ValueError(f"win_p_smem={c.win_p_smem!r} must be a bool")
+    for name in ("win_p_smem", "win_q_split"):
+        if not isinstance(getattr(c, name), bool):
+            raise ValueError(f"{name}={getattr(c, name)!r} must be a bool")
+    if c.win_q_split and (c.layout == "cr128" or not c.win_p_smem):
+        raise ValueError(f"win_q_split=True needs win_p_smem=True and a cr0 layout (got "
+                         f"layout={c.layout!r}, win_p_smem={c.win_p_smem})")
     if c.pool_tile not in (16, 32, 64):
         raise ValueError(f"pool_tile={c.pool_tile} must be 16, 32 or 64")
 

@@ -43,38 +43,44 @@ HBC = gl.constexpr(HB)         # heads per program (wgmma M)
 
 
 @gluon.jit
-def _copy_rows(dst, base, row0, NROWS: gl.constexpr, N, D: gl.constexpr):
-    """cp.async rows row0 .. row0 + NROWS - 1 of a [N, D] matrix into dst (rows outside [0, N)
-    zero-filled, never read); 8 producer threads per 128-byte row segment."""
+def _copy_rows(dst, base, row0, NROWS: gl.constexpr, N, D: gl.constexpr, COLS: gl.constexpr):
+    """cp.async the first COLS columns of rows row0 .. row0 + NROWS - 1 of a [N, D] matrix
+    into dst (rows outside [0, N) zero-filled, never read); 8 producer threads per 128-byte
+    row segment, 16 rows at a time (few live addresses: the producer runs on few registers)."""
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [PRODUCER_WARPS, 1], [1, 0])
-    rows = row0 + gl.arange(0, NROWS, layout=gl.SliceLayout(1, layout))
-    cols = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
-    ok = (rows >= 0) & (rows < N)
-    ptrs = base + gl.where(ok, rows, 0).to(gl.int64)[:, None] * D + cols[None, :]
-    async_copy.async_copy_global_to_shared(dst, ptrs, mask=ok[:, None])
+    RCH: gl.constexpr = 16 if NROWS > 16 else NROWS
+    cols = gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
+    for c in gl.static_range(NROWS // RCH):
+        rows = row0 + c * RCH + gl.arange(0, RCH, layout=gl.SliceLayout(1, layout))
+        ok = (rows >= 0) & (rows < N)
+        ptrs = base + gl.where(ok, rows, 0).to(gl.int64)[:, None] * D + cols[None, :]
+        async_copy.async_copy_global_to_shared(dst.slice(c * RCH, RCH), ptrs, mask=ok[:, None])
 
 
 @gluon.jit
 def _producer(q_ptr, kv_ptr, q_smem, win_a, win_b, pool, q_ready, q_free, span_ready, span_free,
               pool_full, pool_free, b, hb, g, nblk, T: gl.constexpr, N: gl.constexpr,
               NHB: gl.constexpr, D: gl.constexpr, W: gl.constexpr, G: gl.constexpr,
-              RATIO: gl.constexpr, PT: gl.constexpr, PSTAGES: gl.constexpr):
+              RATIO: gl.constexpr, PT: gl.constexpr, PSTAGES: gl.constexpr,
+              QS: gl.constexpr):
     kv_base = kv_ptr + b.to(gl.int64) * (N * D)
     pc = 0                                            # pool tiles issued so far
     for k in range(nblk):
         t0 = (g + k * G) * BT
         for i in range(gl.minimum(T - t0, BT)):
             it = k * BT + i
-            if it > 0:
-                mbarrier.wait(q_free, (it - 1) & 1)
             qrow = ((b * T + t0 + i) * NHB + hb) * HBC
-            _copy_rows(q_smem, q_ptr, qrow, HBC, qrow + HBC, D)
-            async_copy.mbarrier_arrive(q_ready, increment_count=False)
+            for h in gl.static_range(QS):           # q in QS column pieces, each released
+                if it > 0:                          # as soon as its products are done
+                    mbarrier.wait(q_free.index(h), (it - 1) & 1)
+                _copy_rows(q_smem.index(h), q_ptr + h * (D // QS), qrow, HBC, qrow + HBC, D,
+                           D // QS)
+                async_copy.mbarrier_arrive(q_ready.index(h), increment_count=False)
             if i == 0:        # after the block's first q: that q waits only for a QK^T
                 if k > 0:
                     mbarrier.wait(span_free, (k - 1) & 1)
-                _copy_rows(win_a, kv_base, t0 - W, W, N, D)
-                _copy_rows(win_b, kv_base, t0, BT, N, D)
+                _copy_rows(win_a, kv_base, t0 - W, W, N, D, D)
+                _copy_rows(win_b, kv_base, t0, BT, N, D, D)
                 async_copy.mbarrier_arrive(span_ready, increment_count=False)
             if RATIO > 0:
                 vis = (t0 + i + 1) // RATIO
@@ -85,7 +91,7 @@ def _producer(q_ptr, kv_ptr, q_smem, win_a, win_b, pool, q_ready, q_free, span_r
                     if pc >= PSTAGES:
                         mbarrier.wait(pool_free.index(s), ((pc // PSTAGES) - 1) & 1)
                     # rows T + j*PT .. of the pool; rows past the visible ones zero-filled
-                    _copy_rows(pool.index(s), kv_base, T + j * PT, PT, T + vis, D)
+                    _copy_rows(pool.index(s), kv_base, T + j * PT, PT, T + vis, D, D)
                     async_copy.mbarrier_arrive(pool_full.index(s), increment_count=False)
                     pc += 1
 
@@ -98,6 +104,15 @@ def _scores(q_smem, tile, NC: gl.constexpr):
         version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, NC // 2, 16])
     return warpgroup_mma(q_smem, tile.permute((1, 0)), gl.zeros([HBC, NC], gl.float32, layout),
                          use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _scores_split(q_smem, tile, sc, h: gl.constexpr, QS: gl.constexpr):
+    """Piece h of QS of S = q tile^T over D: q piece h times tile's columns of that piece,
+    added to sc (h > 0; h = 0 starts from _scores' zeros); issued async."""
+    part = tile.slice(h * (tile.shape[1] // QS), tile.shape[1] // QS, dim=1)
+    return warpgroup_mma(q_smem.index(h), part.permute((1, 0)), sc, use_acc=h > 0,
+                         is_async=True)
 
 
 @gluon.jit
@@ -151,7 +166,7 @@ def _consumer(sink_ptr, o_ptr, lse_ptr, q_smem, win_a, win_b, pool, q_ready, q_f
               span_free, pool_full, pool_free, b, hb, g, nblk, T: gl.constexpr,
               NHB: gl.constexpr, D: gl.constexpr, W: gl.constexpr, G: gl.constexpr,
               RATIO: gl.constexpr, PT: gl.constexpr, PSTAGES: gl.constexpr,
-              QK_SCALE: gl.constexpr, P_SMEM: gl.constexpr):
+              QK_SCALE: gl.constexpr, P_SMEM: gl.constexpr, QS: gl.constexpr):
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, D // 2, 16])
     orow: gl.constexpr = gl.SliceLayout(1, o_layout)
@@ -175,9 +190,10 @@ def _consumer(sink_ptr, o_ptr, lse_ptr, q_smem, win_a, win_b, pool, q_ready, q_f
             m = gl.full([HBC], NEG, gl.float32, srow)
             l = gl.zeros([HBC], gl.float32, srow)
             acc = gl.zeros([HBC, D], gl.float32, o_layout)
-            mbarrier.wait(q_ready, it & 1)
+            mbarrier.wait(q_ready.index(0), it & 1)
             fence_async_shared()
-            if RATIO > 0:
+            q0 = q_smem.index(0)
+            if RATIO > 0:                             # (QS == 1: q is one piece)
                 vis = (t + 1) // RATIO
                 npt = gl.maximum(gl.cdiv(vis, PT), 1)
                 for j in range(npt):
@@ -185,7 +201,7 @@ def _consumer(sink_ptr, o_ptr, lse_ptr, q_smem, win_a, win_b, pool, q_ready, q_f
                     mbarrier.wait(pool_full.index(s), (pc // PSTAGES) & 1)
                     fence_async_shared()
                     tile = pool.index(s)
-                    sp = _scores(q_smem, tile, PT)
+                    sp = _scores(q0, tile, PT)
                     sp = warpgroup_mma_wait(0, deps=[sp])
                     p, alpha, m, l = _step(sp, T + j * PT, T, T + vis - 1, m, l, PT,
                                            QK_SCALE)
@@ -194,15 +210,30 @@ def _consumer(sink_ptr, o_ptr, lse_ptr, q_smem, win_a, win_b, pool, q_ready, q_f
                         _release(pool_free.index(s))
                     pc += 1
             # the span's first W rows (one product, or two of 64 rows), then its last BT rows
-            sa = _scores(q_smem, win_a.slice(0, WT), WT)
-            if W > WT:
-                sa2 = _scores(q_smem, win_a.slice(WT, WT), WT)
-            sb = _scores(q_smem, win_b, BT)
-            if W > WT:
-                sa, sa2, sb = warpgroup_mma_wait(0, deps=[sa, sa2, sb])
+            if QS == 1:
+                sa = _scores(q0, win_a.slice(0, WT), WT)
+                if W > WT:
+                    sa2 = _scores(q0, win_a.slice(WT, WT), WT)
+                sb = _scores(q0, win_b, BT)
+                if W > WT:
+                    sa, sa2, sb = warpgroup_mma_wait(0, deps=[sa, sa2, sb])
+                else:
+                    sa, sb = warpgroup_mma_wait(0, deps=[sa, sb])
+                _release(q_free.index(0))             # the next token's q may load now
             else:
+                # q in two column halves: the first half's products run while the second half
+                # lands, and the first half is released (the next token's first half starts
+                # loading) while the second half's products run. (W == WT: one window product)
+                sa = _scores(q0, win_a.slice(0, WT).slice(0, D // 2, dim=1), WT)
+                sb = _scores(q0, win_b.slice(0, D // 2, dim=1), BT)
+                mbarrier.wait(q_ready.index(1), it & 1)
+                fence_async_shared()
+                sa = _scores_split(q_smem, win_a.slice(0, WT), sa, 1, 2)
+                sb = _scores_split(q_smem, win_b, sb, 1, 2)
+                sa, sb = warpgroup_mma_wait(2, deps=[sa, sb])
+                _release(q_free.index(0))
                 sa, sb = warpgroup_mma_wait(0, deps=[sa, sb])
-            _release(q_free)                          # the next token's q may load now
+                _release(q_free.index(1))
             # one online step over the whole span (joint running max)
             lo = gl.maximum(t - W + 1, 0)                  # rows < 0 are zero-filled
             sa = _masked(sa, t0 - W, lo, t, WT, QK_SCALE)
@@ -252,7 +283,7 @@ def csa_window_kernel(q_ptr, kv_ptr, sink_ptr, o_ptr, lse_ptr,
                       T: gl.constexpr, N: gl.constexpr, NHB: gl.constexpr, D: gl.constexpr,
                       W: gl.constexpr, G: gl.constexpr, RATIO: gl.constexpr, PT: gl.constexpr,
                       PSTAGES: gl.constexpr, QK_SCALE: gl.constexpr,
-                      PRODUCER_REGS: gl.constexpr, P_SMEM: gl.constexpr):
+                      PRODUCER_REGS: gl.constexpr, P_SMEM: gl.constexpr, QS: gl.constexpr):
     pid = gl.program_id(0)
     hb = pid % NHB
     g = (pid // NHB) % G
@@ -260,8 +291,8 @@ def csa_window_kernel(q_ptr, kv_ptr, sink_ptr, o_ptr, lse_ptr,
     NBLK: gl.constexpr = (T + BT - 1) // BT
     nblk = gl.cdiv(NBLK - g, G)                       # blocks g, g + G, ... below NBLK
     dtype: gl.constexpr = q_ptr.dtype.element_ty
-    q_smem = gl.allocate_shared_memory(
-        dtype, [HBC, D], gl.NVMMASharedLayout.get_default_for([HBC, D], dtype))
+    q_smem = gl.allocate_shared_memory(                # q in QS column pieces
+        dtype, [QS, HBC, D // QS], gl.NVMMASharedLayout.get_default_for([HBC, D // QS], dtype))
     # the span = its first W rows + its last BT rows (two buffers: shapes are powers of two)
     win_a = gl.allocate_shared_memory(
         dtype, [W, D], gl.NVMMASharedLayout.get_default_for([W, D], dtype))
@@ -279,15 +310,16 @@ def csa_window_kernel(q_ptr, kv_ptr, sink_ptr, o_ptr, lse_ptr,
         pool = gl.allocate_shared_memory(
             dtype, [1, 8, 8], gl.NVMMASharedLayout.get_default_for([8, 8], dtype))
     bar: gl.constexpr = mbarrier.MBarrierLayout()
-    q_ready = gl.allocate_shared_memory(gl.int64, [1], bar)
-    q_free = gl.allocate_shared_memory(gl.int64, [1], bar)
+    q_ready = gl.allocate_shared_memory(gl.int64, [QS, 1], bar)
+    q_free = gl.allocate_shared_memory(gl.int64, [QS, 1], bar)
     span_ready = gl.allocate_shared_memory(gl.int64, [1], bar)
     span_free = gl.allocate_shared_memory(gl.int64, [1], bar)
     pool_full = gl.allocate_shared_memory(gl.int64, [PS, 1], bar)
     pool_free = gl.allocate_shared_memory(gl.int64, [PS, 1], bar)
-    mbarrier.init(q_ready, count=PRODUCER_WARPS * 32)
+    for h in gl.static_range(QS):
+        mbarrier.init(q_ready.index(h), count=PRODUCER_WARPS * 32)
+        mbarrier.init(q_free.index(h), count=1)
     mbarrier.init(span_ready, count=PRODUCER_WARPS * 32)
-    mbarrier.init(q_free, count=1)
     mbarrier.init(span_free, count=1)
     for s in gl.static_range(PS):
         mbarrier.init(pool_full.index(s), count=PRODUCER_WARPS * 32)
@@ -295,10 +327,10 @@ def csa_window_kernel(q_ptr, kv_ptr, sink_ptr, o_ptr, lse_ptr,
     gl.warp_specialize([
         (_consumer, (sink_ptr, o_ptr, lse_ptr, q_smem, win_a, win_b, pool, q_ready, q_free,
                      span_ready, span_free, pool_full, pool_free, b, hb, g, nblk, T, NHB, D,
-                     W, G, RATIO, PT, PSTAGES, QK_SCALE, P_SMEM)),
+                     W, G, RATIO, PT, PSTAGES, QK_SCALE, P_SMEM, QS)),
         (_producer, (q_ptr, kv_ptr, q_smem, win_a, win_b, pool, q_ready, q_free, span_ready,
                      span_free, pool_full, pool_free, b, hb, g, nblk, T, N, NHB, D, W, G,
-                     RATIO, PT, PSTAGES)),
+                     RATIO, PT, PSTAGES, QS)),
     ], [PRODUCER_WARPS], [PRODUCER_REGS])
 
 
@@ -340,10 +372,14 @@ def programs(B, T, nhb, want=0):
 
 
 def constexprs(*, T, N, NHB, D, window, G, ratio, pool_tile, pool_stages, scale,
-               producer_regs, p_smem=False):
+               producer_regs, p_smem=False, q_split=False):
+    p_mode = p_smem_mode(D, window, ratio, pool_tile, p_smem)
+    if q_split and (ratio or not p_mode):
+        raise ValueError("win_q_split needs layout='cr0' and win_p_smem=True (one window "
+                         "product per q half)")
     return dict(T=T, N=N, NHB=NHB, D=D, W=window, G=G, RATIO=ratio, PT=pool_tile,
                 PSTAGES=pool_stages, QK_SCALE=float(scale) * LOG2E, PRODUCER_REGS=producer_regs,
-                P_SMEM=p_smem_mode(D, window, ratio, pool_tile, p_smem))
+                P_SMEM=p_mode, QS=2 if q_split else 1)
 
 
 def arg_types(dt="bf16"):
@@ -386,7 +422,8 @@ def forward(q, kv, sink, *, scale, config):
         grid=(B * G * nhb,), num_warps=CONSUMER_WARPS, name="csa_gluon_window",
         **constexprs(T=T, N=N, NHB=nhb, D=Dp, window=config.window, G=G, ratio=ratio,
                      pool_tile=config.pool_tile, pool_stages=config.pool_stages, scale=scale,
-                     producer_regs=config.win_producer_regs, p_smem=config.win_p_smem))
+                     producer_regs=config.win_producer_regs, p_smem=config.win_p_smem,
+                     q_split=config.win_q_split))
     o = o.reshape(B, T, Hp, Dp)[:, :, :H, :D]
     lse = lse.reshape(B, T, Hp)[:, :, :H]
     return o, lse
