@@ -20,7 +20,8 @@ Every impl is checked against impl="xla" on the same inputs when xla runs in the
 (max-abs error / max-abs of the reference, per output), else at a reduced size (T=1024).
 Each (config, impl) is guarded: an OOM or compile failure prints a row with the error.
 A variant runs only for the impls whose Config has all of its keys (e.g. gluon's pipeline=true
-is not tried on pallas_triton).
+is not tried on pallas_triton); `layout=auto` in a variant means the row's own layout promise
+(cr0 / cr4 / cr128, e.g. gluon's window-reuse kernel on cr0 and cr128).
 The table is printed last; --out writes every number as JSON.
 """
 from __future__ import annotations
@@ -100,6 +101,8 @@ def run_impl(impl, variant, cfg_overrides, problem, args, row):
     mod = registry.get(impl)
     cfg_obj = mod.default_config(q.shape, kv.shape, idx.shape, q.dtype)
     if cfg_overrides:
+        if cfg_overrides.get("layout") == "auto":     # the problem's own layout promise
+            cfg_overrides = {**cfg_overrides, "layout": f"cr{cfg.ratio}"}
         cfg_obj = dataclasses.replace(cfg_obj, **cfg_overrides)
     row["config"] = repr(cfg_obj)
     fwd, bwd, step = build_fns(mod, cfg_obj, cfg.scale, args.interpret)

@@ -18,7 +18,11 @@ Parts:
   golden  the three golden cases (tests/golden, cast to bf16) through sparse_attention;
   grad    jax.grad through sparse_attention(impl="gluon") (forward Gluon, backward per
           Config.bwd: the Gluon dq kernel by default, gluon_bwd_check.py) vs impl="xla";
-  time    forward ms of xla, pallas_triton, gluon at a few V4 shapes (checked vs xla).
+  time    forward ms of xla, pallas_triton, gluon at a few V4 shapes (checked vs xla);
+  window  the window-reuse kernel (Config.layout cr0 / cr128) vs impl="xla" on fresh random
+          q / kv with csa_jax.indices' lists (causal start tokens with -1 slots, T not a
+          multiple of the 16-token block, slots shuffled), through sparse_attention, and under
+          jax.jit with one token's list broken (that token NaN, the others unchanged).
 Every check prints one JSON line; the script exits non-zero if any check fails.
 """
 from __future__ import annotations
@@ -219,6 +223,75 @@ def part_time(seed, shapes):
         del pr, outs
 
 
+def part_window(seed):
+    from csa_jax.indices import build_indices
+    key = jax.random.PRNGKey(seed + 3)
+    cases = [  # name, layout, B, T, H, D, window, sink
+        ("cr0_w128_h64_t300_sink", "cr0", 1, 300, 64, 512, 128, True),
+        ("cr128_w128_h128_b2_t300", "cr128", 2, 300, 128, 512, 128, False),
+        ("cr128_w64_h64_t700_sink", "cr128", 1, 700, 64, 512, 64, True),
+    ]
+    for name, layout, B, T, H, D, w, sink in cases:
+        key, kq, kkv, ks, kp = jax.random.split(key, 5)
+        if layout != "cr0" and OVERRIDES.get("win_q_split"):
+            continue                                  # a cr0-only option
+        ratio = 0 if layout == "cr0" else 128
+        idx = build_indices(T, ratio, window=w)
+        idx = jnp.broadcast_to(idx, (B,) + idx.shape)
+        kw_, kp_ = jax.random.split(kp)          # any order inside the window / the pool slots
+        perm = jnp.concatenate([jax.random.permutation(kw_, w),
+                                w + jax.random.permutation(kp_, idx.shape[-1] - w)])
+        idx = idx[..., perm]
+        N = T + (T // ratio if ratio else 0)
+        q = jax.random.normal(kq, (B, T, H, D), jnp.bfloat16)
+        kv = jax.random.normal(kkv, (B, N, D), jnp.bfloat16)
+        s = jax.random.normal(ks, (H,), jnp.float32) if sink else None
+        saved = dict(OVERRIDES)
+        OVERRIDES.update(layout=layout, window=w)
+        try:
+            check_forward("window:" + name, q, kv, idx, s)
+            if layout == "cr0":
+                _window_poison(name, q, kv, idx, s)
+        except Exception as e:  # noqa: BLE001
+            traceback.print_exc(limit=4)
+            report(part="window", case=name, ok=False, error=f"{type(e).__name__}: {e}"[:500])
+        finally:
+            OVERRIDES.clear()
+            OVERRIDES.update(saved)
+    _violations_cost()
+
+
+def _violations_cost():
+    """ms of the traced promise check alone (csa_jax/layouts.py), part of every window forward
+    (timed by the run without --config overrides only)."""
+    if OVERRIDES:
+        return
+    from csa_jax import layouts
+    from csa_jax.indices import build_indices
+    for layout, ratio, T in (("cr0", 0, 4096), ("cr0", 0, 16384), ("cr128", 128, 4096)):
+        idx = build_indices(T, ratio)[None]
+        f = jax.jit(lambda i, layout=layout: layouts.violations(i, layout, 128, 128))
+        ms = time_fn(f, (idx,), 10, 1.0)[0]
+        report(part="window", case=f"violations_ms:{layout}:T{T}", ms=ms)
+
+
+def _window_poison(name, q, kv, idx, sink):
+    """Under jit (traced idx) a token whose list breaks the promise gets NaN, the rest not."""
+    from csa_jax.kernels import gluon as impl
+    cfg = gluon_config(q, kv, idx)
+    sink = jnp.full((q.shape[2],), -jnp.inf, jnp.float32) if sink is None else sink
+    f = jax.jit(lambda q, kv, i, s: impl.forward(q, kv, i, s, scale=q.shape[-1] ** -0.5,
+                                                 interpret=False, config=cfg))
+    t = q.shape[1] - 1
+    broken = idx.at[0, t, 0].set(-1)
+    o, lse = f(q, kv, idx, sink)
+    ob, lb = f(q, kv, broken, sink)
+    nan_ok = bool(jnp.isnan(ob[0, t]).all() and jnp.isnan(lb[0, t]).all())
+    rest_ok = bool(jnp.array_equal(ob[0, :t], o[0, :t]) and not jnp.isnan(o).any())
+    report(part="window", case="poison:" + name, nan_ok=nan_ok, rest_ok=rest_ok,
+           ok=nan_ok and rest_ok)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--parts", default="probe,random,golden,grad,time")
@@ -247,6 +320,7 @@ def main(argv=None):
         "golden": golden,
         "grad": lambda: part_grad(args.seed),
         "time": lambda: part_time(args.seed, parse_shapes(args.shapes)),
+        "window": lambda: part_window(args.seed),
     }, seed=args.seed, out=args.out)
 
 

@@ -111,6 +111,19 @@ def gluon_nv_kernels(variants):
                             producer_regs=base.producer_regs, prefetch=base.bwd_prefetch)
     yield ("csa_dq[default]", True, None,
            _gluon(bwd.csa_dq_kernel, bwd.arg_types(), consts, bwd.CONSUMER_WARPS))
+    from csa_jax.kernels.gluon import window
+    for layout, ratio in (("cr0", 0), ("cr128", 128)):
+        # the window-reuse kernel at Pro T = 4096 (reported, not gating: a few loop scalars
+        # spill; docs/perf/gluon_h200.md, window reuse)
+        cfg = dataclasses.replace(base, layout=layout)
+        consts = window.constexprs(T=4096, N=4096 + (4096 // ratio if ratio else 0), NHB=2, D=512,
+                                   window=cfg.window, G=window.programs(1, 4096, 2),
+                                   ratio=ratio, pool_tile=cfg.pool_tile,
+                                   pool_stages=cfg.pool_stages, scale=512 ** -0.5,
+                                   producer_regs=cfg.win_producer_regs, p_smem=cfg.win_p_smem)
+        yield (f"csa_window[{layout}]", False, None,
+               _gluon(window.csa_window_kernel, window.arg_types(), consts,
+                      window.CONSUMER_WARPS))
     yield ("ring_gather_probe", False, None,
            _gluon(ring_gather_kernel, ["*bf16", "*i32", "*bf16"],
                   dict(NT=4, BK=16, D=512, STAGES=2), 4))
@@ -216,7 +229,8 @@ def main(argv=None):
             except Exception as e:  # noqa: BLE001
                 with open(diag) as f:
                     row["error"] = _error_line(e, f.read())
-            must = family == "gluon_amd" or (family == "triton" and target in TRITON_CHECKED)
+            must = (family == "gluon_amd" or (family == "triton" and target in TRITON_CHECKED)
+                    or (family == "gluon_nv" and target == "sm_90a" and is_default))
             why = check(row, is_default, must) if (family != "triton"
                                                    or target in TRITON_CHECKED) else None
             if why:

@@ -7,25 +7,39 @@ host before tracing (check_layout, which names the first bad token); under jit i
 so `violations` below recomputes the promise in XLA, and the impl poisons the outputs of every
 token that breaks it with NaN (never a silently wrong finite value).
 
-Cost: one compare-and-count over [B, T, w, w] (window) and [B, T, P, P] (cr128's visible pool,
-P = K - window), fused by XLA into a reduction; no sort, nothing in the kernels' loops.
+Cost: a few bitwise-or reductions over [B, T, K] (one per 32 values of the window, and of
+cr128's pool of P = K - window rows), fused by XLA; no sort, nothing in the kernels' loops.
 """
 from __future__ import annotations
 
 import jax.numpy as jnp
+from jax import lax
 
 __all__ = ["violations", "poison"]
 
 
 def _exact_set(vals, lo, count, width):
     """vals [B, T, S] (-1 = empty) holds exactly {lo + i : i < count} in any order (count, lo
-    [T, 1]; 0 <= count <= width): bool [B, T], True where it does NOT."""
+    [T, 1]; 0 <= count <= width): bool [B, T], True where it does NOT.
+
+    Exact in O(S * width / 32) per token: no used value outside [lo, lo + count), exactly
+    `count` used slots, and the OR of their bits 1 << (v - lo) over 32-bit words covering
+    0 .. count - 1 (count used slots hitting count distinct offsets: each once)."""
     off = vals - lo[None]                                          # [B, T, S]
     used = vals >= 0
     stray = jnp.any(used & ((off < 0) | (off >= count[None])), axis=-1)
-    hits = jnp.sum(used[..., None] & (off[..., None] == jnp.arange(width)), axis=-2)  # [B,T,w]
-    want = (jnp.arange(width) < count).astype(hits.dtype)          # [T, width]
-    return stray | jnp.any(hits != want[None], axis=-1)
+    bad = stray | (jnp.sum(used, axis=-1) != count[None, :, 0])
+    ok_off = jnp.where(used & ~stray[..., None], off, -1)
+    bit = jnp.left_shift(jnp.uint32(1), (ok_off & 31).astype(jnp.uint32))
+    for k in range(-(-width // 32)):
+        word = jnp.where((ok_off >= 0) & ((ok_off >> 5) == k), bit, jnp.uint32(0))
+        got = lax.reduce(word, jnp.uint32(0), lax.bitwise_or, (2,))             # [B, T]
+        n = jnp.clip(count[:, 0] - 32 * k, 0, 32)                                 # [T]
+        want = jnp.where(n >= 32, jnp.uint32(0xFFFFFFFF),
+                         jnp.left_shift(jnp.uint32(1), jnp.minimum(n, 31).astype(jnp.uint32))
+                         - jnp.uint32(1))
+        bad = bad | (got != want[None])
+    return bad
 
 
 def violations(idx, layout, window, pool_ratio):

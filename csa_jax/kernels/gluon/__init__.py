@@ -49,6 +49,24 @@ class Config:
     prefetch: load the next tile's row ids while the current tile is in flight (producer) or
         on the tensor cores (consumers), so no global-load latency sits between a stage's release
         and its refill, or between a tile's QK^T and its mask.
+    layout: what the caller promises about idx (csa_spec.md section 4; the same promise as
+        pallas_tpu's Config.layout, checked by check_layout / csa_jax/layouts.py):
+        "generic" (default) nothing; "cr0" slots [0, window) hold token t's window rows
+        max(0, t - window + 1) .. t (each once, any order, -1 for the rest), every later slot -1;
+        "cr4" the same window, the other slots arbitrary; "cr128" the same window, then the
+        visible pool rows T + p, p < (t + 1) // pool_ratio (any order), -1 elsewhere.
+        cr0 / cr128 run the window-reuse kernel (window.py: a block of 16 tokens copies its
+        window union once and every token reads it at its own offset; idx is not read, a traced
+        idx that breaks the promise gives NaN for its tokens); generic / cr4 the gather kernel.
+    window, pool_ratio: the layout's window (the window kernel takes 64 or 128) and cr128 ratio.
+    win_programs: programs per (sequence, head block) of the window kernel along the tokens
+        (0 = one program per SM in all); win_producer_regs: its producer's registers (40: its
+        consumers need the rest, 232, for a 144-row span without spills); pool_tile,
+        pool_stages: its cr128 pool ring (rows per tile, depth); win_p_smem: cr0's window P
+        goes to the PV products through shared memory instead of registers (cr128 always uses
+        the pool slot for it: window.p_smem_mode); win_q_split: cr0 with win_p_smem loads q in
+        two column halves and releases the first as soon as its products are done, so the
+        next token's q starts loading half a QK^T earlier.
     ablate: BENCHMARK ONLY, wrong results: 1 = no PV product, 2 = no QK^T product, 3 = neither,
         4 = no compute at all (the consumers only wait for and release the ring: the producer's
         pace). Used to place the time inside the kernel (docs/perf/gluon_h200.md).
@@ -105,6 +123,15 @@ class Config:
     pipeline: bool = False
     smem_epilogue: bool = False
     prefetch: bool = True
+    layout: str = "generic"
+    window: int = 128
+    pool_ratio: int = 128
+    win_programs: int = 0
+    win_producer_regs: int = 40
+    pool_tile: int = 16
+    pool_stages: int = 1
+    win_p_smem: bool = False
+    win_q_split: bool = False
     ablate: int = 0
     schedule: str = "auto"
     alt_regs: int = 216
@@ -181,6 +208,7 @@ class Config:
             raise ValueError(f"ablate={self.ablate!r} must be 0 (off) or 1..4 (benchmark only)")
         if self.ablate and self.pipeline:
             raise ValueError("ablate applies to pipeline=False only")
+        _check_layout_fields(self)
         if self.schedule not in ("auto", "default", "alternate"):
             raise ValueError(f"schedule={self.schedule!r} must be 'auto', 'default' or "
                              f"'alternate'")
@@ -208,6 +236,37 @@ class Config:
         if self.schedule != "auto":
             return self.schedule
         return "default" if self._lockstep_options() or self.stages % 2 else "alternate"
+
+
+LAYOUTS = ("generic", "cr0", "cr4", "cr128")
+
+
+def _check_layout_fields(c):
+    if c.layout not in LAYOUTS:
+        raise ValueError(f"layout={c.layout!r} must be one of {LAYOUTS}")
+    for name in ("window", "pool_ratio", "pool_tile", "pool_stages", "win_producer_regs"):
+        v = getattr(c, name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name}={v!r} must be a positive int")
+    if isinstance(c.win_programs, bool) or not isinstance(c.win_programs, int) or (
+            c.win_programs < 0):
+        raise ValueError(f"win_programs={c.win_programs!r} must be an int >= 0 (0 = auto)")
+    if c.pool_ratio < 2:
+        raise ValueError(f"pool_ratio={c.pool_ratio} must be >= 2")
+    if c.win_producer_regs % 8 or not 24 <= c.win_producer_regs <= 256:
+        raise ValueError(f"win_producer_regs={c.win_producer_regs} must be a multiple of 8 in "
+                         f"24..256")
+    if c.layout in ("cr0", "cr128") and c.window not in (64, 128):
+        raise ValueError(f"window={c.window}: the window-reuse kernel (layout={c.layout!r}) "
+                         f"takes window 64 or 128")
+    for name in ("win_p_smem", "win_q_split"):
+        if not isinstance(getattr(c, name), bool):
+            raise ValueError(f"{name}={getattr(c, name)!r} must be a bool")
+    if c.win_q_split and (c.layout == "cr128" or not c.win_p_smem):
+        raise ValueError(f"win_q_split=True needs win_p_smem=True and a cr0 layout (got "
+                         f"layout={c.layout!r}, win_p_smem={c.win_p_smem})")
+    if c.pool_tile not in (16, 32, 64):
+        raise ValueError(f"pool_tile={c.pool_tile} must be 16, 32 or 64")
 
 
 def shared_bytes(D, config, itemsize=2):
@@ -322,14 +381,67 @@ def _check(q, kv, idx, interpret):
         raise NotImplementedError(f"impl='gluon' cannot run here: {why}")
 
 
+def _first_rows(row, limit=12):
+    rows = sorted(int(v) for v in row if v >= 0)
+    more = f" ... ({len(rows)} in all)" if len(rows) > limit else ""
+    return f"{rows[:limit]}{more}"
+
+
+def check_layout(idx, num_kv, config):
+    """Eager check that a concrete (sanitized) idx [B, T, K] keeps config.layout's promise,
+    by csa_jax/layouts.py's exact-set test; ValueError naming the first token that breaks it,
+    what its slots hold and what the promise wants. No-op for "generic"."""
+    if config.layout == "generic":
+        return
+    import numpy as np
+    from csa_jax import layouts
+    idx = np.asarray(idx)
+    _, t_len, k = idx.shape
+    w, r = config.window, config.pool_ratio
+    if k < w:
+        raise ValueError(f"layout={config.layout!r} needs K >= window, got K={k}, window={w}")
+    if config.layout == "cr128" and num_kv < t_len + t_len // r:
+        raise ValueError(f"layout='cr128': num_kv={num_kv} rows cannot hold the "
+                         f"{t_len // r} pool rows visible at T={t_len} (pool_ratio={r})")
+    bad = np.asarray(layouts.violations(jnp.asarray(idx, jnp.int32), config.layout, w, r))
+    if not bad.any():
+        return
+    b, t = (int(v) for v in np.argwhere(bad)[0])
+    want = f"window rows {max(t - w + 1, 0)}..{t} in slots [0, {w})"
+    if config.layout == "cr0":
+        want += f", nothing (-1) in slots [{w}, {k})"
+    elif config.layout == "cr128":
+        vis = (t + 1) // r
+        want += (f", pool rows {t_len}..{t_len + vis - 1}" if vis else ", no pool row") + (
+            f" in slots [{w}, {k})")
+    raise ValueError(
+        f"layout={config.layout!r}: idx[{b}, {t}] breaks the promise ({int(bad.sum())} "
+        f"token(s) do): slots [0, {w}) hold {_first_rows(idx[b, t, :w])}, slots [{w}, {k}) "
+        f"hold {_first_rows(idx[b, t, w:])}; expected {want}, each row once")
+
+
 def forward(q, kv, idx, sink, *, scale, interpret, config):
-    """o [B, T, H, D] (q.dtype), lse [B, T, H] f32 (the impl interface: csa_jax/registry.py)."""
+    """o [B, T, H, D] (q.dtype), lse [B, T, H] f32 (the impl interface: csa_jax/registry.py).
+    layout cr0 / cr128: the window-reuse kernel, which does not read idx; a concrete idx is
+    checked here (check_layout), a traced one poisons the outputs of the tokens that break the
+    promise with NaN (csa_jax/layouts.py)."""
     _check(q, kv, idx, interpret)
     arch = _amd()
     if arch:
         from csa_jax.kernels.gluon import amd_fwd
         return amd_fwd.forward(q, kv, idx, sink, scale=float(scale), arch=arch,
                                block_k=config.block_k, stages=config.stages)
+    # (the layout promise is only a promise: AMD runs its generic kernel above)
+    if config.layout in ("cr0", "cr128"):
+        from csa_jax import layouts
+        from csa_jax.kernels.gluon import window as _win
+        if not isinstance(idx, jax.core.Tracer):
+            check_layout(idx, kv.shape[1], config)
+        o, lse = _win.forward(q, kv, sink, scale=float(scale), config=config)
+        if not isinstance(idx, jax.core.Tracer):
+            return o, lse
+        bad = layouts.violations(idx, config.layout, config.window, config.pool_ratio)
+        return layouts.poison(bad, o, lse)
     from csa_jax.kernels.gluon import fwd as _fwd
     return _fwd.forward(q, kv, idx, sink, scale=float(scale), config=config)
 

@@ -1,0 +1,202 @@
+"""impl="gluon" window reuse (Config.layout cr0 / cr128, kernels/gluon/window.py) on a CPU:
+the layout promise's validation and the sm_90a compile. Numerics run on the GPU
+(benchmarks/gluon_check.py --parts window, docs/perf/gluon_h200.md); the compile tests skip
+without triton."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from csa_jax.indices import build_indices
+from csa_jax.kernels import gluon as impl
+from csa_jax.kernels.gluon import adapter
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(layout="cr8"), "layout='cr8'"),
+    (dict(layout="cr0", window=100), "window=100"),
+    (dict(layout="cr128", window=256), "window=256"),
+    (dict(window=0), "window=0"),
+    (dict(pool_ratio=1), "pool_ratio=1"),
+    (dict(pool_tile=24), "pool_tile=24"),
+    (dict(pool_stages=0), "pool_stages=0"),
+    (dict(win_programs=-1), "win_programs=-1"),
+    (dict(win_producer_regs=44), "win_producer_regs=44"),
+    (dict(layout="cr0", win_q_split=True), "win_q_split=True needs win_p_smem"),
+    (dict(layout="cr128", win_q_split=True, win_p_smem=True), "layout='cr128'"),
+])
+def test_config_rejects_bad_promise(kw, match):
+    with pytest.raises(ValueError, match=match):
+        impl.Config(**kw)
+
+
+def test_cr4_and_generic_windows_are_free():
+    """Only the window kernel restricts the window; cr4 / generic keep the gather kernel."""
+    assert impl.Config(layout="cr4", window=100).window == 100
+    assert impl.Config(window=7).layout == "generic"
+
+
+def _idx(T, ratio, window=128, B=1):
+    return np.broadcast_to(np.asarray(build_indices(T, ratio, window=window)),
+                           (B, T, window + (T // ratio if ratio else 0)))
+
+
+@pytest.mark.parametrize("layout, ratio", [("cr0", 0), ("cr128", 128)])
+def test_check_layout_accepts_the_builders_lists_in_any_order(layout, ratio):
+    T = 300
+    idx = _idx(T, ratio, B=2)
+    rng = np.random.default_rng(0)
+    w, k = 128, idx.shape[-1]        # any order inside the window slots and inside the pool's
+    perm = np.concatenate([rng.permutation(w), w + rng.permutation(k - w)])
+    cfg = impl.Config(layout=layout)
+    impl.check_layout(idx, T + T // 128, cfg)
+    impl.check_layout(idx[..., perm], T + T // 128, cfg)
+    if ratio:
+        with pytest.raises(ValueError, match="breaks the promise"):     # not across the two
+            impl.check_layout(idx[..., ::-1], T + T // 128, cfg)
+    impl.check_layout(np.full((1, 4, 3), 5), 8, impl.Config())       # generic: nothing checked
+
+
+@pytest.mark.parametrize("layout, ratio, edit, match", [
+    ("cr0", 0, (0, 200, 5, 3), r"idx\[0, 200\] breaks the promise.*window rows 73..200"),
+    ("cr0", 0, (1, 10, 127, -1), r"idx\[1, 10\].*window rows 0..10"),   # the token's own row
+    ("cr128", 128, (0, 290, 128, -1), r"idx\[0, 290\].*pool rows 300..301"),
+    ("cr128", 128, (0, 20, 129, 300), r"idx\[0, 20\].*no pool row"),
+])
+def test_check_layout_names_the_token(layout, ratio, edit, match):
+    T = 300
+    idx = np.array(_idx(T, ratio, B=2))
+    b, t, j, v = edit
+    idx[b, t, j] = v
+    with pytest.raises(ValueError, match=match):
+        impl.check_layout(idx, T + 2, impl.Config(layout=layout))
+
+
+def test_check_layout_static_conditions():
+    with pytest.raises(ValueError, match="K >= window, got K=64"):
+        impl.check_layout(np.zeros((1, 4, 64), np.int32), 8, impl.Config(layout="cr0"))
+    with pytest.raises(ValueError, match="num_kv=300 rows cannot hold the 2 pool rows"):
+        impl.check_layout(_idx(300, 128), 300, impl.Config(layout="cr128"))
+
+
+def test_sparse_attention_checks_the_promise_before_tracing():
+    """api.py calls the impl's check_layout on a concrete idx: the error names the token, also
+    on this CPU (before the impl says it cannot run here)."""
+    import csa_jax
+    T, D = 130, 64
+    idx = np.array(_idx(T, 0))
+    idx[0, 129, 3] = 7
+    q = jnp.zeros((1, T, 64, D), jnp.bfloat16)
+    kv = jnp.zeros((1, T, D), jnp.bfloat16)
+    try:
+        csa_jax.registry.get("gluon").mod
+    except NotImplementedError as e:
+        pytest.skip(str(e))
+    with pytest.raises(ValueError, match=r"idx\[0, 129\] breaks the promise"):
+        csa_jax.sparse_attention(q, kv, jnp.asarray(idx), impl="gluon",
+                                 config=impl.Config(layout="cr0"))
+
+
+# ----------------------------------------------------------------------------- compile only
+
+
+def _compile(T=4096, NHB=2, D=512, window=128, G=66, ratio=0, producer_regs=40, p_smem=False,
+             q_split=False, **kw):
+    if adapter.missing():
+        pytest.skip(adapter.missing())
+    from csa_jax.kernels.gluon import window as win
+    N = T + (T // ratio if ratio else 0)
+    c = adapter.compile_kernel(
+        win.csa_window_kernel, win.arg_types(),
+        win.constexprs(T=T, N=N, NHB=NHB, D=D, window=window, G=G, ratio=ratio,
+                       pool_tile=kw.get("pool_tile", 16), pool_stages=kw.get("pool_stages", 1),
+                       scale=D ** -0.5, producer_regs=producer_regs, p_smem=p_smem,
+                       q_split=q_split),
+        target="sm_90a", num_warps=win.CONSUMER_WARPS)
+    return c, adapter.resources(c, "sm_90a")
+
+
+def test_window_kernel_compiles_for_sm90a():
+    """cr0 at the V4 shape: 12 warps, within shared memory (q 64 KiB + the 144-row span),
+    the wgmma shapes of the span's products, contiguous 16-byte cp.async."""
+    c, r = _compile()
+    assert r["num_warps"] == 12 and r["launch_problem"] is None
+    assert r["shared"] <= r["shared_limit"]
+    from csa_jax.kernels.gluon import window as win
+    assert r["shared"] <= win.shared_bytes(512, 128, 0, 16, 1, 0)
+    ptx = c.asm["ptx"]
+    for n in (256, 32, 8):      # PV; the span's 64-row tiles and 16-row tail, per warpgroup
+        assert f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16" in ptx
+    assert "cp.async.cg.shared.global" in ptx and "cp.async.mbarrier.arrive.noinc" in ptx
+    # a few loop-carried scalars spill (docs/perf/gluon_h200.md, window reuse): bounded here
+    assert r["spill_stores"] <= 128, r
+
+
+@pytest.mark.parametrize("p_smem, q_split", [(True, False), (True, True)])
+def test_window_kernel_cr0_variants_compile(p_smem, q_split):
+    """cr0 with P through shared memory (one 128-row window product, m64n64 per warpgroup)
+    and with q in two halves: within shared memory."""
+    from csa_jax.kernels.gluon import window as win
+    c, r = _compile(p_smem=p_smem, q_split=q_split)
+    assert r["shared"] <= win.shared_bytes(512, 128, 0, 16, 1, 1) <= r["shared_limit"]
+    assert "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16" in c.asm["ptx"]
+    assert r["spill_stores"] <= 128, r
+
+
+@pytest.mark.parametrize("window, p_mode", [(64, 2), (128, 2)])
+def test_window_kernel_cr128_compiles(window, p_mode):
+    """cr128 at D = 512 fits only with the window's P in the pool slot (window.p_smem_mode)."""
+    from csa_jax.kernels.gluon import window as win
+    assert win.p_smem_mode(512, window, 128, 16, False) == p_mode
+    _, r = _compile(T=700, NHB=1, window=window, G=44, ratio=128)
+    assert r["shared"] <= r["shared_limit"], r
+    assert r["shared"] <= win.shared_bytes(512, window, 128, 16, 1, p_mode), r
+    assert r["spill_stores"] <= 320, r
+
+
+def _violations_by_sets(idx, layout, w, ratio):
+    """csa_spec.md section 4 by Python sets (the reference for layouts.violations)."""
+    B, T, K = idx.shape
+    bad = np.zeros((B, T), bool)
+    for b, t in np.ndindex(B, T):
+        win = [int(v) for v in idx[b, t, :w] if v >= 0]
+        rest = [int(v) for v in idx[b, t, w:] if v >= 0]
+        ok = sorted(win) == list(range(max(t - w + 1, 0), t + 1))
+        if layout == "cr0":
+            ok = ok and not rest
+        elif layout == "cr128":
+            ok = ok and sorted(rest) == [T + p for p in range((t + 1) // ratio)]
+        bad[b, t] = not ok
+    return bad
+
+
+@pytest.mark.parametrize("layout, ratio, T, w", [("cr0", 0, 90, 16), ("cr4", 0, 60, 40),
+                                                 ("cr128", 5, 120, 33)])
+def test_traced_violations_match_the_set_definition(layout, ratio, T, w):
+    """layouts.violations (bit-mask exact-set test, run under jit) against Python sets on
+    random edits: rows dropped, duplicated, shifted, moved across the window / pool slots."""
+    from csa_jax import layouts
+    rng = np.random.default_rng(1)
+    base = np.array(build_indices(T, ratio if layout == "cr128" else 0, window=w))[None]
+    if layout == "cr4":
+        base = np.concatenate([base, rng.integers(-1, T, (1, T, 5))], -1)
+    f = jax.jit(lambda i: layouts.violations(i, layout, w, ratio or 128))
+    seen = 0
+    for trial in range(12):
+        x = np.repeat(base, 2, 0)
+        for _ in range(trial % 4):
+            b, t, j = rng.integers(0, 2), rng.integers(0, T), rng.integers(0, x.shape[-1])
+            x[b, t, j] = rng.choice([-1, int(rng.integers(0, T + T // 5)),
+                                     int(x[b, t, (j + 1) % x.shape[-1]])])
+        if trial % 3 == 0:
+            k = x.shape[-1]
+            x = x[..., np.concatenate([rng.permutation(w), w + rng.permutation(k - w)])]
+        got = np.asarray(f(jnp.asarray(x, jnp.int32)))
+        want = _violations_by_sets(x, layout, w, ratio or 128)
+        if layout == "cr4":       # the pool slots are free: only the window counts
+            want = _violations_by_sets(x[..., :w], "cr4", w, 128)
+        np.testing.assert_array_equal(got, want)
+        seen += int(want.sum())
+    assert seen >= 4          # the edits did break tokens
