@@ -38,7 +38,7 @@ import jax.numpy as jnp
 
 from csa_jax import blockmath as bm
 from csa_jax.config import FAMILIES, PRESET_RATIOS, preset
-from csa_jax.kernels.tpu.backward import _bwd_launch, backward, interm_s_init, launch_blocks
+from csa_jax.kernels.tpu.backward import _bwd_launch, backward, launch_blocks
 from csa_jax.kernels.tpu.config import default_config, vmem_limit
 from csa_jax.kernels.tpu.dkv import _csr_reduce, csr_sizes
 from csa_jax.kernels.tpu.forward import forward
@@ -111,7 +111,7 @@ class Kernel:
     fn: object
     args: tuple           # jax.ShapeDtypeStruct (no sharding)
     hbm_bytes: int        # HBM bytes moved (read + written) by the kernel, see hbm_traffic
-    donate: tuple = ()    # args whose buffers the kernel overwrites (dO -> dq, interm_s)
+    donate: tuple = ()    # args whose buffers the kernel overwrites (dO -> dq)
 
 
 def _sds(shape, dtype):
@@ -134,7 +134,6 @@ def kernels(p: Problem, whole=False) -> list[Kernel]:
     tok = _sds(rows + (plan.d,), dt)
     lse_r = _sds((p.q[0], plan.nb, plan.bt, plan.h), jnp.float32)
     kv_p = jax.eval_shape(lambda x: kv_operand(x, plan), kv)
-    interm_s = jax.eval_shape(lambda: interm_s_init(p.q[0], plan))
     launches = launch_blocks(plan, cfg)
     # bwd: launch 0; bwd_chunk: the last launch, if its grid is shorter (every launch of
     # launch 0's size runs launch 0's compiled kernel and CSR passes: the first block is an
@@ -143,11 +142,11 @@ def kernels(p: Problem, whole=False) -> list[Kernel]:
     for j, blocks in enumerate(picks):
         name = "bwd" if j == 0 else "bwd_chunk"
 
-        def bwd(q2, kv_p, idx, o2, lse_r, dlse_r, do2, interm_s, blocks=blocks):
-            return _bwd_launch(q2, kv_p, idx, o2, lse_r, dlse_r, do2, interm_s, plan, blocks,
+        def bwd(q2, kv_p, idx, o2, lse_r, dlse_r, do2, blocks=blocks):
+            return _bwd_launch(q2, kv_p, idx, o2, lse_r, dlse_r, do2, plan, blocks,
                                scale=scale, interpret=False, config=cfg)
-        out.append(Kernel(name, bwd, (tok, kv_p, idx, tok, lse_r, lse_r, tok, interm_s),
-                          hbm_traffic(plan, dt, "bwd", blocks), donate=(6, 7)))
+        out.append(Kernel(name, bwd, (tok, kv_p, idx, tok, lse_r, lse_r, tok),
+                          hbm_traffic(plan, dt, "bwd", blocks), donate=(6,)))
         if plan.n_kg:
             e = blocks[1] * plan.bt * plan.n_kg * plan.bk
             s_pad, r_pad = csr_sizes(e, p.kv[1], cfg)

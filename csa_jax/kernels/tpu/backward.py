@@ -31,19 +31,16 @@ def _bwd_kernel(
         valid_ref,   # [bt * n_kg, 1, bk] int32
         kv_hbm,      # [B, Np, D] or [B, Np, 1, D] (rows ring) in HBM: kv_operand
         do_ref,      # [bt*H, D]: dO, whose HBM buffer the dq output below overwrites
-        *rest,       # interm_s in (HBM, aliased to interm_s out; structured layouts);
-                     # outputs: dq [bt*H, D] (dO's dtype), delta [bt, H] f32 (o . dO, reused
-                     #   for dsink), interm_s [B, nb * n_struct, bk, D] f32 HBM (structured
-                     #   layouts): each block's contribution to each row of its window union /
-                     #   pool tiles; interm_g [B, launch tokens * n_kg, bk, D] f32 HBM (if
-                     #   gathering): per slot;
+        *rest,       # outputs: dq [bt*H, D] (dO's dtype), delta [bt, H] f32 (o . dO, reused
+                     #   for dsink), interm_s [B, launch blocks * n_struct, bk, D] f32 HBM
+                     #   (structured layouts): each block's contribution to each row of its
+                     #   window union / pool tiles; interm_g [B, launch tokens * n_kg, bk, D]
+                     #   f32 HBM (if gathering): per slot;
                      # scratch: ring (ring_scratch), DMA sems [depth], stage [2, bk, D] f32 +
                      #   DMA sems [2] (the write-back ring), lse / dlse / delta columns
                      #   [bt*H, 1] f32, dq accumulator [bt*H, D] f32 (if dq is not f32)
         plan, scale, k_g, explicit_transpose):
     rest = list(rest)
-    if plan.n_struct:
-        rest.pop(0)                       # interm_s in: the same HBM buffer as interm_s out
     dq_ref, delta_out = rest.pop(0), rest.pop(0)
     interm_s = rest.pop(0) if plan.n_struct else None
     interm_g = rest.pop(0) if plan.n_kg else None
@@ -84,7 +81,7 @@ def _bwd_kernel(
     def target(step):
         if plan.n_struct:
             j = jnp.where(step < n_win, step, plan.n_w + step - n_win) if plan.n_pm else step
-            dst_s = interm_s.at[b, i * plan.n_struct + j]
+            dst_s = interm_s.at[b, il * plan.n_struct + j]
         if n_kg:
             dst_g = interm_g.at[b, il * plan.bt * n_kg + step - n_struct]
         if not plan.n_struct:
@@ -142,15 +139,15 @@ def _first(x):
     return x[0] if isinstance(x, tuple) else x
 
 
-def _bwd_launch(q2, kv_p, idx, o2, lse_r, dlse_r, do2, interm_s, plan, blocks, *, scale,
-                interpret, config):
+def _bwd_launch(q2, kv_p, idx, o2, lse_r, dlse_r, do2, plan, blocks, *, scale, interpret,
+                config):
     """One backward launch over token blocks `blocks` = (first, count) of the sequence: every
     tile (structured and gathered) of those tokens. dq is written over dO's buffer (do2
-    [B, Tp*H, D]: only this launch's blocks change, each after its program read its dO);
-    interm_s (structured layouts) is updated in place the same way (this launch's blocks).
+    [B, Tp*H, D]: only this launch's blocks change, each after its program read its dO).
     Returns (dq-or-dO [B, Tp*H, D] (dO's dtype), delta [B, count, bt, H] f32,
-    interm_s [B, nb * n_struct, bk, D] or None, interm_g [B, count*bt*Kg, D] or None,
-    idx_g [B, count*bt, Kg] or None)."""
+    interm_s [B, count, n_struct*bk, D] or None, interm_g [B, count*bt*Kg, D] or None,
+    idx_g [B, count*bt, Kg] or None). interm_s rows of tiles a block did not stream are NOT
+    written (uninitialised): _dkv_struct reads only rows a block streamed."""
     bsz = q2.shape[0]
     h, d, bt, bk = plan.h, plan.d, plan.bt, plan.bk
     b0, nblk = blocks
@@ -166,11 +163,9 @@ def _bwd_launch(q2, kv_p, idx, o2, lse_r, dlse_r, do2, interm_s, plan, blocks, *
     out_shape = [jax.ShapeDtypeStruct(do2.shape, do2.dtype),
                  jax.ShapeDtypeStruct((bsz, nblk, bt, h), jnp.float32)]
     if plan.n_struct:
-        in_specs.append(hbm)
-        args.append(interm_s)
-        aliases[len(args)] = 2
         out_specs.append(hbm)
-        out_shape.append(jax.ShapeDtypeStruct(interm_s.shape, jnp.float32))
+        out_shape.append(jax.ShapeDtypeStruct((bsz, nblk * plan.n_struct, bk, d),
+                                              jnp.float32))
     if plan.n_kg:
         out_specs.append(hbm)
         out_shape.append(jax.ShapeDtypeStruct((bsz, nblk * bt * plan.n_kg, bk, d),
@@ -193,7 +188,7 @@ def _bwd_launch(q2, kv_p, idx, o2, lse_r, dlse_r, do2, interm_s, plan, blocks, *
         name="csa_bwd_tpu",
     )(jnp.full((1,), b0, jnp.int32), *args))
     dq, delta = outs[0], outs[1]
-    interm_s = outs[2] if plan.n_struct else None
+    interm_s = outs[2].reshape(bsz, nblk, plan.n_struct * bk, d) if plan.n_struct else None
     interm_g = idx_g = None
     if plan.n_kg:
         interm_g = outs[-1].reshape(bsz, nblk * bt * k_g, d)
@@ -206,14 +201,6 @@ def launch_blocks(plan, config):
     T in one launch when None); each streams every tile of its own tokens."""
     per = (config.token_chunk or plan.t_pad) // plan.bt
     return [(b0, min(per, plan.nb - b0)) for b0 in range(0, plan.nb, max(per, 1))]
-
-
-def interm_s_init(bsz, plan):
-    """The structured-tile intermediate the launches fill in place (None without window /
-    pool tiles); zeros, so rows no block streams hold 0 (never read: see _dkv_struct)."""
-    if not plan.n_struct:
-        return None
-    return jnp.zeros((bsz, plan.nb * plan.n_struct, plan.bk, plan.d), jnp.float32)
 
 
 def backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, interpret, config):
@@ -238,23 +225,26 @@ def _backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, interpret, config):
     q2, o2, dq = (_flat_tokens(x, plan) for x in (q, o, do))   # dq: dO until overwritten
     lse_r, dlse_r = token_rows(lse, plan), token_rows(dlse, plan)
     kv_p = kv_operand(kv, plan)
-    interm_s = interm_s_init(bsz, plan)
-    # Partial dkv of the launches are added in launch order (deterministic).
+    # Partial dkv of the launches are added in launch order (deterministic); within a launch
+    # the structured part first, then the gathered one.
     dkv, deltas = None, []
-    for blocks in launch_blocks(plan, config):
+    launches = launch_blocks(plan, config)
+    for blocks in launches:
         dq, delta, interm_s, interm_g, idx_g = _bwd_launch(
-            q2, kv_p, idx, o2, lse_r, dlse_r, dq, interm_s, plan, blocks, scale=scale,
+            q2, kv_p, idx, o2, lse_r, dlse_r, dq, plan, blocks, scale=scale,
             interpret=interpret, config=config)
         deltas.append(delta)
+        dkv_c = None
+        if interm_s is not None:
+            dkv_c = _dkv_struct(interm_s, plan, blocks)
         if interm_g is not None:
             dkv_g = _dkv_csr(interm_g, idx_g, n, interpret=interpret, config=config)
-            dkv = dkv_g if dkv is None else dkv + dkv_g
-            # The next launch starts after this one's dkv is summed: one launch's per-slot
-            # intermediate (and one dkv partial) is live at a time, not all of them.
-            dq, interm_s, dkv = lax.optimization_barrier((dq, interm_s, dkv))
-    if interm_s is not None:
-        dkv_s = _dkv_struct(interm_s.reshape(bsz, plan.nb, plan.n_struct * plan.bk, d), plan)
-        dkv = dkv_s if dkv is None else dkv_s + dkv
+            dkv_c = dkv_g if dkv_c is None else dkv_c + dkv_g
+        dkv = dkv_c if dkv is None else dkv + dkv_c
+        if len(launches) > 1:
+            # The next launch starts after this one's dkv is summed: one launch's
+            # intermediates (and one dkv partial) are live at a time, not all of them.
+            dq, dkv = lax.optimization_barrier((dq, dkv))
     if dkv is None:
         dkv = jnp.zeros(kv.shape, jnp.float32)
     delta = jnp.concatenate(deltas, axis=1).reshape(bsz, plan.t_pad, h)[:, :t]

@@ -30,9 +30,10 @@ class Config:
     block_r      kv rows (or row segments) per program of the CSR gather-reduce forming dkv.
     fanin_split  slots per segment of that reduce: a row used by more slots is summed in
                  segments by several programs, then the segments are added (fixed order).
-    token_chunk  tokens per backward launch (None = all T): bounds the per-slot f32
-                 intermediate of the gathered slots, [token_chunk, K_g, D] per launch; a
-                 multiple of block_t. Each launch streams every tile of its own tokens only.
+    token_chunk  tokens per backward launch (None = all T): bounds the f32 intermediates of
+                 a launch (the gathered slots' [token_chunk, K_g, D], the structured tiles'
+                 per-block partials); a multiple of block_t. Each launch streams every tile
+                 of its own tokens only.
     explicit_transpose  write ds^T q and p^T dO as x.T @ y instead of transposed-operand dots
                  (exists only to measure the difference on hardware).
     layout       what the caller promises about idx (csa_spec.md section 4):
@@ -143,9 +144,10 @@ def default_config(q_shape, kv_shape, idx_shape, dtype, *, layout="generic", win
     shares one window union among more tokens (DMAs per token ~ (block_t + window) / block_t /
     block_k). depth 3 when a program streams at least 4 tiles (two loads in flight), else 2.
     block_r = 64, fanin_split = 512. token_chunk = None (all T in one backward launch) unless
-    the f32 per-slot intermediate T*K_g*D*4 of one sequence (K_g: the gathered slots, K for
-    generic, K - window for cr4, none for cr0 / cr128) would exceed 1 GiB, then the largest
-    multiple of block_t that fits (at least block_t).
+    the backward's f32 intermediates of one sequence would exceed 1 GiB: per token D*4 bytes
+    times K_g (the gathered slots: K for generic, K - window for cr4, none for cr0 / cr128)
+    plus n_struct * block_k / block_t (its share of its block's window / pool tile partials,
+    structured layouts); then the largest multiple of block_t that fits (at least block_t).
     On a TPU generation (`generation`, default: the one being compiled for; none on a CPU)
     block_t is then halved until the backward's scoped VMEM, about block_t*H*D*36 bytes (bf16)
     or *80 (f32), is at most 80% of the generation's limit (generation_vmem; the table per
@@ -171,10 +173,18 @@ def default_config(q_shape, kv_shape, idx_shape, dtype, *, layout="generic", win
     else:
         n_steps = bm.num_tiles(block_t + window - 1, block_k) + bm.num_tiles(k - window, block_k)
     depth = 3 if n_steps >= 4 else 2
+    # f32 backward intermediates per token: the gathered slots' dkv parts, and a share of its
+    # block's window / pool tile partials (window union + 15 alignment rows, cr128 pool)
     k_g = {"generic": k, "cr4": k - window}.get(layout, 0)
+    n_struct = 0
+    if layout != "generic":
+        n_struct = bm.num_tiles(block_t + window + 14, block_k)
+        if layout == "cr128":
+            n_struct += bm.num_tiles(t // pool_ratio, block_k)
+    per_token = (k_g + n_struct * block_k / block_t) * d * 4
     token_chunk = None
-    if t * k_g * d * 4 > (1 << 30):
-        token_chunk = max(block_t, ((1 << 30) // (k_g * d * 4)) // block_t * block_t)
+    if t * per_token > (1 << 30):
+        token_chunk = max(block_t, int((1 << 30) // per_token) // block_t * block_t)
     return Config(block_t=block_t, block_k=block_k, depth=depth, token_chunk=token_chunk,
                   layout=layout, window=window, pool_ratio=pool_ratio)
 

@@ -199,44 +199,50 @@ def _dkv_csr(interm, idx_g, num_kv, *, interpret, config):
     return dkv[:, :num_kv]
 
 
-def _dkv_struct(interm_s, plan):
+def _dkv_struct(interm_s, plan, blocks=None):
     """dkv rows [0, T) (window) and [T, N) (cr128 pool) from the per-block contributions
-    interm_s [B, nb, n_struct*bk, D], by closed-form inverse maps, in a fixed order.
+    interm_s [B, count, n_struct*bk, D] of token blocks `blocks` = (first, count) (default:
+    all), by closed-form inverse maps, in a fixed order. Returns [B, N, D] f32 (zero outside
+    the rows those blocks touch).
 
     Window: block i's tiles start at a0_i = win_start(i*bt) (its union's first row rounded
     down to plan.align; rows before the union got exactly 0), so row r is in the unions of
     blocks r // bt .. (r + window - 1) // bt, at offset r - a0_i; at most
-    (window - 1) // bt + 2 blocks, summed in block order. Pool row p: every block's pool tile
-    row p, summed over blocks (each block is one partial: a hot row such as pool row 0 is
-    split across all programs)."""
-    bsz, nb, _, d = interm_s.shape
+    (window - 1) // bt + 2 blocks, summed in block order (those of `blocks` only: the rows
+    [a0_first, end of the last block)). Pool row p: every block's pool tile row p, summed over
+    blocks (each block is one partial: a hot row such as pool row 0 is split across all
+    programs)."""
+    bsz, nblk, _, d = interm_s.shape
+    b0, _ = blocks or (0, nblk)
     bt, bk = plan.bt, plan.bk
     out = []
     if plan.n_w:
         span = plan.n_w * bk
-        flat = interm_s[:, :, :span].reshape(bsz, nb * span, d)
-        r = jnp.arange(plan.t, dtype=jnp.int32)
-        acc = jnp.zeros((bsz, plan.t, d), jnp.float32)
+        flat = interm_s[:, :, :span].reshape(bsz, nblk * span, d)
+        lo, hi = win_start(b0 * bt, plan), min((b0 + nblk) * bt, plan.t)
+        r = jnp.arange(lo, hi, dtype=jnp.int32)
+        acc = jnp.zeros((bsz, hi - lo, d), jnp.float32)
         for c in range((plan.window - 1) // bt + 2):
             blk = r // bt + c
             off = r - win_start(blk * bt, plan, jnp.maximum)
-            ok = (blk < nb) & (off >= 0) & (off < span)
-            g = jnp.where(ok, blk * span + off, 0)
+            ok = (blk >= b0) & (blk < b0 + nblk) & (off >= 0) & (off < span)
+            g = jnp.where(ok, (blk - b0) * span + off, 0)
             acc = acc + jnp.where(ok[None, :, None], flat[:, g], 0.0)
-        out.append(acc)
+        out.append(jnp.pad(acc, ((0, 0), (lo, plan.t - hi), (0, 0))))
     else:
         out.append(jnp.zeros((bsz, plan.t, d), jnp.float32))
     if plan.n_pm:
-        pool = interm_s[:, :, plan.n_w * bk:]                     # [B, nb, n_pm*bk, D]
+        pool = interm_s[:, :, plan.n_w * bk:]                     # [B, count, n_pm*bk, D]
         # block i streamed (and wrote) the pool rows p < (i*bt + bt) // ratio only
         p = jnp.arange(plan.n_pm * bk, dtype=jnp.int32)[None, :, None]
 
-        def add_block(blk, acc):                                  # fixed order: block 0, 1, ..
+        def add_block(j, acc):                                    # fixed order: block order
+            blk = b0 + j
             seen = p < jnp.minimum((blk * bt + bt) // plan.ratio, plan.pool_rows)
-            part = lax.dynamic_index_in_dim(pool, blk, axis=1, keepdims=False)
+            part = lax.dynamic_index_in_dim(pool, j, axis=1, keepdims=False)
             return acc + jnp.where(seen, part, 0.0)
 
-        acc = lax.fori_loop(0, nb, add_block,
+        acc = lax.fori_loop(0, nblk, add_block,
                             jnp.zeros(pool.shape[:1] + pool.shape[2:], jnp.float32))
         out.append(acc[:, :plan.pool_rows])
     dkv = jnp.concatenate(out, axis=1)
