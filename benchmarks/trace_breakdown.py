@@ -149,8 +149,8 @@ class KernelLocator:
             self.where[name] = (comp, len(self.seq[comp]))
             self.seq[comp].append((name, kind))
             self.by_name[_norm(name)] = name
-        self.entry = next((c for c in self.seq if re.search(rf"^ENTRY %?{re.escape(c)} ",
-                                                            text, re.M)), None)
+        m = re.search(r"^ENTRY %?([\w.\-]+)", text, re.M)
+        self.entry = m.group(1) if m else None
         self.cursor = None  # instruction of the last located kernel
 
     def seen(self, instr):
