@@ -23,7 +23,8 @@ the device-memory bytes a perfect kernel would move, `gb_s` = gb / time):
   bwd        the whole Gluon backward (GPU only) per --bwd-variants: ms (and dq_ms: only dq
              kept, so XLA drops the dkv work; dkv_ms = the difference), and each variant's
              dq / dkv / dsink against the default's (max-abs error / max-abs) and bit-identity
-             of two runs of the same variant
+             of two runs of the same variant; --step: also the step (value and grad of
+             sum(o dO) + sum(lse dlse) through sparse_attention(impl="gluon", config=...))
   grad       (part, GPU only) every --grad-variants config (the default if none) against impl="xla"
              at two small cases of gluon_bwd_check (-1 and out-of-range slots, duplicates,
              empty tokens, both cotangents; H 128 / K 130 and H 16 / D 64 padded), bit-identical
@@ -212,7 +213,7 @@ def part_pieces(shapes, seed, reps, reduce_variants, gluon_reduce_variants, inte
         del qdo, dsp, q_p, do_p
 
 
-def part_bwd(shapes, seed, reps, variants, dq_time=True):
+def part_bwd(shapes, seed, reps, variants, dq_time=True, step=False):
     """The whole Gluon backward per variant; each checked against the default and twice run."""
     from csa_jax import registry
     g = registry.get("gluon")
@@ -241,6 +242,14 @@ def part_bwd(shapes, seed, reps, variants, dq_time=True):
                          dkv_ms=ms - dq_ms,
                          bit_identical={n: bool(jnp.array_equal(u, v)) for n, u, v in
                                         zip(("dq", "dkv", "dsink"), out1, out2)})
+                if step:      # value and grad of the loss through sparse_attention, this config
+                    import csa_jax
+                    from csa_jax import problems
+                    loss = problems.loss_fn(lambda q, kv, idx, s, cfg=cfg: csa_jax.sparse_attention(
+                        q, kv, idx, s, scale=c.scale, impl="gluon", config=cfg))
+                    st = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+                    r["step_ms"] = _ms(st, (pr.q, pr.kv, pr.sink, pr.idx, pr.do, pr.dlse), reps)
+                    r["step_tflops_nominal"] = 3.5 * nominal / r["step_ms"] / 1e9
                 ok = all(r["bit_identical"].values())
                 if ref is None:
                     ref = out1
@@ -322,6 +331,7 @@ def main(argv=None):
     ap.add_argument("--interm-operands", default="desc,desc_pipe,ldsm_trans,movmatrix")
     ap.add_argument("--bwd-variants", default="")
     ap.add_argument("--no-dq-time", action="store_true", help="bwd part: skip the dq-only time")
+    ap.add_argument("--step", action="store_true", help="bwd part: also time the step")
     ap.add_argument("--grad-variants", default="")
     ap.add_argument("--grad-cases", default=",".join(GRAD_CASES))
     ap.add_argument("--reps", type=int, default=5)
@@ -339,7 +349,8 @@ def main(argv=None):
                                       [o for o in args.interm_operands.split(",") if o],
                                       pieces, args.dry_run),
         "bwd": lambda: part_bwd(parse_shapes(args.bwd_shapes), args.seed, args.reps,
-                                parse_variants(args.bwd_variants), not args.no_dq_time),
+                                parse_variants(args.bwd_variants), not args.no_dq_time,
+                                args.step),
         "grad": lambda: part_grad(args.seed, parse_variants(args.grad_variants),
                                   tuple(args.grad_cases.split(","))),
     }

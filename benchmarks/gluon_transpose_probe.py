@@ -57,6 +57,26 @@ WGMMA_MODES = {4: "wgmma_kmajor", 5: "wgmma_mnmajor"}
 
 
 @gluon.jit
+def _fill(src_ptr, smem, R: gl.constexpr, C: gl.constexpr, NB: gl.constexpr,
+          blk: gl.constexpr):
+    """The NB [R, C] tiles of src into smem, once (16-byte loads along C)."""
+    rows = gl.arange(0, R, layout=gl.SliceLayout(1, blk))
+    cols = gl.arange(0, C, layout=gl.SliceLayout(0, blk))
+    for j in gl.static_range(NB):                          # src [NB, R, C]
+        smem.index(j).store(gl.load(src_ptr + (j * R + rows)[:, None] * C + cols[None, :]))
+    gl.thread_barrier()
+
+
+@gluon.jit
+def _store_acc(out_ptr, pid, acc, M: gl.constexpr, N: gl.constexpr, blk: gl.constexpr):
+    """This program's [M, N] result to out[pid]."""
+    orows = gl.arange(0, M, layout=gl.SliceLayout(1, blk))
+    ocols = gl.arange(0, N, layout=gl.SliceLayout(0, blk))
+    gl.store(out_ptr + pid * (M * N) + orows[:, None] * N + ocols[None, :],
+             gl.convert_layout(acc, blk))
+
+
+@gluon.jit
 def transpose_probe_kernel(src_ptr, it_ptr, out_ptr, MODE: gl.constexpr, M: gl.constexpr,
                            KD: gl.constexpr, NB: gl.constexpr):
     mma: gl.constexpr = gl.NVMMADistributedLayout(
@@ -82,12 +102,7 @@ def transpose_probe_kernel(src_ptr, it_ptr, out_ptr, MODE: gl.constexpr, M: gl.c
     else:
         lay: gl.constexpr = gl.NVMMASharedLayout.get_default_for([R, C], dt)
     smem = gl.allocate_shared_memory(dt, [NB, R, C], lay)
-    rows = gl.arange(0, R, layout=gl.SliceLayout(1, blk))
-    cols = gl.arange(0, C, layout=gl.SliceLayout(0, blk))
-    for b in gl.static_range(NB):                          # src [NB, R, C]
-        tile = gl.load(src_ptr + (b * R + rows)[:, None] * C + cols[None, :])
-        smem.index(b).store(tile)
-    gl.thread_barrier()
+    _fill(src_ptr, smem, R, C, NB, blk)
     acc = gl.zeros([M, KD], dt, dot)
     for i in range(gl.load(it_ptr)):
         buf = smem.index(i % NB)
@@ -100,10 +115,7 @@ def transpose_probe_kernel(src_ptr, it_ptr, out_ptr, MODE: gl.constexpr, M: gl.c
         else:
             a = buf.permute((1, 0)).load(dot)
         acc = acc + a
-    orows = gl.arange(0, M, layout=gl.SliceLayout(1, blk))
-    ocols = gl.arange(0, KD, layout=gl.SliceLayout(0, blk))
-    gl.store(out_ptr + pid * (M * KD) + orows[:, None] * KD + ocols[None, :],
-             gl.convert_layout(acc, blk))
+    _store_acc(out_ptr, pid, acc, M, KD, blk)
 
 
 @gluon.jit
@@ -150,10 +162,7 @@ def wgmma_probe_kernel(a_ptr, b_ptr, it_ptr, out_ptr, MODE: gl.constexpr, M: gl.
         else:
             acc = warpgroup_mma(a_t.permute((1, 0)), b_t, acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=[acc])
-    orows = gl.arange(0, M, layout=gl.SliceLayout(1, blk))
-    ocols = gl.arange(0, N, layout=gl.SliceLayout(0, blk))
-    gl.store(out_ptr + gl.program_id(0) * (M * N) + orows[:, None] * N + ocols[None, :],
-             gl.convert_layout(acc, blk))
+    _store_acc(out_ptr, gl.program_id(0), acc, M, N, blk)
 
 
 # ITERS is a runtime argument (it_ptr, one int32): the check (a few iterations) and the timed run
@@ -272,11 +281,7 @@ def amd_transpose_probe_kernel(src_ptr, it_ptr, out_ptr, MODE: gl.constexpr, M: 
     else:
         lay: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, [1, 0])
     smem = gl.allocate_shared_memory(dt, [NB, R, C], lay)
-    rows = gl.arange(0, R, layout=gl.SliceLayout(1, blk))
-    cols = gl.arange(0, C, layout=gl.SliceLayout(0, blk))
-    for j in gl.static_range(NB):
-        smem.index(j).store(gl.load(src_ptr + (j * R + rows)[:, None] * C + cols[None, :]))
-    gl.thread_barrier()
+    _fill(src_ptr, smem, R, C, NB, blk)
     acc = gl.zeros([M, KD], dt, dot)
     for i in range(gl.load(it_ptr)):
         buf = smem.index(i % NB)
@@ -285,10 +290,7 @@ def amd_transpose_probe_kernel(src_ptr, it_ptr, out_ptr, MODE: gl.constexpr, M: 
         else:
             a = buf.permute((1, 0)).load(dot)
         acc = acc + a
-    orows = gl.arange(0, M, layout=gl.SliceLayout(1, blk))
-    ocols = gl.arange(0, KD, layout=gl.SliceLayout(0, blk))
-    gl.store(out_ptr + gl.program_id(0) * (M * KD) + orows[:, None] * KD + ocols[None, :],
-             gl.convert_layout(acc, blk))
+    _store_acc(out_ptr, gl.program_id(0), acc, M, KD, blk)
 
 
 AMD_TARGETS = {"gfx950": 4, "gfx942": 3}

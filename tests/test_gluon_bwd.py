@@ -202,7 +202,7 @@ def test_config_switch():
                 dict(bwd_block_r=24), dict(bwd_reduce_warps=3), dict(bwd_reduce="xla"),
                 dict(bwd_dq_operand="strided"), dict(bwd_interm="cublas"),
                 dict(bwd_interm_operand="strided"), dict(bwd_interm_stages=5),
-                dict(bwd_interm="gluon", bwd_qdo=True), dict(bwd_interm_pipeline=1),
+                dict(bwd_interm_pipeline=1),
                 dict(bwd_interm_pipeline=True, bwd_interm_operand="movmatrix")):
         with pytest.raises(ValueError, match=next(iter(bad))):
             gluon.Config(**bad)

@@ -106,7 +106,8 @@ class Config:
         (dsp^T): "desc" (MN-major descriptor), "ldsm_trans" or "movmatrix" (into registers by
         ldmatrix .trans, or plain ldmatrix + a register transpose); bwd_interm_stages: its
         A ring depth (2..4); bwd_interm_pipeline: one async wgmma in flight ("desc" only).
-    bwd_qdo: the dq kernel also writes the interm GEMM's stacked [q; dO] operand from its shared
+    bwd_qdo (with bwd_interm="xla"; the Gluon interm GEMM reads q and dO in place and ignores
+        it): the dq kernel also writes the interm GEMM's stacked [q; dO] operand from its shared
         memory (4.3 GB of writes at Pro cr4 T = 16384 in place of XLA's stack: 4.3 GB read +
         4.3 GB written); dsp is then laid out head block first to match.
     bwd_narrow_keys: the dkv inverse map sorts int16 keys when N < 2**15 (same map).
@@ -181,9 +182,6 @@ class Config:
             raise ValueError(f"bwd_interm_pipeline={self.bwd_interm_pipeline!r} must be a bool")
         if self.bwd_interm_pipeline and self.bwd_interm_operand != "desc":
             raise ValueError("bwd_interm_pipeline=True needs bwd_interm_operand='desc'")
-        if self.bwd_qdo and self.bwd_interm == "gluon":
-            raise ValueError("bwd_qdo=True feeds the XLA interm GEMM; bwd_interm='gluon' reads "
-                             "q and dO in place (set bwd_qdo=False)")
         if self.bwd_reduce not in ("pallas_triton", "gluon"):
             raise ValueError(f"bwd_reduce={self.bwd_reduce!r} must be 'pallas_triton' or 'gluon'")
         if self.bwd_block_r not in (0, 8, 16, 32, 64, 128) or isinstance(self.bwd_block_r, bool):

@@ -297,8 +297,7 @@ def backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, block_k, stages, prod
     f32 = jnp.float32
     B, T, H, D = q.shape
     N, K = kv.shape[1], idx.shape[2]
-    if qdo and interm == "gluon":
-        raise ValueError("qdo=True feeds the XLA interm GEMM; interm='gluon' reads q and dO")
+    qdo = qdo and interm == "xla"       # the Gluon interm GEMM reads q and dO in place
     # The Gluon interm GEMM walks slots in 128-row tiles: pad K to that (the dq kernel writes
     # exact zeros for the padding; padded slots are -1, in no inverse-map row).
     Hp, Dp, Kp = padded_dims(H, D, K, 128 if interm == "gluon" else block_k)
