@@ -272,6 +272,12 @@ def test_forward_is_nvidia_only(target):
             fwd.constexprs(T=64, N=256, NHB=1, D=512, K=128, BK=64, stages=2, scale=0.1,
                            producer_regs=96),
             target=target, num_warps=fwd.CONSUMER_WARPS)
+    from csa_jax.kernels.gluon import fwd_alt
+    with pytest.raises(Exception):
+        adapter.compile_kernel(
+            fwd_alt.csa_fwd_alt_kernel, fwd.arg_types(),
+            fwd_alt.constexprs(T=64, N=256, NHB=1, D=512, K=128, BK=64, stages=2, scale=0.1),
+            target=target, num_warps=fwd_alt.NUM_WARPS)
 
 
 def test_probe_compiles():
