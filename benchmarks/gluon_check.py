@@ -223,7 +223,8 @@ def part_time(seed, shapes):
         del pr, outs
 
 
-def part_window(seed):
+def part_window(seed, only=""):
+    """only: comma-separated substrings of the case names to run (all if empty)."""
     from csa_jax.indices import build_indices
     key = jax.random.PRNGKey(seed + 3)
     cases = [  # name, layout, B, T, H, D, window, sink
@@ -233,8 +234,8 @@ def part_window(seed):
     ]
     for name, layout, B, T, H, D, w, sink in cases:
         key, kq, kkv, ks, kp = jax.random.split(key, 5)
-        if layout != "cr0" and OVERRIDES.get("win_q_split"):
-            continue                                  # a cr0-only option
+        if only and not any(o in name for o in only.split(",")):
+            continue
         ratio = 0 if layout == "cr0" else 128
         idx = build_indices(T, ratio, window=w)
         idx = jnp.broadcast_to(idx, (B,) + idx.shape)
@@ -301,7 +302,8 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=int(time.time()) % 100000)
     ap.add_argument("--out", default=None)
     ap.add_argument("--config", default="", help="gluon Config overrides: key=val,...")
-    ap.add_argument("--cases", default="", help="random part: only these cases (name,name)")
+    ap.add_argument("--cases", default="", help="random part: only these case names; window "
+                    "part: case-name substrings (name,name)")
     args = ap.parse_args(argv)
     OVERRIDES.update(parse_overrides(args.config))     # bools, ints, strings (schedule=...)
     CASES.update(filter(None, args.cases.split(",")))
@@ -320,7 +322,7 @@ def main(argv=None):
         "golden": golden,
         "grad": lambda: part_grad(args.seed),
         "time": lambda: part_time(args.seed, parse_shapes(args.shapes)),
-        "window": lambda: part_window(args.seed),
+        "window": lambda: part_window(args.seed, args.cases),
     }, seed=args.seed, out=args.out)
 
 

@@ -24,8 +24,8 @@ from csa_jax.kernels.gluon import adapter
     (dict(pool_stages=0), "pool_stages=0"),
     (dict(win_programs=-1), "win_programs=-1"),
     (dict(win_producer_regs=44), "win_producer_regs=44"),
-    (dict(layout="cr0", win_q_split=True), "win_q_split=True needs win_p_smem"),
-    (dict(layout="cr128", win_q_split=True, win_p_smem=True), "layout='cr128'"),
+    (dict(win_p_smem=1), "win_p_smem=1"),
+    (dict(win_ablate=3), "win_ablate=3"),
 ])
 def test_config_rejects_bad_promise(kw, match):
     with pytest.raises(ValueError, match=match):
@@ -103,7 +103,7 @@ def test_sparse_attention_checks_the_promise_before_tracing():
 
 
 def _compile(T=4096, NHB=2, D=512, window=128, G=66, ratio=0, producer_regs=40, p_smem=False,
-             q_split=False, **kw):
+             **kw):
     if adapter.missing():
         pytest.skip(adapter.missing())
     from csa_jax.kernels.gluon import window as win
@@ -112,8 +112,7 @@ def _compile(T=4096, NHB=2, D=512, window=128, G=66, ratio=0, producer_regs=40, 
         win.csa_window_kernel, win.arg_types(),
         win.constexprs(T=T, N=N, NHB=NHB, D=D, window=window, G=G, ratio=ratio,
                        pool_tile=kw.get("pool_tile", 16), pool_stages=kw.get("pool_stages", 1),
-                       scale=D ** -0.5, producer_regs=producer_regs, p_smem=p_smem,
-                       q_split=q_split),
+                       scale=D ** -0.5, producer_regs=producer_regs, p_smem=p_smem),
         target="sm_90a", num_warps=win.CONSUMER_WARPS)
     return c, adapter.resources(c, "sm_90a")
 
@@ -134,12 +133,11 @@ def test_window_kernel_compiles_for_sm90a():
     assert r["spill_stores"] <= 128, r
 
 
-@pytest.mark.parametrize("p_smem, q_split", [(True, False), (True, True)])
-def test_window_kernel_cr0_variants_compile(p_smem, q_split):
-    """cr0 with P through shared memory (one 128-row window product, m64n64 per warpgroup)
-    and with q in two halves: within shared memory."""
+def test_window_kernel_cr0_p_smem_compiles():
+    """cr0 with P through shared memory (one 128-row window product, m64n64 per warpgroup):
+    within shared memory."""
     from csa_jax.kernels.gluon import window as win
-    c, r = _compile(p_smem=p_smem, q_split=q_split)
+    c, r = _compile(p_smem=True)
     assert r["shared"] <= win.shared_bytes(512, 128, 0, 16, 1, 1) <= r["shared_limit"]
     assert "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16" in c.asm["ptx"]
     assert r["spill_stores"] <= 128, r

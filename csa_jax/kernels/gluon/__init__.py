@@ -64,9 +64,9 @@ class Config:
         consumers need the rest, 232, for a 144-row span without spills); pool_tile,
         pool_stages: its cr128 pool ring (rows per tile, depth); win_p_smem: cr0's window P
         goes to the PV products through shared memory instead of registers (cr128 always uses
-        the pool slot for it: window.p_smem_mode); win_q_split: cr0 with win_p_smem loads q in
-        two column halves and releases the first as soon as its products are done, so the
-        next token's q starts loading half a QK^T earlier.
+        the pool slot for it: window.p_smem_mode). win_ablate: BENCHMARK ONLY, wrong results:
+        1 = the window kernel computes everything but stores no o / lse, 2 = its consumers only
+        wait for and release the copies (the producer's pace).
     ablate: BENCHMARK ONLY, wrong results: 1 = no PV product, 2 = no QK^T product, 3 = neither,
         4 = no compute at all (the consumers only wait for and release the ring: the producer's
         pace). Used to place the time inside the kernel (docs/perf/gluon_h200.md).
@@ -132,7 +132,7 @@ class Config:
     pool_tile: int = 16
     pool_stages: int = 1
     win_p_smem: bool = False
-    win_q_split: bool = False
+    win_ablate: int = 0
     ablate: int = 0
     schedule: str = "auto"
     alt_regs: int = 216
@@ -257,12 +257,10 @@ def _check_layout_fields(c):
     if c.layout in ("cr0", "cr128") and c.window not in (64, 128):
         raise ValueError(f"window={c.window}: the window-reuse kernel (layout={c.layout!r}) "
                          f"takes window 64 or 128")
-    for name in ("win_p_smem", "win_q_split"):
-        if not isinstance(getattr(c, name), bool):
-            raise ValueError(f"{name}={getattr(c, name)!r} must be a bool")
-    if c.win_q_split and (c.layout == "cr128" or not c.win_p_smem):
-        raise ValueError(f"win_q_split=True needs win_p_smem=True and a cr0 layout (got "
-                         f"layout={c.layout!r}, win_p_smem={c.win_p_smem})")
+    if not isinstance(c.win_p_smem, bool):
+        raise ValueError(f"win_p_smem={c.win_p_smem!r} must be a bool")
+    if isinstance(c.win_ablate, bool) or c.win_ablate not in (0, 1, 2):
+        raise ValueError(f"win_ablate={c.win_ablate!r} must be 0 (off), 1 or 2 (benchmark only)")
     if c.pool_tile not in (16, 32, 64):
         raise ValueError(f"pool_tile={c.pool_tile} must be 16, 32 or 64")
 
@@ -421,8 +419,8 @@ def check_layout(idx, num_kv, config):
 def forward(q, kv, idx, sink, *, scale, interpret, config):
     """o [B, T, H, D] (q.dtype), lse [B, T, H] f32 (the impl interface: csa_jax/registry.py).
     layout cr0 / cr128: the window-reuse kernel, which does not read idx; a concrete idx is
-    checked here (check_layout), a traced one poisons the outputs of the tokens that break the
-    promise with NaN (csa_jax/layouts.py)."""
+    checked here (check_layout); for a traced one csa_jax/layouts.py finds the tokens that break
+    the promise and the kernel writes their o and lse as NaN."""
     _check(q, kv, idx, interpret)
     arch = _amd()
     if arch:
@@ -433,13 +431,12 @@ def forward(q, kv, idx, sink, *, scale, interpret, config):
     if config.layout in ("cr0", "cr128"):
         from csa_jax import layouts
         from csa_jax.kernels.gluon import window as _win
-        if not isinstance(idx, jax.core.Tracer):
+        if isinstance(idx, jax.core.Tracer):
+            bad = layouts.violations(idx, config.layout, config.window, config.pool_ratio)
+        else:
             check_layout(idx, kv.shape[1], config)
-        o, lse = _win.forward(q, kv, sink, scale=float(scale), config=config)
-        if not isinstance(idx, jax.core.Tracer):
-            return o, lse
-        bad = layouts.violations(idx, config.layout, config.window, config.pool_ratio)
-        return layouts.poison(bad, o, lse)
+            bad = jnp.zeros(idx.shape[:2], jnp.int32)
+        return _win.forward(q, kv, sink, bad, scale=float(scale), config=config)
     from csa_jax.kernels.gluon import fwd as _fwd
     return _fwd.forward(q, kv, idx, sink, scale=float(scale), config=config)
 

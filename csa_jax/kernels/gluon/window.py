@@ -61,8 +61,7 @@ def _copy_rows(dst, base, row0, NROWS: gl.constexpr, N, D: gl.constexpr, COLS: g
 def _producer(q_ptr, kv_ptr, q_smem, win_a, win_b, pool, q_ready, q_free, span_ready, span_free,
               pool_full, pool_free, b, hb, g, nblk, T: gl.constexpr, N: gl.constexpr,
               NHB: gl.constexpr, D: gl.constexpr, W: gl.constexpr, G: gl.constexpr,
-              RATIO: gl.constexpr, PT: gl.constexpr, PSTAGES: gl.constexpr,
-              QS: gl.constexpr):
+              RATIO: gl.constexpr, PT: gl.constexpr, PSTAGES: gl.constexpr):
     kv_base = kv_ptr + b.to(gl.int64) * (N * D)
     pc = 0                                            # pool tiles issued so far
     for k in range(nblk):
@@ -70,12 +69,10 @@ def _producer(q_ptr, kv_ptr, q_smem, win_a, win_b, pool, q_ready, q_free, span_r
         for i in range(gl.minimum(T - t0, BT)):
             it = k * BT + i
             qrow = ((b * T + t0 + i) * NHB + hb) * HBC
-            for h in gl.static_range(QS):           # q in QS column pieces, each released
-                if it > 0:                          # as soon as its products are done
-                    mbarrier.wait(q_free.index(h), (it - 1) & 1)
-                _copy_rows(q_smem.index(h), q_ptr + h * (D // QS), qrow, HBC, qrow + HBC, D,
-                           D // QS)
-                async_copy.mbarrier_arrive(q_ready.index(h), increment_count=False)
+            if it > 0:
+                mbarrier.wait(q_free, (it - 1) & 1)
+            _copy_rows(q_smem, q_ptr, qrow, HBC, qrow + HBC, D, D)
+            async_copy.mbarrier_arrive(q_ready, increment_count=False)
             if i == 0:        # after the block's first q: that q waits only for a QK^T
                 if k > 0:
                     mbarrier.wait(span_free, (k - 1) & 1)
@@ -104,15 +101,6 @@ def _scores(q_smem, tile, NC: gl.constexpr):
         version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, NC // 2, 16])
     return warpgroup_mma(q_smem, tile.permute((1, 0)), gl.zeros([HBC, NC], gl.float32, layout),
                          use_acc=False, is_async=True)
-
-
-@gluon.jit
-def _scores_split(q_smem, tile, sc, h: gl.constexpr, QS: gl.constexpr):
-    """Piece h of QS of S = q tile^T over D: q piece h times tile's columns of that piece,
-    added to sc (h > 0; h = 0 starts from _scores' zeros); issued async."""
-    part = tile.slice(h * (tile.shape[1] // QS), tile.shape[1] // QS, dim=1)
-    return warpgroup_mma(q_smem.index(h), part.permute((1, 0)), sc, use_acc=h > 0,
-                         is_async=True)
 
 
 @gluon.jit
@@ -162,11 +150,11 @@ def _pv_smem(p, pview, tile, acc):
 
 
 @gluon.jit
-def _consumer(sink_ptr, o_ptr, lse_ptr, q_smem, win_a, win_b, pool, q_ready, q_free, span_ready,
-              span_free, pool_full, pool_free, b, hb, g, nblk, T: gl.constexpr,
+def _consumer(sink_ptr, bad_ptr, o_ptr, lse_ptr, q_smem, win_a, win_b, pool, q_ready, q_free,
+              span_ready, span_free, pool_full, pool_free, b, hb, g, nblk, T: gl.constexpr,
               NHB: gl.constexpr, D: gl.constexpr, W: gl.constexpr, G: gl.constexpr,
               RATIO: gl.constexpr, PT: gl.constexpr, PSTAGES: gl.constexpr,
-              QK_SCALE: gl.constexpr, P_SMEM: gl.constexpr, QS: gl.constexpr):
+              QK_SCALE: gl.constexpr, P_SMEM: gl.constexpr, ABLATE: gl.constexpr):
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, D // 2, 16])
     orow: gl.constexpr = gl.SliceLayout(1, o_layout)
@@ -190,27 +178,36 @@ def _consumer(sink_ptr, o_ptr, lse_ptr, q_smem, win_a, win_b, pool, q_ready, q_f
             m = gl.full([HBC], NEG, gl.float32, srow)
             l = gl.zeros([HBC], gl.float32, srow)
             acc = gl.zeros([HBC, D], gl.float32, o_layout)
-            mbarrier.wait(q_ready.index(0), it & 1)
+            mbarrier.wait(q_ready, it & 1)
             fence_async_shared()
-            q0 = q_smem.index(0)
-            if RATIO > 0:                             # (QS == 1: q is one piece)
-                vis = (t + 1) // RATIO
-                npt = gl.maximum(gl.cdiv(vis, PT), 1)
-                for j in range(npt):
-                    s = pc % PSTAGES
-                    mbarrier.wait(pool_full.index(s), (pc // PSTAGES) & 1)
-                    fence_async_shared()
-                    tile = pool.index(s)
-                    sp = _scores(q0, tile, PT)
-                    sp = warpgroup_mma_wait(0, deps=[sp])
-                    p, alpha, m, l = _step(sp, T + j * PT, T, T + vis - 1, m, l, PT,
-                                           QK_SCALE)
-                    acc = _pv(p, tile, _rescale(acc, alpha))
-                    if j < npt - 1 or P_SMEM != 2:
-                        _release(pool_free.index(s))
-                    pc += 1
-            # the span's first W rows (one product, or two of 64 rows), then its last BT rows
-            if QS == 1:
+            q0 = q_smem
+            # the promise check's verdict for this token (wrapper: NaN outputs if broken)
+            broken = gl.load(bad_ptr + b * T + t) != 0
+            if ABLATE == 2:       # benchmark only: no compute, the copies' pace
+                _release(q_free)
+                if RATIO > 0:
+                    for j in range(gl.maximum(gl.cdiv((t + 1) // RATIO, PT), 1)):
+                        mbarrier.wait(pool_full.index(pc % PSTAGES), (pc // PSTAGES) & 1)
+                        _release(pool_free.index(pc % PSTAGES))
+                        pc += 1
+            else:
+                if RATIO > 0:
+                    vis = (t + 1) // RATIO
+                    npt = gl.maximum(gl.cdiv(vis, PT), 1)
+                    for j in range(npt):
+                        s = pc % PSTAGES
+                        mbarrier.wait(pool_full.index(s), (pc // PSTAGES) & 1)
+                        fence_async_shared()
+                        tile = pool.index(s)
+                        sp = _scores(q0, tile, PT)
+                        sp = warpgroup_mma_wait(0, deps=[sp])
+                        p, alpha, m, l = _step(sp, T + j * PT, T, T + vis - 1, m, l, PT,
+                                               QK_SCALE)
+                        acc = _pv(p, tile, _rescale(acc, alpha))
+                        if j < npt - 1 or P_SMEM != 2:
+                            _release(pool_free.index(s))
+                        pc += 1
+                # the span's first W rows (one product, or two of 64 rows), then its last BT rows
                 sa = _scores(q0, win_a.slice(0, WT), WT)
                 if W > WT:
                     sa2 = _scores(q0, win_a.slice(WT, WT), WT)
@@ -219,71 +216,63 @@ def _consumer(sink_ptr, o_ptr, lse_ptr, q_smem, win_a, win_b, pool, q_ready, q_f
                     sa, sa2, sb = warpgroup_mma_wait(0, deps=[sa, sa2, sb])
                 else:
                     sa, sb = warpgroup_mma_wait(0, deps=[sa, sb])
-                _release(q_free.index(0))             # the next token's q may load now
-            else:
-                # q in two column halves: the first half's products run while the second half
-                # lands, and the first half is released (the next token's first half starts
-                # loading) while the second half's products run. (W == WT: one window product)
-                sa = _scores(q0, win_a.slice(0, WT).slice(0, D // 2, dim=1), WT)
-                sb = _scores(q0, win_b.slice(0, D // 2, dim=1), BT)
-                mbarrier.wait(q_ready.index(1), it & 1)
-                fence_async_shared()
-                sa = _scores_split(q_smem, win_a.slice(0, WT), sa, 1, 2)
-                sb = _scores_split(q_smem, win_b, sb, 1, 2)
-                sa, sb = warpgroup_mma_wait(2, deps=[sa, sb])
-                _release(q_free.index(0))
-                sa, sb = warpgroup_mma_wait(0, deps=[sa, sb])
-                _release(q_free.index(1))
-            # one online step over the whole span (joint running max)
-            lo = gl.maximum(t - W + 1, 0)                  # rows < 0 are zero-filled
-            sa = _masked(sa, t0 - W, lo, t, WT, QK_SCALE)
-            mx = gl.max(sa, axis=1)
-            if W > WT:
-                sa2 = _masked(sa2, t0 - W + WT, lo, t, WT, QK_SCALE)
-                mx = gl.maximum(mx, gl.max(sa2, axis=1))
-            sb = _masked(sb, t0, lo, t, BT, QK_SCALE)
-            m_new = gl.maximum(m, gl.maximum(mx, gl.convert_layout(gl.max(sb, axis=1), srow)))
-            alpha = gl.exp2(m - m_new)
-            acc = _rescale(acc, alpha)
-            pa = gl.exp2(sa - m_new[:, None])
-            l = l * alpha + gl.sum(pa, axis=1)
-            if P_SMEM == 1:
-                pview = pool
-            elif P_SMEM == 2:      # the token's last pool slot (its tile's products are done)
-                pview = pool.index((pc - 1) % PSTAGES)._reinterpret(
-                    win_a.dtype, [W // WT, HBC, WT],
-                    gl.NVMMASharedLayout.get_default_for([HBC, WT], win_a.dtype))
-            if P_SMEM == 0:
-                acc = _pv(pa, win_a.slice(0, WT), acc)
-            else:
-                acc = _pv_smem(pa, pview.index(0), win_a.slice(0, WT), acc)
-            if W > WT:
-                pa = gl.exp2(sa2 - m_new[:, None])
-                l = l + gl.sum(pa, axis=1)
+                _release(q_free)                          # the next token's q may load now
+                # one online step over the whole span (joint running max)
+                lo = gl.maximum(t - W + 1, 0)                  # rows < 0 are zero-filled
+                sa = _masked(sa, t0 - W, lo, t, WT, QK_SCALE)
+                mx = gl.max(sa, axis=1)
+                if W > WT:
+                    sa2 = _masked(sa2, t0 - W + WT, lo, t, WT, QK_SCALE)
+                    mx = gl.maximum(mx, gl.max(sa2, axis=1))
+                sb = _masked(sb, t0, lo, t, BT, QK_SCALE)
+                m_new = gl.maximum(m, gl.maximum(mx, gl.convert_layout(gl.max(sb, axis=1), srow)))
+                alpha = gl.exp2(m - m_new)
+                acc = _rescale(acc, alpha)
+                pa = gl.exp2(sa - m_new[:, None])
+                l = l * alpha + gl.sum(pa, axis=1)
+                if P_SMEM == 1:
+                    pview = pool
+                elif P_SMEM == 2:      # the token's last pool slot (its tile's products are done)
+                    pview = pool.index((pc - 1) % PSTAGES)._reinterpret(
+                        win_a.dtype, [W // WT, HBC, WT],
+                        gl.NVMMASharedLayout.get_default_for([HBC, WT], win_a.dtype))
                 if P_SMEM == 0:
-                    acc = _pv(pa, win_a.slice(WT, WT), acc)
+                    acc = _pv(pa, win_a.slice(0, WT), acc)
                 else:
-                    acc = _pv_smem(pa, pview.index(1), win_a.slice(WT, WT), acc)
-            pb = gl.exp2(sb - gl.convert_layout(m_new, gl.SliceLayout(1, sb.type.layout))[:, None])
-            l = l + gl.convert_layout(gl.sum(pb, axis=1), srow)
-            m = m_new
-            acc = _pv(pb, win_b, acc)
-            if P_SMEM == 2:
-                _release(pool_free.index((pc - 1) % PSTAGES))
-            row = (b * T + t) * NHB + hb
-            lse, o_scale = _finish(m, l, sink_ptrs)
-            gl.store(lse_ptr + row * HBC + hrows, lse)
-            o = (acc * gl.convert_layout(o_scale, orow)[:, None]).to(o_ptr.dtype.element_ty)
-            gl.store(o_ptr + (row * HBC + orows).to(gl.int64)[:, None] * D + ocols[None, :], o)
+                    acc = _pv_smem(pa, pview.index(0), win_a.slice(0, WT), acc)
+                if W > WT:
+                    pa = gl.exp2(sa2 - m_new[:, None])
+                    l = l + gl.sum(pa, axis=1)
+                    if P_SMEM == 0:
+                        acc = _pv(pa, win_a.slice(WT, WT), acc)
+                    else:
+                        acc = _pv_smem(pa, pview.index(1), win_a.slice(WT, WT), acc)
+                m_b = gl.convert_layout(m_new, gl.SliceLayout(1, sb.type.layout))
+                pb = gl.exp2(sb - m_b[:, None])
+                l = l + gl.convert_layout(gl.sum(pb, axis=1), srow)
+                m = m_new
+                acc = _pv(pb, win_b, acc)
+                if P_SMEM == 2:
+                    _release(pool_free.index((pc - 1) % PSTAGES))
+                row = (b * T + t) * NHB + hb
+                lse, o_scale = _finish(m, l, sink_ptrs)
+                lse = gl.where(broken, float("nan"), lse)
+                o_scale = gl.where(broken, float("nan"), o_scale)
+                o = (acc * gl.convert_layout(o_scale, orow)[:, None]).to(o_ptr.dtype.element_ty)
+                if ABLATE != 1 or t < 0:  # ABLATE 1, benchmark only: everything but the stores
+                    gl.store(lse_ptr + row * HBC + hrows, lse)
+                    gl.store(o_ptr + (row * HBC + orows).to(gl.int64)[:, None] * D + ocols[None, :],
+                             o)
         _release(span_free)
 
 
 @gluon.jit
-def csa_window_kernel(q_ptr, kv_ptr, sink_ptr, o_ptr, lse_ptr,
+def csa_window_kernel(q_ptr, kv_ptr, sink_ptr, bad_ptr, o_ptr, lse_ptr,
                       T: gl.constexpr, N: gl.constexpr, NHB: gl.constexpr, D: gl.constexpr,
                       W: gl.constexpr, G: gl.constexpr, RATIO: gl.constexpr, PT: gl.constexpr,
                       PSTAGES: gl.constexpr, QK_SCALE: gl.constexpr,
-                      PRODUCER_REGS: gl.constexpr, P_SMEM: gl.constexpr, QS: gl.constexpr):
+                      PRODUCER_REGS: gl.constexpr, P_SMEM: gl.constexpr,
+                      ABLATE: gl.constexpr):
     pid = gl.program_id(0)
     hb = pid % NHB
     g = (pid // NHB) % G
@@ -291,8 +280,8 @@ def csa_window_kernel(q_ptr, kv_ptr, sink_ptr, o_ptr, lse_ptr,
     NBLK: gl.constexpr = (T + BT - 1) // BT
     nblk = gl.cdiv(NBLK - g, G)                       # blocks g, g + G, ... below NBLK
     dtype: gl.constexpr = q_ptr.dtype.element_ty
-    q_smem = gl.allocate_shared_memory(                # q in QS column pieces
-        dtype, [QS, HBC, D // QS], gl.NVMMASharedLayout.get_default_for([HBC, D // QS], dtype))
+    q_smem = gl.allocate_shared_memory(
+        dtype, [HBC, D], gl.NVMMASharedLayout.get_default_for([HBC, D], dtype))
     # the span = its first W rows + its last BT rows (two buffers: shapes are powers of two)
     win_a = gl.allocate_shared_memory(
         dtype, [W, D], gl.NVMMASharedLayout.get_default_for([W, D], dtype))
@@ -310,27 +299,26 @@ def csa_window_kernel(q_ptr, kv_ptr, sink_ptr, o_ptr, lse_ptr,
         pool = gl.allocate_shared_memory(
             dtype, [1, 8, 8], gl.NVMMASharedLayout.get_default_for([8, 8], dtype))
     bar: gl.constexpr = mbarrier.MBarrierLayout()
-    q_ready = gl.allocate_shared_memory(gl.int64, [QS, 1], bar)
-    q_free = gl.allocate_shared_memory(gl.int64, [QS, 1], bar)
+    q_ready = gl.allocate_shared_memory(gl.int64, [1], bar)
+    q_free = gl.allocate_shared_memory(gl.int64, [1], bar)
     span_ready = gl.allocate_shared_memory(gl.int64, [1], bar)
     span_free = gl.allocate_shared_memory(gl.int64, [1], bar)
     pool_full = gl.allocate_shared_memory(gl.int64, [PS, 1], bar)
     pool_free = gl.allocate_shared_memory(gl.int64, [PS, 1], bar)
-    for h in gl.static_range(QS):
-        mbarrier.init(q_ready.index(h), count=PRODUCER_WARPS * 32)
-        mbarrier.init(q_free.index(h), count=1)
+    mbarrier.init(q_ready, count=PRODUCER_WARPS * 32)
+    mbarrier.init(q_free, count=1)
     mbarrier.init(span_ready, count=PRODUCER_WARPS * 32)
     mbarrier.init(span_free, count=1)
     for s in gl.static_range(PS):
         mbarrier.init(pool_full.index(s), count=PRODUCER_WARPS * 32)
         mbarrier.init(pool_free.index(s), count=1)
     gl.warp_specialize([
-        (_consumer, (sink_ptr, o_ptr, lse_ptr, q_smem, win_a, win_b, pool, q_ready, q_free,
+        (_consumer, (sink_ptr, bad_ptr, o_ptr, lse_ptr, q_smem, win_a, win_b, pool, q_ready, q_free,
                      span_ready, span_free, pool_full, pool_free, b, hb, g, nblk, T, NHB, D,
-                     W, G, RATIO, PT, PSTAGES, QK_SCALE, P_SMEM, QS)),
+                     W, G, RATIO, PT, PSTAGES, QK_SCALE, P_SMEM, ABLATE)),
         (_producer, (q_ptr, kv_ptr, q_smem, win_a, win_b, pool, q_ready, q_free, span_ready,
                      span_free, pool_full, pool_free, b, hb, g, nblk, T, N, NHB, D, W, G,
-                     RATIO, PT, PSTAGES, QS)),
+                     RATIO, PT, PSTAGES)),
     ], [PRODUCER_WARPS], [PRODUCER_REGS])
 
 
@@ -372,23 +360,21 @@ def programs(B, T, nhb, want=0):
 
 
 def constexprs(*, T, N, NHB, D, window, G, ratio, pool_tile, pool_stages, scale,
-               producer_regs, p_smem=False, q_split=False):
+               producer_regs, p_smem=False, ablate=0):
     p_mode = p_smem_mode(D, window, ratio, pool_tile, p_smem)
-    if q_split and (ratio or not p_mode):
-        raise ValueError("win_q_split needs layout='cr0' and win_p_smem=True (one window "
-                         "product per q half)")
     return dict(T=T, N=N, NHB=NHB, D=D, W=window, G=G, RATIO=ratio, PT=pool_tile,
                 PSTAGES=pool_stages, QK_SCALE=float(scale) * LOG2E, PRODUCER_REGS=producer_regs,
-                P_SMEM=p_mode, QS=2 if q_split else 1)
+                P_SMEM=p_mode, ABLATE=int(ablate))
 
 
 def arg_types(dt="bf16"):
-    return [f"*{dt}", f"*{dt}", "*fp32", f"*{dt}", "*fp32"]
+    return [f"*{dt}", f"*{dt}", "*fp32", "*i32", f"*{dt}", "*fp32"]
 
 
-def forward(q, kv, sink, *, scale, config):
+def forward(q, kv, sink, bad, *, scale, config):
     """o [B, T, H, D] (q.dtype), lse [B, T, H] f32 of the cr0 / cr128 layout promise (idx is not
-    read: the caller checks / poisons the promise). CUDA only."""
+    read); bad [B, T] (bool or int): tokens whose idx breaks the promise, whose o and lse the
+    kernel writes as NaN (no extra pass over o). CUDA only."""
     import jax
     import jax.numpy as jnp
     from csa_jax.kernels.gluon.adapter import gluon_call
@@ -415,7 +401,7 @@ def forward(q, kv, sink, *, scale, config):
             f"{config.pool_tile}, pool_stages={config.pool_stages}: the window kernel needs "
             f"~{need} B of shared memory, over the {SMEM_LIMIT} B per block")
     o, lse = gluon_call(
-        q_p, kv_p, sink_p,
+        q_p, kv_p, sink_p, bad.astype(jnp.int32).reshape(B * T),
         kernel=csa_window_kernel,
         out_shape=[jax.ShapeDtypeStruct((B * T * Hp, Dp), q.dtype),
                    jax.ShapeDtypeStruct((B * T * Hp,), jnp.float32)],
@@ -423,7 +409,7 @@ def forward(q, kv, sink, *, scale, config):
         **constexprs(T=T, N=N, NHB=nhb, D=Dp, window=config.window, G=G, ratio=ratio,
                      pool_tile=config.pool_tile, pool_stages=config.pool_stages, scale=scale,
                      producer_regs=config.win_producer_regs, p_smem=config.win_p_smem,
-                     q_split=config.win_q_split))
+                     ablate=config.win_ablate))
     o = o.reshape(B, T, Hp, Dp)[:, :, :H, :D]
     lse = lse.reshape(B, T, Hp)[:, :, :H]
     return o, lse
