@@ -58,6 +58,8 @@ class Config:
         cr0 / cr128 run the window-reuse kernel (window.py: a block of 16 tokens copies its
         window union once and every token reads it at its own offset; idx is not read, a traced
         idx that breaks the promise gives NaN for its tokens); generic / cr4 the gather kernel.
+        Measured on the H200 it is no faster than the gather kernel, and cr128's numerics have
+        not been checked there yet (docs/perf/gluon_h200.md, window reuse).
     window, pool_ratio: the layout's window (the window kernel takes 64 or 128) and cr128 ratio.
     win_programs: programs per (sequence, head block) of the window kernel along the tokens
         (0 = one program per SM in all); win_producer_regs: its producer's registers (40: its
