@@ -130,10 +130,11 @@ class KernelLocator:
 
     A fusion's kernel is named after its instruction ('.' and '-' as '_'): that is an exact
     match. Library kernels (cuBLAS / nvjet GEMMs, cub sorts) and Pallas Triton kernels are not;
-    they are matched in schedule order: the scheduled HLO lists each computation's instructions
-    in execution order, so such a kernel belongs to the first custom-call of its kind (GEMM,
-    cub, triton) after the instruction of the kernel that ran before it in the same
-    computation. cub's sort launches several kernels: consecutive cub kernels stay on one call,
+    they are matched by position: such a kernel belongs to the custom-call of its kind (GEMM,
+    cub, triton) located the fewest times so far (each runs once per step) and, among those,
+    nearest in the scheduled HLO to the instruction of the kernel that ran before it (a CUDA
+    graph may run independent branches out of text order). An approximation: the scopes of
+    neighbouring GEMMs usually agree, their shapes are not checked. cub's sort launches several kernels: consecutive cub kernels stay on one call,
     as does a cuBLAS split-K reduction kernel on its GEMM.
     `locate(kernel)` must be called in execution order (events sorted by start time), and
     `seen(instr)` for the kernels that name their instruction themselves."""
@@ -149,6 +150,7 @@ class KernelLocator:
             self.where[name] = (comp, len(self.seq[comp]))
             self.seq[comp].append((name, kind))
             self.by_name[_norm(name)] = name
+        self.uses = collections.Counter()
         m = re.search(r"^ENTRY %?([\w.\-]+)", text, re.M)
         self.entry = m.group(1) if m else None
         self.cursor = None  # instruction of the last located kernel
@@ -169,12 +171,15 @@ class KernelLocator:
             if follow and self.cursor is not None and \
                     self.seq[self.where[self.cursor][0]][self.where[self.cursor][1]][1] == kind:
                 return self.cursor
-            comp, pos = self.where.get(self.cursor, (self.entry, -1))
-            seq = self.seq.get(comp, [])
-            # after the cursor; wrapping around to the computation's start (the next step)
-            name = next((n for n, k in seq[pos + 1:] + seq[:pos + 1] if k == kind), None)
-            if name is None:
+            comp, pos = self.where.get(self.cursor, (self.entry, 0))
+            cands = [(i, n) for i, (n, k) in enumerate(self.seq.get(comp, [])) if k == kind]
+            if not cands:
                 return None
+            # the least-located call of its kind (each runs once per step), nearest the cursor:
+            # a CUDA graph runs independent branches in its own order, so "the next one in the
+            # text" is often a neighbour, not the one that ran
+            _, name = min(cands, key=lambda c: (self.uses[c[1]], abs(c[0] - pos), c[0]))
+            self.uses[name] += 1
         self.cursor = name
         return name
 
@@ -246,15 +251,23 @@ def load_events(profile_dir):
 
 
 def _self_times(raw):
+    """Own time of each event: its duration less the events nested inside it on its line. Only an
+    event wholly inside another counts as nested: kernels of a CUDA graph may run concurrently and
+    overlap on one stream's line without nesting (each keeps its whole duration then, so the
+    families can add up to more than the busy time)."""
     raw.sort(key=lambda e: (e[0], -e[1]))
     out, stack = [], []  # stack of indices into out (open events)
     for start, dur, name, op, mod in raw:
         while stack and out[stack[-1]][0] + out[stack[-1]][2] <= start:
             stack.pop()
-        if stack:
+        if stack and start + dur <= out[stack[-1]][0] + out[stack[-1]][2]:
             out[stack[-1]][1] -= dur
-        out.append([start, dur, dur, name, op, mod])
-        stack.append(len(out) - 1)
+            out.append([start, dur, dur, name, op, mod])
+            stack.append(len(out) - 1)
+        else:  # no open event, or one it only overlaps: not nested
+            out.append([start, dur, dur, name, op, mod])
+            if not stack:
+                stack.append(len(out) - 1)
     return [tuple(e) for e in out]
 
 
