@@ -25,8 +25,9 @@ CASES = [(ratio, layout, dtype) for ratio, layout in ((0, "struct"), (4, "struct
                                                       (128, "struct"), (4, "generic"))
          for dtype in ("bfloat16", "float32")]
 # what every problem launches, and what only those that gather slots do (cr4, generic: at
-# T = 4096 their per-slot intermediate, 4-5 GiB, is split into token-chunk launches of at most
-# 1 GiB; generic's last launch is shorter, so it is compiled too as bwd_chunk, dkv_*_chunk)
+# T = 4096 their backward intermediates, 4-5 GiB, are split into token-chunk launches of at
+# most 1 GiB; where the last launch is shorter (both, here) it is compiled too: bwd_chunk,
+# dkv_*_chunk)
 ALWAYS = {"fwd", "bwd"}
 GATHERED = {"dkv_seg", "dkv_row"}
 SHORT_LAST_LAUNCH = {"bwd_chunk", "dkv_seg_chunk", "dkv_row_chunk"}
