@@ -99,8 +99,7 @@ def gluon_nv_kernels(variants):
             from csa_jax.kernels.gluon import fwd_alt
             yield (f"csa_fwd[{name}]", name == "default", None,
                    _gluon(fwd_alt.csa_fwd_alt_kernel, fwd.arg_types(),
-                          fwd_alt.constexprs(**dims, consumer_regs=cfg.alt_regs,
-                                             split=cfg.alt_split), fwd_alt.NUM_WARPS))
+                          fwd_alt.config_constexprs(cfg, **dims), fwd_alt.NUM_WARPS))
             continue
         consts = fwd.constexprs(**dims, producer_regs=cfg.producer_regs, pipeline=cfg.pipeline,
                                 smem_epilogue=cfg.smem_epilogue, ablate=cfg.ablate)

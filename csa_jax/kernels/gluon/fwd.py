@@ -311,8 +311,7 @@ def forward(q, kv, idx, sink, *, scale, config):
     if config.resolved_schedule == "alternate":
         from csa_jax.kernels.gluon import fwd_alt
         kernel, warps, consts = (fwd_alt.csa_fwd_alt_kernel, fwd_alt.NUM_WARPS,
-                                 fwd_alt.constexprs(**common, consumer_regs=config.alt_regs,
-                                                    split=config.alt_split))
+                                 fwd_alt.config_constexprs(config, **common))
     else:
         kernel, warps = csa_fwd_kernel, CONSUMER_WARPS
         consts = constexprs(**common, producer_regs=config.producer_regs,

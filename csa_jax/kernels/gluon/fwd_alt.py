@@ -46,7 +46,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait)
 
 from csa_jax.kernels.gluon.fwd import (LOG2E, NEG, PRODUCER_WARPS, _finish, _producer,
-                                       _program)
+                                       _program, _softmax_step)
 
 WG_WARPS = gl.constexpr(4)   # each consumer partition is one warpgroup
 NUM_WARPS = 4                # the default partition (the producer); 12 warps in all
@@ -160,13 +160,91 @@ def _other_pv_issue(stats, p_smem, ring, full, acc, ex, j, srow: gl.constexpr,
 
 
 @gluon.jit
+def _stats(stats, k: gl.constexpr, srow: gl.constexpr):
+    """(max, sum, rescale) of warpgroup k's latest tile, from shared memory."""
+    return (_row(stats, 4 * k).load(srow), _row(stats, 4 * k + 1).load(srow),
+            _row(stats, 4 * k + 2).load(srow))
+
+
+@gluon.jit
+def _other_pv_p(p_smem, ring, full, acc, alpha, ex, j, orow: gl.constexpr, W: gl.constexpr,
+                STAGES: gl.constexpr, DH: gl.constexpr, SPLIT: gl.constexpr):
+    """EARLY: wait for the other's P of tile j (its stats are already here), rescale, issue
+    PV_j on this half (async)."""
+    mbarrier.wait(ex, (j // 2) & 1)
+    mbarrier.wait(_bar(full, j % STAGES, W, SPLIT), (j // STAGES) & 1)
+    fence_async_shared()
+    acc = warpgroup_mma_wait(0, deps=[acc])       # (nothing of acc's is in flight)
+    acc = acc * gl.convert_layout(alpha, orow)[:, None]
+    v = ring.index(j % STAGES).slice(W * DH, DH, dim=1)
+    return warpgroup_mma(p_smem, v, acc, is_async=True)
+
+
+@gluon.jit
+def _own_tile_early(idx_ptr, i, acc, m, l, bufs, W: gl.constexpr,
+                    BK: gl.constexpr, STAGES: gl.constexpr, DH: gl.constexpr,
+                    QK_SCALE: gl.constexpr, srow: gl.constexpr, orow: gl.constexpr,
+                    p_layout: gl.constexpr, SPLIT: gl.constexpr):
+    """EARLY (Config.alt_early_stats): tile i with (max, sum, rescale) handed over on their own
+    barrier (`stb`) right after the softmax, before P is written, so the other warpgroup's
+    softmax of tile i+1 waits only for the softmax of tile i. Order: issue S_i; wait the
+    other's stats of tile i-1; wait S_i; softmax; publish stats; wait the other's P_{i-1},
+    issue PV_{i-1} (async); publish P_i; wait PV_{i-1}, release; PV_i; release."""
+    ring, q_smem, full, consumed, ex, exfree, own_p, oth_p, st_bufs, s_zero, kcols, stb = bufs
+    OTHER: gl.constexpr = 1 - W
+    s = _opaque(i % STAGES)
+    ids = gl.load(idx_ptr + i * BK + kcols)
+    tile = ring.index(s)
+    q = q_smem.index(_opaque(i * 0))
+    mbarrier.wait(_bar(full, s, 0, SPLIT), (i // STAGES) & 1)
+    if SPLIT:
+        mbarrier.wait(_bar(full, s, 1, SPLIT), (i // STAGES) & 1)
+    fence_async_shared()
+    sc = warpgroup_mma(q, tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    alpha_o = gl.full([m.shape[0]], 1.0, gl.float32, srow)
+    if i >= 1:
+        mbarrier.wait(stb.index(OTHER), ((i - 1) // 2) & 1)
+        m, l, alpha_o = _stats(st_bufs, OTHER, srow)
+    sc = warpgroup_mma_wait(0, deps=[sc])
+    if SPLIT:
+        _release(_bar(consumed, s, OTHER, SPLIT))    # the other's column half: S is done
+    p, alpha, m_new, l = _softmax_step(sc, ids, m, l, QK_SCALE)
+    _row(st_bufs, 4 * W).store(m_new)
+    _row(st_bufs, 4 * W + 1).store(l)
+    _row(st_bufs, 4 * W + 2).store(alpha)
+    gl.thread_barrier()
+    mbarrier.arrive(stb.index(W))
+    acc = warpgroup_mma_init(acc)
+    if i >= 1:
+        acc = _other_pv_p(oth_p, ring, full, acc, alpha_o, ex.index(OTHER), i - 1, orow, W,
+                          STAGES, DH, SPLIT)
+    else:
+        acc = warpgroup_mma_init(warpgroup_mma_wait(0, deps=[acc]))
+    if i >= 2:
+        mbarrier.wait(exfree.index(W), ((i // 2) - 1) & 1)   # the other has read tile i-2's P
+    own_p.store(p.to(own_p.dtype))
+    fence_async_shared()
+    gl.thread_barrier()
+    mbarrier.arrive(ex.index(W))
+    acc = warpgroup_mma_wait(0, deps=[acc])
+    if i >= 1:
+        _release(_bar(consumed, (i - 1) % STAGES, W, SPLIT))
+        _release(exfree.index(OTHER))
+    acc = acc * gl.convert_layout(alpha, orow)[:, None]
+    pv = gl.convert_layout(p.to(ring.dtype), p_layout)
+    acc = warpgroup_mma(pv, tile.slice(W * DH, DH, dim=1), acc)
+    _release(_bar(consumed, s, W, SPLIT))
+    return acc, m_new, l
+
+
+@gluon.jit
 def _own_tile(idx_ptr, i, acc, m, l, bufs, W: gl.constexpr,
               BK: gl.constexpr, STAGES: gl.constexpr, DH: gl.constexpr, QK_SCALE: gl.constexpr,
               srow: gl.constexpr, orow: gl.constexpr, p_layout: gl.constexpr,
               SPLIT: gl.constexpr):
     """This warpgroup's tile i, and meanwhile (i >= 1) the PV of the other's tile i-1:
     returns (acc, m, l) after both."""
-    ring, q_smem, full, consumed, ex, exfree, own_p, oth_p, st_bufs, s_zero, kcols = bufs
+    ring, q_smem, full, consumed, ex, exfree, own_p, oth_p, st_bufs, s_zero, kcols, _ = bufs
     OTHER: gl.constexpr = 1 - W
     s = _opaque(i % STAGES)
     ids = gl.load(idx_ptr + i * BK + kcols)
@@ -214,9 +292,9 @@ def _own_tile(idx_ptr, i, acc, m, l, bufs, W: gl.constexpr,
 
 @gluon.jit
 def _alt_consumer(idx_ptr, sink_ptr, o_ptr, lse_ptr, q_smem, ring, full, consumed, q_bar,
-                  p_bufs, st_bufs, ex, exfree, row, h0, ntiles, W: gl.constexpr,
+                  p_bufs, st_bufs, ex, exfree, stb, row, h0, ntiles, W: gl.constexpr,
                   D: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, HBC: gl.constexpr,
-                  QK_SCALE: gl.constexpr, SPLIT: gl.constexpr):
+                  QK_SCALE: gl.constexpr, SPLIT: gl.constexpr, EARLY: gl.constexpr):
     DH: gl.constexpr = D // 2
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BK, 16])
@@ -237,16 +315,27 @@ def _alt_consumer(idx_ptr, sink_ptr, o_ptr, lse_ptr, q_smem, ring, full, consume
     s_zero = gl.zeros([HBC, BK], gl.float32, s_layout)
     kcols = gl.arange(0, BK, layout=scol)
     mbarrier.wait(q_bar, 0)
-    bufs = (ring, q_smem, full, consumed, ex, exfree, own_p, oth_p, st_bufs, s_zero, kcols)
+    bufs = (ring, q_smem, full, consumed, ex, exfree, own_p, oth_p, st_bufs, s_zero, kcols,
+            stb)
     for i in range(W, ntiles, 2):
-        acc, m, l = _own_tile(idx_ptr, i, acc, m, l, bufs, W, BK, STAGES, DH, QK_SCALE,
-                              srow, orow, p_layout, SPLIT)
+        if EARLY:
+            acc, m, l = _own_tile_early(idx_ptr, i, acc, m, l, bufs, W, BK, STAGES, DH,
+                                        QK_SCALE, srow, orow, p_layout, SPLIT)
+        else:
+            acc, m, l = _own_tile(idx_ptr, i, acc, m, l, bufs, W, BK, STAGES, DH, QK_SCALE,
+                                  srow, orow, p_layout, SPLIT)
     # The other's last tile, if the list ends on one.
     last = ntiles - 1
     if last >= 0:
         if last % 2 == OTHER:
-            acc, m, l = _other_pv_issue(st_bufs, oth_p, ring, full, acc, ex.index(OTHER), last,
-                                        srow, orow, W, STAGES, DH, SPLIT)
+            if EARLY:
+                mbarrier.wait(stb.index(OTHER), (last // 2) & 1)
+                m, l, alpha_o = _stats(st_bufs, OTHER, srow)
+                acc = _other_pv_p(oth_p, ring, full, acc, alpha_o, ex.index(OTHER), last, orow,
+                                  W, STAGES, DH, SPLIT)
+            else:
+                acc, m, l = _other_pv_issue(st_bufs, oth_p, ring, full, acc, ex.index(OTHER),
+                                            last, srow, orow, W, STAGES, DH, SPLIT)
             acc = warpgroup_mma_wait(0, deps=[acc])
             _release(_bar(consumed, last % STAGES, W, SPLIT))
 
@@ -266,7 +355,7 @@ def csa_fwd_alt_kernel(q_ptr, kv_ptr, idx_ptr, ntiles_ptr, sink_ptr, o_ptr, lse_
                        T: gl.constexpr, N: gl.constexpr, NHB: gl.constexpr, D: gl.constexpr,
                        K: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
                        QK_SCALE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                       PREFETCH: gl.constexpr, SPLIT: gl.constexpr):
+                       PREFETCH: gl.constexpr, SPLIT: gl.constexpr, EARLY: gl.constexpr):
     row, _, hb, b, ntiles, idx_tok = _program(ntiles_ptr, idx_ptr, T, NHB, K)
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     HBC: gl.constexpr = 64
@@ -284,6 +373,10 @@ def csa_fwd_alt_kernel(q_ptr, kv_ptr, idx_ptr, ntiles_ptr, sink_ptr, o_ptr, lse_
     consumed = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
     ex = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     exfree = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    if EARLY:   # the (max, sum, rescale) barriers of warpgroup w's latest tile
+        stb = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    else:
+        stb = ex    # (unused)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=PRODUCER_WARPS * 32)
     for s in gl.static_range(STAGES):
@@ -298,17 +391,19 @@ def csa_fwd_alt_kernel(q_ptr, kv_ptr, idx_ptr, ntiles_ptr, sink_ptr, o_ptr, lse_
     for w in gl.static_range(2):
         mbarrier.init(ex.index(w), count=1)
         mbarrier.init(exfree.index(w), count=1)
+        if EARLY:
+            mbarrier.init(stb.index(w), count=1)
     # The producer is the default partition (it gets what the two consumers leave of the
     # register file: 72 per thread at 216 each); the consumers are the two workers.
     gl.warp_specialize([
         (_producer_for, (q_ptr, kv_ptr, idx_tok, q_smem.index(0), ring, full, consumed, q_bar,
                          row, b, ntiles, N, D, K, BK, STAGES, HBC, PREFETCH, SPLIT)),
         (_alt_consumer, (idx_tok, sink_ptr, o_ptr, lse_ptr, q_smem, ring, full, consumed, q_bar,
-                         p_bufs, st_bufs, ex, exfree, row, hb * HBC, ntiles, 0, D, BK, STAGES,
-                         HBC, QK_SCALE, SPLIT)),
+                         p_bufs, st_bufs, ex, exfree, stb, row, hb * HBC, ntiles, 0, D, BK,
+                         STAGES, HBC, QK_SCALE, SPLIT, EARLY)),
         (_alt_consumer, (idx_tok, sink_ptr, o_ptr, lse_ptr, q_smem, ring, full, consumed, q_bar,
-                         p_bufs, st_bufs, ex, exfree, row, hb * HBC, ntiles, 1, D, BK, STAGES,
-                         HBC, QK_SCALE, SPLIT)),
+                         p_bufs, st_bufs, ex, exfree, stb, row, hb * HBC, ntiles, 1, D, BK,
+                         STAGES, HBC, QK_SCALE, SPLIT, EARLY)),
     ], [WG_WARPS, WG_WARPS], [CONSUMER_REGS, CONSUMER_REGS])
 
 
@@ -321,10 +416,17 @@ def producer_regs(consumer_regs):
 
 
 def constexprs(*, T, N, NHB, D, K, BK, stages, scale, consumer_regs=216, prefetch=True,
-               split=False):
+               split=False, early_stats=False):
     """The alternating kernel's compile-time parameters (also used by the CPU compile checks)."""
     if stages % 2:
         raise ValueError(f"schedule='alternate' needs an even ring depth, got stages={stages}")
     return dict(T=T, N=N, NHB=NHB, D=D, K=K, BK=BK, STAGES=stages,
                 QK_SCALE=float(scale) * LOG2E, CONSUMER_REGS=int(consumer_regs),
-                PREFETCH=bool(prefetch), SPLIT=bool(split))
+                PREFETCH=bool(prefetch), SPLIT=bool(split), EARLY=bool(early_stats))
+
+
+def config_constexprs(config, **dims):
+    """constexprs() from a gluon Config's alternate-schedule fields (fwd.forward and the
+    resource report use the same mapping)."""
+    return constexprs(**dims, consumer_regs=config.alt_regs, split=config.alt_split,
+                      early_stats=config.alt_early_stats)
