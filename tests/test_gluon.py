@@ -67,6 +67,8 @@ def test_config_defaults_fit_shared_memory():
     (dict(schedule="alternate", pipeline=True), "pipeline apply to schedule='default' only"),
     (dict(alt_split=True, schedule="default"), "alt_split=True applies to schedule='alternate'"),
     (dict(schedule="alternate", alt_regs=250), "alt_regs=250"),
+    (dict(alt_order="later"), "alt_order='later' must be"),
+    (dict(alt_order="pv_first", schedule="default"), "alt_order='pv_first' applies to"),
 ])
 def test_config_rejects(kw, match):
     with pytest.raises(ValueError, match=match):
@@ -236,6 +238,9 @@ def test_forward_variants_compile(kw):
 @pytest.mark.parametrize("kw, regs", [(dict(), 216), (dict(consumer_regs=200), 200),
                                       (dict(D=64, K=64, stages=4), 216),
                                       (dict(split=True), 216),
+                                      (dict(order="pv_first"), 216),
+                                      (dict(order="stats_first"), 216),
+                                      (dict(order="stats_first", split=True), 216),
                                       (dict(block_k=32, stages=4, dt="fp16"), 216)])
 def test_alternate_schedule_compiles_without_spills(kw, regs):
     """schedule="alternate" (fwd_alt.py): 12 warps = producer (default partition) + two 4-warp

@@ -89,10 +89,14 @@ class Config:
     alt_split: schedule="alternate" only: each ring stage in two column halves with their own
         barriers (the producer refills a half as soon as its readers are done; FlashMLA's
         half-D pipelining; measured no faster than without).
-    alt_early_stats: schedule="alternate" only: a tile's running (max, sum, rescale) go to the
-        other warpgroup on their own barrier right after its softmax, before its P tile is
-        written, so the next tile's softmax waits for the softmax alone (False: max / sum and P
-        on one barrier, after P is written; docs/perf/gluon_h200.md).
+    alt_order: schedule="alternate" only, the order of a consumer warpgroup's steps per own
+        tile i (fwd_alt.py): "s_first" (default): issue S_i, then the other's PV_{i-1}, softmax,
+        publish P_i with (max, sum) on one barrier, release stage i-1 after the softmax;
+        "pv_first": the other's PV_{i-1} before S_i (it waits only for the other's publish, not
+        for tile i's copies), stage i-1 and the other's P buffer released before the softmax;
+        "stats_first": (max, sum, rescale) handed over on their own barrier right after the
+        softmax, before P is written, so the next tile's softmax waits for the softmax alone
+        (the other's PV_{i-1} then runs after the softmax).
     bwd: "gluon" (the dq kernel of bwd.py, dkv by the Pallas Triton GEMM + reduce) or
         "pallas_triton" (its whole backward); bwd_block_k (16, 32, 64) and bwd_stages: the dq
         kernel's ring tile rows and depth (32 x 2 at D = 512: [q; dO] 128 KiB + 2 x 32 KiB).
@@ -143,7 +147,7 @@ class Config:
     schedule: str = "auto"
     alt_regs: int = 216
     alt_split: bool = False
-    alt_early_stats: bool = False
+    alt_order: str = "s_first"
     bwd: str = "gluon"
     bwd_block_k: int = 32
     bwd_stages: int = 2
@@ -206,7 +210,7 @@ class Config:
         r = self.producer_regs
         if isinstance(r, bool) or not isinstance(r, int) or r % 8 or not 24 <= r <= 256:
             raise ValueError(f"producer_regs={r!r} must be a multiple of 8 in 24..256")
-        for name in ("pipeline", "smem_epilogue", "prefetch", "alt_split", "alt_early_stats"):
+        for name in ("pipeline", "smem_epilogue", "prefetch", "alt_split"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
         if self.ablate not in (0, 1, 2, 3, 4) or isinstance(self.ablate, bool):
@@ -220,9 +224,14 @@ class Config:
         a = self.alt_regs
         if isinstance(a, bool) or not isinstance(a, int) or a % 8 or not 128 <= a <= 240:
             raise ValueError(f"alt_regs={a!r} must be a multiple of 8 in 128..240")
-        for name in ("alt_split", "alt_early_stats"):
-            if getattr(self, name) and self.resolved_schedule != "alternate":
-                raise ValueError(f"{name}=True applies to schedule='alternate' only")
+        if self.alt_split and self.resolved_schedule != "alternate":
+            raise ValueError("alt_split=True applies to schedule='alternate' only")
+        if self.alt_order not in ("s_first", "pv_first", "stats_first"):
+            raise ValueError(f"alt_order={self.alt_order!r} must be 's_first', 'pv_first' or "
+                             f"'stats_first'")
+        if self.alt_order != "s_first" and self.resolved_schedule != "alternate":
+            raise ValueError(f"alt_order={self.alt_order!r} applies to schedule='alternate' "
+                             f"only")
         if self.schedule == "alternate":
             if self.stages % 2:
                 raise ValueError(f"schedule='alternate' needs an even stages, got "

@@ -169,7 +169,7 @@ def _stats(stats, k: gl.constexpr, srow: gl.constexpr):
 @gluon.jit
 def _other_pv_p(p_smem, ring, full, acc, alpha, ex, j, orow: gl.constexpr, W: gl.constexpr,
                 STAGES: gl.constexpr, DH: gl.constexpr, SPLIT: gl.constexpr):
-    """EARLY: wait for the other's P of tile j (its stats are already here), rescale, issue
+    """ORDER 2: wait for the other's P of tile j (its stats are already here), rescale, issue
     PV_j on this half (async)."""
     mbarrier.wait(ex, (j // 2) & 1)
     mbarrier.wait(_bar(full, j % STAGES, W, SPLIT), (j // STAGES) & 1)
@@ -181,11 +181,11 @@ def _other_pv_p(p_smem, ring, full, acc, alpha, ex, j, orow: gl.constexpr, W: gl
 
 
 @gluon.jit
-def _own_tile_early(idx_ptr, i, acc, m, l, bufs, W: gl.constexpr,
+def _own_tile_stats_first(idx_ptr, i, acc, m, l, bufs, W: gl.constexpr,
                     BK: gl.constexpr, STAGES: gl.constexpr, DH: gl.constexpr,
                     QK_SCALE: gl.constexpr, srow: gl.constexpr, orow: gl.constexpr,
                     p_layout: gl.constexpr, SPLIT: gl.constexpr):
-    """EARLY (Config.alt_early_stats): tile i with (max, sum, rescale) handed over on their own
+    """ORDER 2 (Config.alt_order="stats_first"): tile i with (max, sum, rescale) handed over on their own
     barrier (`stb`) right after the softmax, before P is written, so the other warpgroup's
     softmax of tile i+1 waits only for the softmax of tile i. Order: issue S_i; wait the
     other's stats of tile i-1; wait S_i; softmax; publish stats; wait the other's P_{i-1},
@@ -230,6 +230,47 @@ def _own_tile_early(idx_ptr, i, acc, m, l, bufs, W: gl.constexpr,
     if i >= 1:
         _release(_bar(consumed, (i - 1) % STAGES, W, SPLIT))
         _release(exfree.index(OTHER))
+    acc = acc * gl.convert_layout(alpha, orow)[:, None]
+    pv = gl.convert_layout(p.to(ring.dtype), p_layout)
+    acc = warpgroup_mma(pv, tile.slice(W * DH, DH, dim=1), acc)
+    _release(_bar(consumed, s, W, SPLIT))
+    return acc, m_new, l
+
+
+@gluon.jit
+def _own_tile_pv_first(idx_ptr, i, acc, m, l, bufs, W: gl.constexpr,
+                       BK: gl.constexpr, STAGES: gl.constexpr, DH: gl.constexpr,
+                       QK_SCALE: gl.constexpr, srow: gl.constexpr, orow: gl.constexpr,
+                       p_layout: gl.constexpr, SPLIT: gl.constexpr):
+    """ORDER 1 (Config.alt_order="pv_first"): the other's PV_{i-1} is issued before S_i (it
+    only waits for the other's publish, not for tile i's copies), both are waited together,
+    and this warpgroup's half of stage i-1 and the other's P buffer are released then, before
+    the softmax of tile i (order 0 releases them after it)."""
+    ring, q_smem, full, consumed, ex, exfree, own_p, oth_p, st_bufs, s_zero, kcols, _ = bufs
+    OTHER: gl.constexpr = 1 - W
+    s = _opaque(i % STAGES)
+    ids = gl.load(idx_ptr + i * BK + kcols)
+    tile = ring.index(s)
+    q = q_smem.index(_opaque(i * 0))
+    acc = warpgroup_mma_init(acc)
+    if i >= 1:
+        acc, m, l = _other_pv_issue(st_bufs, oth_p, ring, full, acc, ex.index(OTHER), i - 1,
+                                    srow, orow, W, STAGES, DH, SPLIT)
+    mbarrier.wait(_bar(full, s, 0, SPLIT), (i // STAGES) & 1)
+    if SPLIT:
+        mbarrier.wait(_bar(full, s, 1, SPLIT), (i // STAGES) & 1)
+    fence_async_shared()
+    sc = warpgroup_mma(q, tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    sc, acc = warpgroup_mma_wait(0, deps=[sc, acc])
+    if i >= 1:
+        _release(_bar(consumed, (i - 1) % STAGES, W, SPLIT))
+        _release(exfree.index(OTHER))
+    if SPLIT:
+        _release(_bar(consumed, s, OTHER, SPLIT))    # the other's column half: S is done
+    p, alpha, m_new, l = _softmax_step(sc, ids, m, l, QK_SCALE)
+    if i >= 2:
+        mbarrier.wait(exfree.index(W), ((i // 2) - 1) & 1)   # the other has read tile i-2's P
+    _publish(st_bufs, W, own_p, p, m_new, l, alpha, ex.index(W))
     acc = acc * gl.convert_layout(alpha, orow)[:, None]
     pv = gl.convert_layout(p.to(ring.dtype), p_layout)
     acc = warpgroup_mma(pv, tile.slice(W * DH, DH, dim=1), acc)
@@ -294,7 +335,7 @@ def _own_tile(idx_ptr, i, acc, m, l, bufs, W: gl.constexpr,
 def _alt_consumer(idx_ptr, sink_ptr, o_ptr, lse_ptr, q_smem, ring, full, consumed, q_bar,
                   p_bufs, st_bufs, ex, exfree, stb, row, h0, ntiles, W: gl.constexpr,
                   D: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, HBC: gl.constexpr,
-                  QK_SCALE: gl.constexpr, SPLIT: gl.constexpr, EARLY: gl.constexpr):
+                  QK_SCALE: gl.constexpr, SPLIT: gl.constexpr, ORDER: gl.constexpr):
     DH: gl.constexpr = D // 2
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BK, 16])
@@ -318,9 +359,12 @@ def _alt_consumer(idx_ptr, sink_ptr, o_ptr, lse_ptr, q_smem, ring, full, consume
     bufs = (ring, q_smem, full, consumed, ex, exfree, own_p, oth_p, st_bufs, s_zero, kcols,
             stb)
     for i in range(W, ntiles, 2):
-        if EARLY:
-            acc, m, l = _own_tile_early(idx_ptr, i, acc, m, l, bufs, W, BK, STAGES, DH,
+        if ORDER == 2:
+            acc, m, l = _own_tile_stats_first(idx_ptr, i, acc, m, l, bufs, W, BK, STAGES, DH,
                                         QK_SCALE, srow, orow, p_layout, SPLIT)
+        elif ORDER == 1:
+            acc, m, l = _own_tile_pv_first(idx_ptr, i, acc, m, l, bufs, W, BK, STAGES, DH,
+                                           QK_SCALE, srow, orow, p_layout, SPLIT)
         else:
             acc, m, l = _own_tile(idx_ptr, i, acc, m, l, bufs, W, BK, STAGES, DH, QK_SCALE,
                                   srow, orow, p_layout, SPLIT)
@@ -328,7 +372,7 @@ def _alt_consumer(idx_ptr, sink_ptr, o_ptr, lse_ptr, q_smem, ring, full, consume
     last = ntiles - 1
     if last >= 0:
         if last % 2 == OTHER:
-            if EARLY:
+            if ORDER == 2:
                 mbarrier.wait(stb.index(OTHER), (last // 2) & 1)
                 m, l, alpha_o = _stats(st_bufs, OTHER, srow)
                 acc = _other_pv_p(oth_p, ring, full, acc, alpha_o, ex.index(OTHER), last, orow,
@@ -355,7 +399,7 @@ def csa_fwd_alt_kernel(q_ptr, kv_ptr, idx_ptr, ntiles_ptr, sink_ptr, o_ptr, lse_
                        T: gl.constexpr, N: gl.constexpr, NHB: gl.constexpr, D: gl.constexpr,
                        K: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
                        QK_SCALE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                       PREFETCH: gl.constexpr, SPLIT: gl.constexpr, EARLY: gl.constexpr):
+                       PREFETCH: gl.constexpr, SPLIT: gl.constexpr, ORDER: gl.constexpr):
     row, _, hb, b, ntiles, idx_tok = _program(ntiles_ptr, idx_ptr, T, NHB, K)
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     HBC: gl.constexpr = 64
@@ -373,7 +417,7 @@ def csa_fwd_alt_kernel(q_ptr, kv_ptr, idx_ptr, ntiles_ptr, sink_ptr, o_ptr, lse_
     consumed = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
     ex = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     exfree = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    if EARLY:   # the (max, sum, rescale) barriers of warpgroup w's latest tile
+    if ORDER == 2:   # the (max, sum, rescale) barriers of warpgroup w's latest tile
         stb = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     else:
         stb = ex    # (unused)
@@ -391,7 +435,7 @@ def csa_fwd_alt_kernel(q_ptr, kv_ptr, idx_ptr, ntiles_ptr, sink_ptr, o_ptr, lse_
     for w in gl.static_range(2):
         mbarrier.init(ex.index(w), count=1)
         mbarrier.init(exfree.index(w), count=1)
-        if EARLY:
+        if ORDER == 2:
             mbarrier.init(stb.index(w), count=1)
     # The producer is the default partition (it gets what the two consumers leave of the
     # register file: 72 per thread at 216 each); the consumers are the two workers.
@@ -400,10 +444,10 @@ def csa_fwd_alt_kernel(q_ptr, kv_ptr, idx_ptr, ntiles_ptr, sink_ptr, o_ptr, lse_
                          row, b, ntiles, N, D, K, BK, STAGES, HBC, PREFETCH, SPLIT)),
         (_alt_consumer, (idx_tok, sink_ptr, o_ptr, lse_ptr, q_smem, ring, full, consumed, q_bar,
                          p_bufs, st_bufs, ex, exfree, stb, row, hb * HBC, ntiles, 0, D, BK,
-                         STAGES, HBC, QK_SCALE, SPLIT, EARLY)),
+                         STAGES, HBC, QK_SCALE, SPLIT, ORDER)),
         (_alt_consumer, (idx_tok, sink_ptr, o_ptr, lse_ptr, q_smem, ring, full, consumed, q_bar,
                          p_bufs, st_bufs, ex, exfree, stb, row, hb * HBC, ntiles, 1, D, BK,
-                         STAGES, HBC, QK_SCALE, SPLIT, EARLY)),
+                         STAGES, HBC, QK_SCALE, SPLIT, ORDER)),
     ], [WG_WARPS, WG_WARPS], [CONSUMER_REGS, CONSUMER_REGS])
 
 
@@ -415,18 +459,21 @@ def producer_regs(consumer_regs):
     return (REG_FILE - 256 * int(consumer_regs)) // 128
 
 
+ORDERS = ("s_first", "pv_first", "stats_first")   # Config.alt_order -> ORDER 0, 1, 2
+
+
 def constexprs(*, T, N, NHB, D, K, BK, stages, scale, consumer_regs=216, prefetch=True,
-               split=False, early_stats=False):
+               split=False, order="s_first"):
     """The alternating kernel's compile-time parameters (also used by the CPU compile checks)."""
     if stages % 2:
         raise ValueError(f"schedule='alternate' needs an even ring depth, got stages={stages}")
     return dict(T=T, N=N, NHB=NHB, D=D, K=K, BK=BK, STAGES=stages,
                 QK_SCALE=float(scale) * LOG2E, CONSUMER_REGS=int(consumer_regs),
-                PREFETCH=bool(prefetch), SPLIT=bool(split), EARLY=bool(early_stats))
+                PREFETCH=bool(prefetch), SPLIT=bool(split), ORDER=ORDERS.index(order))
 
 
 def config_constexprs(config, **dims):
     """constexprs() from a gluon Config's alternate-schedule fields (fwd.forward and the
     resource report use the same mapping)."""
     return constexprs(**dims, consumer_regs=config.alt_regs, split=config.alt_split,
-                      early_stats=config.alt_early_stats)
+                      order=config.alt_order)
