@@ -87,6 +87,21 @@ def test_schedule_auto_resolution():
         impl.Config(alt_split=True, pipeline=True)
 
 
+@pytest.mark.parametrize("family", ["flash", "pro"])
+@pytest.mark.parametrize("ratio", [0, 4, 128])
+def test_auto_schedule_per_layout_and_family(family, ratio):
+    """auto's measured rule (docs/perf/gluon_alt_h200.md, section 3): the default Config of
+    every V4 family and layout runs the alternating gather kernel at T = 4096 and 16384, and
+    its step order is the default one ("s_first") unless measured otherwise."""
+    from csa_jax.config import preset
+    cfg = preset(family, ratio)
+    for T in (4096, 16384):
+        H, D, K = cfg.num_heads, cfg.head_dim, cfg.window + cfg.topk
+        c = impl.default_config((1, T, H, D), (1, T, D), (1, T, K), "bfloat16")
+        assert c.layout == "generic" and c.resolved_schedule == "alternate", (family, ratio, c)
+        assert c.alt_order == "s_first"
+
+
 def test_unsupported_on_cpu_names_the_reason():
     why = impl.unsupported((1, 8, 64, 512), (1, 16, 512), (1, 8, 64), jnp.bfloat16)
     assert why is not None and ("NVIDIA Hopper" in why or "triton" in why)
