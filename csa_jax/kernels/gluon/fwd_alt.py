@@ -28,6 +28,12 @@ FlashMLA's half-D pipelining. S still waits for both halves: issuing its first h
 second half's barrier wait (one accumulator chained across the wait loop) made ptxas serialize
 every wgmma of the kernel (C7514), and a second accumulator spilled 436 B.
 
+STEP ORDER (`Config.alt_order`, ORDER): the above is "s_first" (0, the default);
+"pv_first" (1, _own_tile_pv_first) issues the other's PV_{i-1} before S_i, so the release of
+stage i-1 does not wait for tile i's copies; "stats_first" (2, _own_tile_stats_first) hands
+(max, sum, rescale) over on their own barriers (`stb`) before P is written. The barrier
+protocol of each is modeled in tests/test_gluon_alt_protocol.py; docs/perf/gluon_alt_h200.md.
+
 Numerics are fwd.py's (exp2 domain, finite initial max, empty slots masked, sink joined at the
 end, empty rows o = 0 and lse = sink or EMPTY_LSE); the tile loop stops at the token's last
 non-empty tile. Needs an even ring depth (stage parity = tile parity).
@@ -160,6 +166,48 @@ def _other_pv_issue(stats, p_smem, ring, full, acc, ex, j, srow: gl.constexpr,
 
 
 @gluon.jit
+def _tile_views(idx_ptr, i, ring, q_smem, kcols, BK: gl.constexpr, STAGES: gl.constexpr):
+    """Tile i's (stage, row ids for the mask, ring view, q view); the views come from opaque
+    indices (see _opaque)."""
+    s = _opaque(i % STAGES)
+    return s, gl.load(idx_ptr + i * BK + kcols), ring.index(s), q_smem.index(_opaque(i * 0))
+
+
+@gluon.jit
+def _issue_s(q, tile, full, s, i, s_zero, STAGES: gl.constexpr, SPLIT: gl.constexpr):
+    """Wait for tile i's copies (both column halves with SPLIT), issue S_i = q tile^T (async)."""
+    mbarrier.wait(_bar(full, s, 0, SPLIT), (i // STAGES) & 1)
+    if SPLIT:
+        mbarrier.wait(_bar(full, s, 1, SPLIT), (i // STAGES) & 1)
+    fence_async_shared()
+    return warpgroup_mma(q, tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _own_pv(acc, alpha, p, tile, consumed, s, W: gl.constexpr, DH: gl.constexpr,
+            orow: gl.constexpr, p_layout: gl.constexpr, SPLIT: gl.constexpr):
+    """Rescale, PV_i on this warpgroup's half with P from registers, release stage i."""
+    acc = acc * gl.convert_layout(alpha, orow)[:, None]
+    pv = gl.convert_layout(p.to(tile.dtype), p_layout)
+    acc = warpgroup_mma(pv, tile.slice(W * DH, DH, dim=1), acc)
+    _release(_bar(consumed, s, W, SPLIT))
+    return acc
+
+
+@gluon.jit
+def _close_tile(acc, alpha, p, tile, consumed, exfree, s, i, W: gl.constexpr,
+                STAGES: gl.constexpr, DH: gl.constexpr, orow: gl.constexpr,
+                p_layout: gl.constexpr, SPLIT: gl.constexpr):
+    """Wait for the other's PV_{i-1} (this half): release its stage and the other's P buffer;
+    then PV_i and release stage i."""
+    acc = warpgroup_mma_wait(0, deps=[acc])
+    if i >= 1:
+        _release(_bar(consumed, (i - 1) % STAGES, W, SPLIT))
+        _release(exfree.index(1 - W))
+    return _own_pv(acc, alpha, p, tile, consumed, s, W, DH, orow, p_layout, SPLIT)
+
+
+@gluon.jit
 def _stats(stats, k: gl.constexpr, srow: gl.constexpr):
     """(max, sum, rescale) of warpgroup k's latest tile, from shared memory."""
     return (_row(stats, 4 * k).load(srow), _row(stats, 4 * k + 1).load(srow),
@@ -182,25 +230,18 @@ def _other_pv_p(p_smem, ring, full, acc, alpha, ex, j, orow: gl.constexpr, W: gl
 
 @gluon.jit
 def _own_tile_stats_first(idx_ptr, i, acc, m, l, bufs, W: gl.constexpr,
-                    BK: gl.constexpr, STAGES: gl.constexpr, DH: gl.constexpr,
-                    QK_SCALE: gl.constexpr, srow: gl.constexpr, orow: gl.constexpr,
-                    p_layout: gl.constexpr, SPLIT: gl.constexpr):
-    """ORDER 2 (Config.alt_order="stats_first"): tile i with (max, sum, rescale) handed over on their own
-    barrier (`stb`) right after the softmax, before P is written, so the other warpgroup's
-    softmax of tile i+1 waits only for the softmax of tile i. Order: issue S_i; wait the
-    other's stats of tile i-1; wait S_i; softmax; publish stats; wait the other's P_{i-1},
-    issue PV_{i-1} (async); publish P_i; wait PV_{i-1}, release; PV_i; release."""
+                          BK: gl.constexpr, STAGES: gl.constexpr, DH: gl.constexpr,
+                          QK_SCALE: gl.constexpr, srow: gl.constexpr, orow: gl.constexpr,
+                          p_layout: gl.constexpr, SPLIT: gl.constexpr):
+    """ORDER 2 (Config.alt_order="stats_first"): tile i with (max, sum, rescale) handed over
+    on their own barrier (`stb`) right after the softmax, before P is written, so the other
+    warpgroup's softmax of tile i+1 waits only for the softmax of tile i. Order: issue S_i;
+    wait the other's stats of tile i-1; wait S_i; softmax; publish stats; wait the other's
+    P_{i-1}, issue PV_{i-1} (async); publish P_i; wait PV_{i-1}, release; PV_i; release."""
     ring, q_smem, full, consumed, ex, exfree, own_p, oth_p, st_bufs, s_zero, kcols, stb = bufs
     OTHER: gl.constexpr = 1 - W
-    s = _opaque(i % STAGES)
-    ids = gl.load(idx_ptr + i * BK + kcols)
-    tile = ring.index(s)
-    q = q_smem.index(_opaque(i * 0))
-    mbarrier.wait(_bar(full, s, 0, SPLIT), (i // STAGES) & 1)
-    if SPLIT:
-        mbarrier.wait(_bar(full, s, 1, SPLIT), (i // STAGES) & 1)
-    fence_async_shared()
-    sc = warpgroup_mma(q, tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    s, ids, tile, q = _tile_views(idx_ptr, i, ring, q_smem, kcols, BK, STAGES)
+    sc = _issue_s(q, tile, full, s, i, s_zero, STAGES, SPLIT)
     alpha_o = gl.full([m.shape[0]], 1.0, gl.float32, srow)
     if i >= 1:
         mbarrier.wait(stb.index(OTHER), ((i - 1) // 2) & 1)
@@ -226,14 +267,8 @@ def _own_tile_stats_first(idx_ptr, i, acc, m, l, bufs, W: gl.constexpr,
     fence_async_shared()
     gl.thread_barrier()
     mbarrier.arrive(ex.index(W))
-    acc = warpgroup_mma_wait(0, deps=[acc])
-    if i >= 1:
-        _release(_bar(consumed, (i - 1) % STAGES, W, SPLIT))
-        _release(exfree.index(OTHER))
-    acc = acc * gl.convert_layout(alpha, orow)[:, None]
-    pv = gl.convert_layout(p.to(ring.dtype), p_layout)
-    acc = warpgroup_mma(pv, tile.slice(W * DH, DH, dim=1), acc)
-    _release(_bar(consumed, s, W, SPLIT))
+    acc = _close_tile(acc, alpha, p, tile, consumed, exfree, s, i, W, STAGES, DH, orow,
+                      p_layout, SPLIT)
     return acc, m_new, l
 
 
@@ -248,19 +283,12 @@ def _own_tile_pv_first(idx_ptr, i, acc, m, l, bufs, W: gl.constexpr,
     the softmax of tile i (order 0 releases them after it)."""
     ring, q_smem, full, consumed, ex, exfree, own_p, oth_p, st_bufs, s_zero, kcols, _ = bufs
     OTHER: gl.constexpr = 1 - W
-    s = _opaque(i % STAGES)
-    ids = gl.load(idx_ptr + i * BK + kcols)
-    tile = ring.index(s)
-    q = q_smem.index(_opaque(i * 0))
+    s, ids, tile, q = _tile_views(idx_ptr, i, ring, q_smem, kcols, BK, STAGES)
     acc = warpgroup_mma_init(acc)
     if i >= 1:
         acc, m, l = _other_pv_issue(st_bufs, oth_p, ring, full, acc, ex.index(OTHER), i - 1,
                                     srow, orow, W, STAGES, DH, SPLIT)
-    mbarrier.wait(_bar(full, s, 0, SPLIT), (i // STAGES) & 1)
-    if SPLIT:
-        mbarrier.wait(_bar(full, s, 1, SPLIT), (i // STAGES) & 1)
-    fence_async_shared()
-    sc = warpgroup_mma(q, tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    sc = _issue_s(q, tile, full, s, i, s_zero, STAGES, SPLIT)
     sc, acc = warpgroup_mma_wait(0, deps=[sc, acc])
     if i >= 1:
         _release(_bar(consumed, (i - 1) % STAGES, W, SPLIT))
@@ -271,10 +299,7 @@ def _own_tile_pv_first(idx_ptr, i, acc, m, l, bufs, W: gl.constexpr,
     if i >= 2:
         mbarrier.wait(exfree.index(W), ((i // 2) - 1) & 1)   # the other has read tile i-2's P
     _publish(st_bufs, W, own_p, p, m_new, l, alpha, ex.index(W))
-    acc = acc * gl.convert_layout(alpha, orow)[:, None]
-    pv = gl.convert_layout(p.to(ring.dtype), p_layout)
-    acc = warpgroup_mma(pv, tile.slice(W * DH, DH, dim=1), acc)
-    _release(_bar(consumed, s, W, SPLIT))
+    acc = _own_pv(acc, alpha, p, tile, consumed, s, W, DH, orow, p_layout, SPLIT)
     return acc, m_new, l
 
 
@@ -287,19 +312,8 @@ def _own_tile(idx_ptr, i, acc, m, l, bufs, W: gl.constexpr,
     returns (acc, m, l) after both."""
     ring, q_smem, full, consumed, ex, exfree, own_p, oth_p, st_bufs, s_zero, kcols, _ = bufs
     OTHER: gl.constexpr = 1 - W
-    s = _opaque(i % STAGES)
-    ids = gl.load(idx_ptr + i * BK + kcols)
-    tile = ring.index(s)
-    q = q_smem.index(_opaque(i * 0))
-    if SPLIT:
-        mbarrier.wait(_bar(full, s, 0, SPLIT), (i // STAGES) & 1)
-        mbarrier.wait(_bar(full, s, 1, SPLIT), (i // STAGES) & 1)
-        fence_async_shared()
-        sc = warpgroup_mma(q, tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    else:
-        mbarrier.wait(full.index(s), (i // STAGES) & 1)
-        fence_async_shared()
-        sc = warpgroup_mma(q, tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    s, ids, tile, q = _tile_views(idx_ptr, i, ring, q_smem, kcols, BK, STAGES)
+    sc = _issue_s(q, tile, full, s, i, s_zero, STAGES, SPLIT)
     acc = warpgroup_mma_init(acc)
     if i >= 1:
         # The other's tile i-1 (its P and stats published once its softmax is done) runs on the
@@ -320,14 +334,8 @@ def _own_tile(idx_ptr, i, acc, m, l, bufs, W: gl.constexpr,
     if i >= 2:
         mbarrier.wait(exfree.index(W), ((i // 2) - 1) & 1)   # the other has read tile i-2's P
     _publish(st_bufs, W, own_p, p, m_new, l, alpha, ex.index(W))
-    acc = warpgroup_mma_wait(0, deps=[acc])
-    if i >= 1:
-        _release(_bar(consumed, (i - 1) % STAGES, W, SPLIT))
-        _release(exfree.index(OTHER))
-    acc = acc * gl.convert_layout(alpha, orow)[:, None]
-    pv = gl.convert_layout(p.to(ring.dtype), p_layout)
-    acc = warpgroup_mma(pv, tile.slice(W * DH, DH, dim=1), acc)
-    _release(_bar(consumed, s, W, SPLIT))
+    acc = _close_tile(acc, alpha, p, tile, consumed, exfree, s, i, W, STAGES, DH, orow,
+                      p_layout, SPLIT)
     return acc, m_new, l
 
 
