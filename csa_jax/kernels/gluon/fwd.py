@@ -42,21 +42,36 @@ LOG2E = 1.4426950408889634
 NEG = gl.constexpr(-1.0e30)   # finite initial running max, and EMPTY_LSE
 
 
+# The producer's copy layout: 8 threads cover one 128-byte segment of a row (16 B each),
+# 4 rows per warp.
+PRODUCER_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [PRODUCER_WARPS.value, 1],
+                                                [1, 0]))
+
+
 @gluon.jit
-def _producer(q_ptr, kv_ptr, idx_ptr, q_smem, ring, full, consumed, q_bar, row, b, ntiles,
-              N: gl.constexpr, D: gl.constexpr, K: gl.constexpr, BK: gl.constexpr,
-              STAGES: gl.constexpr, HBC: gl.constexpr, PREFETCH: gl.constexpr):
-    # 8 threads cover one 128-byte segment of a row (16 B each), 4 rows per warp.
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [PRODUCER_WARPS, 1], [1, 0])
+def _producer_start(q_ptr, kv_ptr, idx_ptr, q_smem, q_bar, row, b, N: gl.constexpr,
+                    D: gl.constexpr, BK: gl.constexpr, HBC: gl.constexpr):
+    """A forward producer's preamble (this kernel's and fwd_alt.py's): q [HBC, D] of this
+    program (rows row*HBC .. of the [B*T*Hp, D] view) copied into q_smem, arriving on q_bar;
+    returns (cols, krows, kv_base, tile 0's ids) for the gather loop."""
+    layout: gl.constexpr = PRODUCER_LAYOUT
     cols = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
     hrows = gl.arange(0, HBC, layout=gl.SliceLayout(1, layout))
-    # q [HBC, D] of this program: rows row*HBC .. of the [B*T*Hp, D] view.
     q_ptrs = q_ptr + (row * HBC + hrows).to(gl.int64)[:, None] * D + cols[None, :]
     async_copy.async_copy_global_to_shared(q_smem, q_ptrs)
     async_copy.mbarrier_arrive(q_bar, increment_count=False)
     krows = gl.arange(0, BK, layout=gl.SliceLayout(1, layout))
     kv_base = kv_ptr + b.to(gl.int64) * (N * D)
     ids = gl.load(idx_ptr + krows)                     # K >= BK: always in bounds
+    return cols, krows, kv_base, ids
+
+
+@gluon.jit
+def _producer(q_ptr, kv_ptr, idx_ptr, q_smem, ring, full, consumed, q_bar, row, b, ntiles,
+              N: gl.constexpr, D: gl.constexpr, K: gl.constexpr, BK: gl.constexpr,
+              STAGES: gl.constexpr, HBC: gl.constexpr, PREFETCH: gl.constexpr):
+    cols, krows, kv_base, ids = _producer_start(q_ptr, kv_ptr, idx_ptr, q_smem, q_bar, row, b,
+                                                N, D, BK, HBC)
     for i in range(ntiles):
         s = i % STAGES
         if not PREFETCH:

@@ -51,8 +51,8 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait)
 
-from csa_jax.kernels.gluon.fwd import (LOG2E, NEG, PRODUCER_WARPS, _finish, _producer,
-                                       _program, _softmax_step)
+from csa_jax.kernels.gluon.fwd import (LOG2E, NEG, PRODUCER_LAYOUT, PRODUCER_WARPS, _finish,
+                                       _producer, _producer_start, _program, _softmax_step)
 
 WG_WARPS = gl.constexpr(4)   # each consumer partition is one warpgroup
 NUM_WARPS = 4                # the default partition (the producer); 12 warps in all
@@ -83,16 +83,9 @@ def _producer_split(q_ptr, kv_ptr, idx_ptr, q_smem, ring, full, consumed, q_bar,
     """fwd._producer with each tile gathered as two column halves, each with its own "full"
     and "consumed" barrier: half h of stage s is refilled as soon as its readers are done."""
     DH: gl.constexpr = D // 2
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [PRODUCER_WARPS, 1], [1, 0])
-    cols = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
-    hrows = gl.arange(0, HBC, layout=gl.SliceLayout(1, layout))
-    q_ptrs = q_ptr + (row * HBC + hrows).to(gl.int64)[:, None] * D + cols[None, :]
-    async_copy.async_copy_global_to_shared(q_smem, q_ptrs)
-    async_copy.mbarrier_arrive(q_bar, increment_count=False)
-    hcols = gl.arange(0, DH, layout=gl.SliceLayout(0, layout))
-    krows = gl.arange(0, BK, layout=gl.SliceLayout(1, layout))
-    kv_base = kv_ptr + b.to(gl.int64) * (N * D)
-    ids = gl.load(idx_ptr + krows)                     # K >= BK: always in bounds
+    _, krows, kv_base, ids = _producer_start(q_ptr, kv_ptr, idx_ptr, q_smem, q_bar, row, b, N,
+                                             D, BK, HBC)
+    hcols = gl.arange(0, DH, layout=gl.SliceLayout(0, PRODUCER_LAYOUT))
     for i in range(ntiles):
         s = i % STAGES
         valid = ids >= 0
