@@ -1,0 +1,110 @@
+"""How much of a host-timed forward is the kernel: three times of the same forward.
+
+    python -m benchmarks.gluon_kernel_time [--families pro] [--ratios 4] [--seqs 4096]
+        [--impl gluon] [--config key=val,...] [--calls 20] [--out times.json]
+
+For each problem (the bench_csa problems: random cr4 indices, V4 index builders otherwise):
+- synced: median of single calls of jax.jit(forward), each followed by block_until_ready (what
+  bench_csa.py reports: the padding / ntiles ops, the launch and the host sync included);
+- pipelined: `--calls` calls enqueued back to back, one block_until_ready, divided by the
+  count (the device time per forward, launch latency hidden behind the previous call);
+- kernel (impl gluon only): the same, of the forward kernel alone on operands prepared
+  beforehand (fwd.prepare outside the timed function).
+FlashMLA's targets (../shared/gpu_kernels.md) do not say how they were timed; these three
+bound what a like-for-like comparison can be.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import time
+
+import jax
+
+from benchmarks.common import make_problem, parse_overrides
+from csa_jax import registry
+
+
+def _pipelined(fn, args, calls):
+    jax.block_until_ready(fn(*args))
+    t = time.perf_counter()
+    out = None
+    for _ in range(calls):
+        out = fn(*args)
+    jax.block_until_ready(out)
+    return (time.perf_counter() - t) / calls * 1e3
+
+
+def _synced(fn, args, calls):
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(calls):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e3
+
+
+def _kernel_fn(q, kv, idx, sink, scale, config):
+    """(jitted kernel-only function, its operands) of the Gluon forward."""
+    from csa_jax.kernels.gluon import fwd
+    from csa_jax.kernels.gluon.adapter import gluon_call
+    if config.layout != "generic" or config.resolved_schedule != "alternate":
+        raise ValueError("kernel-only timing covers the alternating gather kernel only")
+    from csa_jax.kernels.gluon import fwd_alt
+    q_p, kv_p, idx_p, ntiles, sink_p, dims = fwd.prepare(q, kv, idx, sink, config.block_k)
+    B, T, H, D, N, Hp, Dp, Kp, nhb = dims
+    consts = fwd_alt.config_constexprs(config, T=T, N=N, NHB=nhb, D=Dp, K=Kp,
+                                       BK=config.block_k, stages=config.stages, scale=scale,
+                                       prefetch=config.prefetch)
+    fn = jax.jit(lambda *a: gluon_call(*a, kernel=fwd_alt.csa_fwd_alt_kernel,
+                                       out_shape=fwd.out_shapes(q, dims), grid=(B * T * nhb,),
+                                       num_warps=fwd_alt.NUM_WARPS, name="csa_gluon_fwd",
+                                       **consts))
+    return fn, jax.block_until_ready((q_p, kv_p, idx_p, ntiles, sink_p))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    csv = lambda f: lambda s: [f(v) for v in s.split(",") if v]
+    ap.add_argument("--families", type=csv(str), default=["pro"])
+    ap.add_argument("--ratios", type=csv(int), default=[4])
+    ap.add_argument("--seqs", type=csv(int), default=[4096])
+    ap.add_argument("--impl", default="gluon")
+    ap.add_argument("--config", default="", help="Config overrides: key=val,...")
+    ap.add_argument("--calls", type=int, default=20)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    mod = registry.get(args.impl)
+    rows = []
+    for family in args.families:
+        for ratio in args.ratios:
+            for T in args.seqs:
+                cfg, q, kv, idx, sink, _ = make_problem(family, ratio, T, "random", 0)
+                c = mod.default_config(q.shape, kv.shape, idx.shape, q.dtype)
+                c = dataclasses.replace(c, **parse_overrides(args.config))
+                fwd = jax.jit(lambda q, kv, i, s, c=c: mod.forward(
+                    q, kv, i, s, scale=cfg.scale, interpret=False, config=c))
+                a = (q, kv, idx, sink)
+                row = dict(family=family, ratio=ratio, T=T, impl=args.impl, config=repr(c),
+                           device=jax.devices()[0].device_kind,
+                           synced_ms=_synced(fwd, a, args.calls),
+                           pipelined_ms=_pipelined(fwd, a, args.calls))
+                if args.impl == "gluon":
+                    try:
+                        kfn, ka = _kernel_fn(q, kv, idx, sink, cfg.scale, c)
+                        row["kernel_pipelined_ms"] = _pipelined(kfn, ka, args.calls)
+                    except Exception as e:  # noqa: BLE001
+                        row["kernel_error"] = f"{type(e).__name__}: {e}"[:300]
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
