@@ -69,6 +69,8 @@ def test_config_defaults_fit_shared_memory():
     (dict(schedule="alternate", alt_regs=250), "alt_regs=250"),
     (dict(alt_order="later"), "alt_order='later' must be"),
     (dict(alt_order="pv_first", schedule="default"), "alt_order='pv_first' applies to"),
+    (dict(alt_ablate=2), "alt_ablate=2 must be 0"),
+    (dict(alt_ablate=1, schedule="default"), "alt_ablate applies to schedule='alternate'"),
 ])
 def test_config_rejects(kw, match):
     with pytest.raises(ValueError, match=match):
@@ -278,6 +280,15 @@ def test_alternate_schedule_compiles_without_spills(kw, regs):
     dt = "f16.f16" if kw.get("dt") == "fp16" else "bf16.bf16"
     assert f"wgmma.mma_async.sync.aligned.m64n{bk}k16.f32.{dt}" in ptx
     assert f"wgmma.mma_async.sync.aligned.m64n{dh}k16.f32.{dt}" in ptx
+
+
+def test_alternate_ablation_has_no_products():
+    """alt_ablate=1 (benchmark only): the same kernel without a single wgmma, 0 spills."""
+    _need_triton()
+    c = _compile_fwd(schedule="alternate", ablate=1, order="pv_first")
+    r = adapter.resources(c, "sm_90a")
+    assert r["spill_stores"] == 0 and r["spill_loads"] == 0, r["ptxas"]
+    assert "wgmma.mma_async" not in c.asm["ptx"] and "cp.async.cg.shared.global" in c.asm["ptx"]
 
 
 @pytest.mark.parametrize("target", ["gfx942", "gfx950", "gfx1250"])

@@ -97,6 +97,9 @@ class Config:
         "stats_first": (max, sum, rescale) handed over on their own barrier right after the
         softmax, before P is written, so the next tile's softmax waits for the softmax alone
         (the other's PV_{i-1} then runs after the softmax).
+    alt_ablate: BENCHMARK ONLY, wrong results, schedule="alternate": 1 = no wgmma products (S
+        taken as 0, no PV; softmax, P and max / sum exchange, every barrier and the gather
+        kept): the alternating kernel's pace without the tensor cores.
     bwd: "gluon" (the dq kernel of bwd.py, dkv by the Pallas Triton GEMM + reduce) or
         "pallas_triton" (its whole backward); bwd_block_k (16, 32, 64) and bwd_stages: the dq
         kernel's ring tile rows and depth (32 x 2 at D = 512: [q; dO] 128 KiB + 2 x 32 KiB).
@@ -148,6 +151,7 @@ class Config:
     alt_regs: int = 216
     alt_split: bool = False
     alt_order: str = "s_first"
+    alt_ablate: int = 0
     bwd: str = "gluon"
     bwd_block_k: int = 32
     bwd_stages: int = 2
@@ -229,6 +233,11 @@ class Config:
         if self.alt_order not in ("s_first", "pv_first", "stats_first"):
             raise ValueError(f"alt_order={self.alt_order!r} must be 's_first', 'pv_first' or "
                              f"'stats_first'")
+        if isinstance(self.alt_ablate, bool) or self.alt_ablate not in (0, 1):
+            raise ValueError(f"alt_ablate={self.alt_ablate!r} must be 0 (off) or 1 (benchmark "
+                             f"only)")
+        if self.alt_ablate and self.resolved_schedule != "alternate":
+            raise ValueError("alt_ablate applies to schedule='alternate' only")
         if self.alt_order != "s_first" and self.resolved_schedule != "alternate":
             raise ValueError(f"alt_order={self.alt_order!r} applies to schedule='alternate' "
                              f"only")

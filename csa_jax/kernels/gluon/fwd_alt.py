@@ -141,7 +141,7 @@ def _publish(stats, W: gl.constexpr, p_smem, p, m, l, alpha, bar):
 @gluon.jit
 def _other_pv_issue(stats, p_smem, ring, full, acc, ex, j, srow: gl.constexpr,
                     orow: gl.constexpr, W: gl.constexpr, STAGES: gl.constexpr,
-                    DH: gl.constexpr, SPLIT: gl.constexpr):
+                    DH: gl.constexpr, SPLIT: gl.constexpr, ABLATE: gl.constexpr):
     """Wait for the other warpgroup's tile j, rescale, issue PV_j on this half (async)."""
     mbarrier.wait(ex, (j // 2) & 1)
     # The tile's own barrier too (long complete; its next phase needs this warpgroup's release),
@@ -154,8 +154,16 @@ def _other_pv_issue(stats, p_smem, ring, full, acc, ex, j, srow: gl.constexpr,
     alpha = _row(stats, 4 * (1 - W) + 2).load(srow)
     acc = acc * gl.convert_layout(alpha, orow)[:, None]
     v = ring.index(j % STAGES).slice(W * DH, DH, dim=1)
-    acc = warpgroup_mma(p_smem, v, acc, is_async=True)
-    return acc, m, l
+    return _pv_smem(p_smem, v, acc, ABLATE), m, l
+
+
+@gluon.jit
+def _pv_smem(p_smem, v, acc, ABLATE: gl.constexpr):
+    """Issue PV on this half with the other's P from shared memory (async); ABLATE: none."""
+    if ABLATE:
+        return warpgroup_mma_init(acc)
+    else:
+        return warpgroup_mma(p_smem, v, acc, is_async=True)
 
 
 @gluon.jit
@@ -167,22 +175,30 @@ def _tile_views(idx_ptr, i, ring, q_smem, kcols, BK: gl.constexpr, STAGES: gl.co
 
 
 @gluon.jit
-def _issue_s(q, tile, full, s, i, s_zero, STAGES: gl.constexpr, SPLIT: gl.constexpr):
+def _issue_s(q, tile, full, s, i, s_zero, STAGES: gl.constexpr, SPLIT: gl.constexpr,
+             ABLATE: gl.constexpr):
     """Wait for tile i's copies (both column halves with SPLIT), issue S_i = q tile^T (async)."""
     mbarrier.wait(_bar(full, s, 0, SPLIT), (i // STAGES) & 1)
     if SPLIT:
         mbarrier.wait(_bar(full, s, 1, SPLIT), (i // STAGES) & 1)
     fence_async_shared()
-    return warpgroup_mma(q, tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    if ABLATE:
+        return warpgroup_mma_init(s_zero)
+    else:
+        return warpgroup_mma(q, tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
 
 
 @gluon.jit
 def _own_pv(acc, alpha, p, tile, consumed, s, W: gl.constexpr, DH: gl.constexpr,
-            orow: gl.constexpr, p_layout: gl.constexpr, SPLIT: gl.constexpr):
+            orow: gl.constexpr, p_layout: gl.constexpr, SPLIT: gl.constexpr,
+            ABLATE: gl.constexpr):
     """Rescale, PV_i on this warpgroup's half with P from registers, release stage i."""
     acc = acc * gl.convert_layout(alpha, orow)[:, None]
-    pv = gl.convert_layout(p.to(tile.dtype), p_layout)
-    acc = warpgroup_mma(pv, tile.slice(W * DH, DH, dim=1), acc)
+    if ABLATE:   # (benchmark only) no product: P's row sums keep the softmax alive
+        acc = acc + gl.convert_layout(gl.sum(p, axis=1), orow)[:, None]
+    else:
+        pv = gl.convert_layout(p.to(tile.dtype), p_layout)
+        acc = warpgroup_mma(pv, tile.slice(W * DH, DH, dim=1), acc)
     _release(_bar(consumed, s, W, SPLIT))
     return acc
 
@@ -190,14 +206,14 @@ def _own_pv(acc, alpha, p, tile, consumed, s, W: gl.constexpr, DH: gl.constexpr,
 @gluon.jit
 def _close_tile(acc, alpha, p, tile, consumed, exfree, s, i, W: gl.constexpr,
                 STAGES: gl.constexpr, DH: gl.constexpr, orow: gl.constexpr,
-                p_layout: gl.constexpr, SPLIT: gl.constexpr):
+                p_layout: gl.constexpr, SPLIT: gl.constexpr, ABLATE: gl.constexpr):
     """Wait for the other's PV_{i-1} (this half): release its stage and the other's P buffer;
     then PV_i and release stage i."""
     acc = warpgroup_mma_wait(0, deps=[acc])
     if i >= 1:
         _release(_bar(consumed, (i - 1) % STAGES, W, SPLIT))
         _release(exfree.index(1 - W))
-    return _own_pv(acc, alpha, p, tile, consumed, s, W, DH, orow, p_layout, SPLIT)
+    return _own_pv(acc, alpha, p, tile, consumed, s, W, DH, orow, p_layout, SPLIT, ABLATE)
 
 
 @gluon.jit
@@ -209,7 +225,8 @@ def _stats(stats, k: gl.constexpr, srow: gl.constexpr):
 
 @gluon.jit
 def _other_pv_p(p_smem, ring, full, acc, alpha, ex, j, orow: gl.constexpr, W: gl.constexpr,
-                STAGES: gl.constexpr, DH: gl.constexpr, SPLIT: gl.constexpr):
+                STAGES: gl.constexpr, DH: gl.constexpr, SPLIT: gl.constexpr,
+                ABLATE: gl.constexpr):
     """ORDER 2: wait for the other's P of tile j (its stats are already here), rescale, issue
     PV_j on this half (async)."""
     mbarrier.wait(ex, (j // 2) & 1)
@@ -218,14 +235,14 @@ def _other_pv_p(p_smem, ring, full, acc, alpha, ex, j, orow: gl.constexpr, W: gl
     acc = warpgroup_mma_wait(0, deps=[acc])       # (nothing of acc's is in flight)
     acc = acc * gl.convert_layout(alpha, orow)[:, None]
     v = ring.index(j % STAGES).slice(W * DH, DH, dim=1)
-    return warpgroup_mma(p_smem, v, acc, is_async=True)
+    return _pv_smem(p_smem, v, acc, ABLATE)
 
 
 @gluon.jit
 def _own_tile_stats_first(idx_ptr, i, acc, m, l, bufs, W: gl.constexpr,
                           BK: gl.constexpr, STAGES: gl.constexpr, DH: gl.constexpr,
                           QK_SCALE: gl.constexpr, srow: gl.constexpr, orow: gl.constexpr,
-                          p_layout: gl.constexpr, SPLIT: gl.constexpr):
+                          p_layout: gl.constexpr, SPLIT: gl.constexpr, ABLATE: gl.constexpr):
     """ORDER 2 (Config.alt_order="stats_first"): tile i with (max, sum, rescale) handed over
     on their own barrier (`stb`) right after the softmax, before P is written, so the other
     warpgroup's softmax of tile i+1 waits only for the softmax of tile i. Order: issue S_i;
@@ -234,7 +251,7 @@ def _own_tile_stats_first(idx_ptr, i, acc, m, l, bufs, W: gl.constexpr,
     ring, q_smem, full, consumed, ex, exfree, own_p, oth_p, st_bufs, s_zero, kcols, stb = bufs
     OTHER: gl.constexpr = 1 - W
     s, ids, tile, q = _tile_views(idx_ptr, i, ring, q_smem, kcols, BK, STAGES)
-    sc = _issue_s(q, tile, full, s, i, s_zero, STAGES, SPLIT)
+    sc = _issue_s(q, tile, full, s, i, s_zero, STAGES, SPLIT, ABLATE)
     alpha_o = gl.full([m.shape[0]], 1.0, gl.float32, srow)
     if i >= 1:
         mbarrier.wait(stb.index(OTHER), ((i - 1) // 2) & 1)
@@ -251,7 +268,7 @@ def _own_tile_stats_first(idx_ptr, i, acc, m, l, bufs, W: gl.constexpr,
     acc = warpgroup_mma_init(acc)
     if i >= 1:
         acc = _other_pv_p(oth_p, ring, full, acc, alpha_o, ex.index(OTHER), i - 1, orow, W,
-                          STAGES, DH, SPLIT)
+                          STAGES, DH, SPLIT, ABLATE)
     else:
         acc = warpgroup_mma_init(warpgroup_mma_wait(0, deps=[acc]))
     if i >= 2:
@@ -261,7 +278,7 @@ def _own_tile_stats_first(idx_ptr, i, acc, m, l, bufs, W: gl.constexpr,
     gl.thread_barrier()
     mbarrier.arrive(ex.index(W))
     acc = _close_tile(acc, alpha, p, tile, consumed, exfree, s, i, W, STAGES, DH, orow,
-                      p_layout, SPLIT)
+                      p_layout, SPLIT, ABLATE)
     return acc, m_new, l
 
 
@@ -269,7 +286,7 @@ def _own_tile_stats_first(idx_ptr, i, acc, m, l, bufs, W: gl.constexpr,
 def _own_tile_pv_first(idx_ptr, i, acc, m, l, bufs, W: gl.constexpr,
                        BK: gl.constexpr, STAGES: gl.constexpr, DH: gl.constexpr,
                        QK_SCALE: gl.constexpr, srow: gl.constexpr, orow: gl.constexpr,
-                       p_layout: gl.constexpr, SPLIT: gl.constexpr):
+                       p_layout: gl.constexpr, SPLIT: gl.constexpr, ABLATE: gl.constexpr):
     """ORDER 1 (Config.alt_order="pv_first"): the other's PV_{i-1} is issued before S_i (it
     only waits for the other's publish, not for tile i's copies), both are waited together,
     and this warpgroup's half of stage i-1 and the other's P buffer are released then, before
@@ -280,8 +297,8 @@ def _own_tile_pv_first(idx_ptr, i, acc, m, l, bufs, W: gl.constexpr,
     acc = warpgroup_mma_init(acc)
     if i >= 1:
         acc, m, l = _other_pv_issue(st_bufs, oth_p, ring, full, acc, ex.index(OTHER), i - 1,
-                                    srow, orow, W, STAGES, DH, SPLIT)
-    sc = _issue_s(q, tile, full, s, i, s_zero, STAGES, SPLIT)
+                                    srow, orow, W, STAGES, DH, SPLIT, ABLATE)
+    sc = _issue_s(q, tile, full, s, i, s_zero, STAGES, SPLIT, ABLATE)
     sc, acc = warpgroup_mma_wait(0, deps=[sc, acc])
     if i >= 1:
         _release(_bar(consumed, (i - 1) % STAGES, W, SPLIT))
@@ -292,7 +309,7 @@ def _own_tile_pv_first(idx_ptr, i, acc, m, l, bufs, W: gl.constexpr,
     if i >= 2:
         mbarrier.wait(exfree.index(W), ((i // 2) - 1) & 1)   # the other has read tile i-2's P
     _publish(st_bufs, W, own_p, p, m_new, l, alpha, ex.index(W))
-    acc = _own_pv(acc, alpha, p, tile, consumed, s, W, DH, orow, p_layout, SPLIT)
+    acc = _own_pv(acc, alpha, p, tile, consumed, s, W, DH, orow, p_layout, SPLIT, ABLATE)
     return acc, m_new, l
 
 
@@ -300,19 +317,19 @@ def _own_tile_pv_first(idx_ptr, i, acc, m, l, bufs, W: gl.constexpr,
 def _own_tile(idx_ptr, i, acc, m, l, bufs, W: gl.constexpr,
               BK: gl.constexpr, STAGES: gl.constexpr, DH: gl.constexpr, QK_SCALE: gl.constexpr,
               srow: gl.constexpr, orow: gl.constexpr, p_layout: gl.constexpr,
-              SPLIT: gl.constexpr):
+              SPLIT: gl.constexpr, ABLATE: gl.constexpr):
     """This warpgroup's tile i, and meanwhile (i >= 1) the PV of the other's tile i-1:
     returns (acc, m, l) after both."""
     ring, q_smem, full, consumed, ex, exfree, own_p, oth_p, st_bufs, s_zero, kcols, _ = bufs
     OTHER: gl.constexpr = 1 - W
     s, ids, tile, q = _tile_views(idx_ptr, i, ring, q_smem, kcols, BK, STAGES)
-    sc = _issue_s(q, tile, full, s, i, s_zero, STAGES, SPLIT)
+    sc = _issue_s(q, tile, full, s, i, s_zero, STAGES, SPLIT, ABLATE)
     acc = warpgroup_mma_init(acc)
     if i >= 1:
         # The other's tile i-1 (its P and stats published once its softmax is done) runs on the
         # tensor cores behind S_i.
         acc, m, l = _other_pv_issue(st_bufs, oth_p, ring, full, acc, ex.index(OTHER), i - 1,
-                                    srow, orow, W, STAGES, DH, SPLIT)
+                                    srow, orow, W, STAGES, DH, SPLIT, ABLATE)
     else:
         # Tile 0: S_0 is all that is in flight (the wait-count below must be an immediate).
         acc = warpgroup_mma_init(warpgroup_mma_wait(0, deps=[acc]))
@@ -328,7 +345,7 @@ def _own_tile(idx_ptr, i, acc, m, l, bufs, W: gl.constexpr,
         mbarrier.wait(exfree.index(W), ((i // 2) - 1) & 1)   # the other has read tile i-2's P
     _publish(st_bufs, W, own_p, p, m_new, l, alpha, ex.index(W))
     acc = _close_tile(acc, alpha, p, tile, consumed, exfree, s, i, W, STAGES, DH, orow,
-                      p_layout, SPLIT)
+                      p_layout, SPLIT, ABLATE)
     return acc, m_new, l
 
 
@@ -336,7 +353,8 @@ def _own_tile(idx_ptr, i, acc, m, l, bufs, W: gl.constexpr,
 def _alt_consumer(idx_ptr, sink_ptr, o_ptr, lse_ptr, q_smem, ring, full, consumed, q_bar,
                   p_bufs, st_bufs, ex, exfree, stb, row, h0, ntiles, W: gl.constexpr,
                   D: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, HBC: gl.constexpr,
-                  QK_SCALE: gl.constexpr, SPLIT: gl.constexpr, ORDER: gl.constexpr):
+                  QK_SCALE: gl.constexpr, SPLIT: gl.constexpr, ORDER: gl.constexpr,
+                  ABLATE: gl.constexpr):
     DH: gl.constexpr = D // 2
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BK, 16])
@@ -362,13 +380,13 @@ def _alt_consumer(idx_ptr, sink_ptr, o_ptr, lse_ptr, q_smem, ring, full, consume
     for i in range(W, ntiles, 2):
         if ORDER == 2:
             acc, m, l = _own_tile_stats_first(idx_ptr, i, acc, m, l, bufs, W, BK, STAGES, DH,
-                                        QK_SCALE, srow, orow, p_layout, SPLIT)
+                                              QK_SCALE, srow, orow, p_layout, SPLIT, ABLATE)
         elif ORDER == 1:
             acc, m, l = _own_tile_pv_first(idx_ptr, i, acc, m, l, bufs, W, BK, STAGES, DH,
-                                           QK_SCALE, srow, orow, p_layout, SPLIT)
+                                           QK_SCALE, srow, orow, p_layout, SPLIT, ABLATE)
         else:
             acc, m, l = _own_tile(idx_ptr, i, acc, m, l, bufs, W, BK, STAGES, DH, QK_SCALE,
-                                  srow, orow, p_layout, SPLIT)
+                                  srow, orow, p_layout, SPLIT, ABLATE)
     # The other's last tile, if the list ends on one.
     last = ntiles - 1
     if last >= 0:
@@ -377,10 +395,10 @@ def _alt_consumer(idx_ptr, sink_ptr, o_ptr, lse_ptr, q_smem, ring, full, consume
                 mbarrier.wait(stb.index(OTHER), (last // 2) & 1)
                 m, l, alpha_o = _stats(st_bufs, OTHER, srow)
                 acc = _other_pv_p(oth_p, ring, full, acc, alpha_o, ex.index(OTHER), last, orow,
-                                  W, STAGES, DH, SPLIT)
+                                  W, STAGES, DH, SPLIT, ABLATE)
             else:
                 acc, m, l = _other_pv_issue(st_bufs, oth_p, ring, full, acc, ex.index(OTHER),
-                                            last, srow, orow, W, STAGES, DH, SPLIT)
+                                            last, srow, orow, W, STAGES, DH, SPLIT, ABLATE)
             acc = warpgroup_mma_wait(0, deps=[acc])
             _release(_bar(consumed, last % STAGES, W, SPLIT))
 
@@ -400,7 +418,8 @@ def csa_fwd_alt_kernel(q_ptr, kv_ptr, idx_ptr, ntiles_ptr, sink_ptr, o_ptr, lse_
                        T: gl.constexpr, N: gl.constexpr, NHB: gl.constexpr, D: gl.constexpr,
                        K: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
                        QK_SCALE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                       PREFETCH: gl.constexpr, SPLIT: gl.constexpr, ORDER: gl.constexpr):
+                       PREFETCH: gl.constexpr, SPLIT: gl.constexpr, ORDER: gl.constexpr,
+                       ABLATE: gl.constexpr):
     row, _, hb, b, ntiles, idx_tok = _program(ntiles_ptr, idx_ptr, T, NHB, K)
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     HBC: gl.constexpr = 64
@@ -445,10 +464,10 @@ def csa_fwd_alt_kernel(q_ptr, kv_ptr, idx_ptr, ntiles_ptr, sink_ptr, o_ptr, lse_
                          row, b, ntiles, N, D, K, BK, STAGES, HBC, PREFETCH, SPLIT)),
         (_alt_consumer, (idx_tok, sink_ptr, o_ptr, lse_ptr, q_smem, ring, full, consumed, q_bar,
                          p_bufs, st_bufs, ex, exfree, stb, row, hb * HBC, ntiles, 0, D, BK,
-                         STAGES, HBC, QK_SCALE, SPLIT, ORDER)),
+                         STAGES, HBC, QK_SCALE, SPLIT, ORDER, ABLATE)),
         (_alt_consumer, (idx_tok, sink_ptr, o_ptr, lse_ptr, q_smem, ring, full, consumed, q_bar,
                          p_bufs, st_bufs, ex, exfree, stb, row, hb * HBC, ntiles, 1, D, BK,
-                         STAGES, HBC, QK_SCALE, SPLIT, ORDER)),
+                         STAGES, HBC, QK_SCALE, SPLIT, ORDER, ABLATE)),
     ], [WG_WARPS, WG_WARPS], [CONSUMER_REGS, CONSUMER_REGS])
 
 
@@ -464,17 +483,18 @@ ORDERS = ("s_first", "pv_first", "stats_first")   # Config.alt_order -> ORDER 0,
 
 
 def constexprs(*, T, N, NHB, D, K, BK, stages, scale, consumer_regs=216, prefetch=True,
-               split=False, order="s_first"):
+               split=False, order="s_first", ablate=0):
     """The alternating kernel's compile-time parameters (also used by the CPU compile checks)."""
     if stages % 2:
         raise ValueError(f"schedule='alternate' needs an even ring depth, got stages={stages}")
     return dict(T=T, N=N, NHB=NHB, D=D, K=K, BK=BK, STAGES=stages,
                 QK_SCALE=float(scale) * LOG2E, CONSUMER_REGS=int(consumer_regs),
-                PREFETCH=bool(prefetch), SPLIT=bool(split), ORDER=ORDERS.index(order))
+                PREFETCH=bool(prefetch), SPLIT=bool(split), ORDER=ORDERS.index(order),
+                ABLATE=int(ablate))
 
 
 def config_constexprs(config, **dims):
     """constexprs() from a gluon Config's alternate-schedule fields (fwd.forward and the
     resource report use the same mapping)."""
     return constexprs(**dims, consumer_regs=config.alt_regs, split=config.alt_split,
-                      order=config.alt_order)
+                      order=config.alt_order, ablate=config.alt_ablate)
