@@ -90,10 +90,12 @@ class Config:
         barriers (the producer refills a half as soon as its readers are done; FlashMLA's
         half-D pipelining; measured no faster than without).
     alt_order: schedule="alternate" only, the order of a consumer warpgroup's steps per own
-        tile i (fwd_alt.py): "s_first" (default): issue S_i, then the other's PV_{i-1}, softmax,
-        publish P_i with (max, sum) on one barrier, release stage i-1 after the softmax;
-        "pv_first": the other's PV_{i-1} before S_i (it waits only for the other's publish, not
-        for tile i's copies), stage i-1 and the other's P buffer released before the softmax;
+        tile i (fwd_alt.py): "pv_first" (default since session 3: 1.09x / 1.08x faster than
+        "s_first" at Pro cr4 T=4096 / 16384, docs/perf/gluon_alt_h200.md): the other's
+        PV_{i-1} before S_i (it waits only for the other's publish, not for tile i's copies),
+        stage i-1 and the other's P buffer released before the softmax; "s_first" (the
+        default before): issue S_i, then the other's PV_{i-1}, softmax, publish P_i with (max,
+        sum) on one barrier, release stage i-1 after the softmax;
         "stats_first": (max, sum, rescale) handed over on their own barrier right after the
         softmax, before P is written, so the next tile's softmax waits for the softmax alone
         (the other's PV_{i-1} then runs after the softmax).
@@ -150,7 +152,7 @@ class Config:
     schedule: str = "auto"
     alt_regs: int = 216
     alt_split: bool = False
-    alt_order: str = "s_first"
+    alt_order: str = "pv_first"
     alt_ablate: int = 0
     bwd: str = "gluon"
     bwd_block_k: int = 32
@@ -238,7 +240,7 @@ class Config:
                              f"only)")
         if self.alt_ablate and self.resolved_schedule != "alternate":
             raise ValueError("alt_ablate applies to schedule='alternate' only")
-        if self.alt_order != "s_first" and self.resolved_schedule != "alternate":
+        if self.alt_order != "pv_first" and self.resolved_schedule != "alternate":
             raise ValueError(f"alt_order={self.alt_order!r} applies to schedule='alternate' "
                              f"only")
         if self.schedule == "alternate":
