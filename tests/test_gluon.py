@@ -259,6 +259,7 @@ def test_forward_variants_compile(kw):
                                       (dict(order="s_first"), 216),
                                       (dict(order="stats_first"), 216),
                                       (dict(order="stats_first", split=True), 216),
+                                      (dict(order="pv_release"), 216),
                                       (dict(block_k=32, stages=4, dt="fp16"), 216)])
 def test_alternate_schedule_compiles_without_spills(kw, regs):
     """schedule="alternate" (fwd_alt.py): 12 warps = producer (default partition) + two 4-warp

@@ -84,9 +84,11 @@ def consumer(w, n, st, order):
     o = 1 - w
     for i in range(w, n, 2):
         s = i % st
-        if order == "pv_first" and i >= 1:
+        if order in ("pv_first", "pv_release") and i >= 1:
             yield from _pv_prev_issue(o, i, st)
             yield ("read", ("st", o), i - 1)
+            if order == "pv_release":                              # PV_{i-1} waited first
+                yield from _pv_prev_done(w, o, i, st)
         yield ("wait", ("full", s), (i // st) & 1)
         yield ("begin", ("ring", s), i)                            # S_i issued
         if order == "stats_first":
@@ -103,9 +105,9 @@ def consumer(w, n, st, order):
                 yield from _pv_prev_issue(o, i, st)
                 yield ("read", ("st", o), i - 1)
             yield ("end", ("ring", s), i)
-        else:                                                      # pv_first: both waited
+        else:                                                      # pv_*: both waited
             yield ("end", ("ring", s), i)
-            if i >= 1:
+            if i >= 1 and order == "pv_first":
                 yield from _pv_prev_done(w, o, i, st)
         if i >= 2:
             yield ("wait", ("exfree", w), ((i // 2) - 1) & 1)
@@ -113,7 +115,7 @@ def consumer(w, n, st, order):
         if order != "stats_first":
             yield ("write", ("st", w), i, 1)
         yield ("arrive", ("ex", w))
-        if i >= 1 and order != "pv_first":                         # PV_{i-1} waited
+        if i >= 1 and order in ("s_first", "stats_first"):        # PV_{i-1} waited
             yield from _pv_prev_done(w, o, i, st)
         yield ("begin", ("ring", s), i)                            # PV_i (synchronous)
         yield ("end", ("ring", s), i)
@@ -167,7 +169,7 @@ def run(n, st, order, rng, cons=consumer):
         assert buf.reads.get((("ring", i % st), i), 0) == 3, (i, buf.reads)
 
 
-@pytest.mark.parametrize("order", ["s_first", "pv_first", "stats_first"])
+@pytest.mark.parametrize("order", ["s_first", "pv_first", "stats_first", "pv_release"])
 @pytest.mark.parametrize("st", [2, 4])
 def test_alt_protocol_random_interleavings(order, st):
     rng = random.Random(1234 + st + len(order))

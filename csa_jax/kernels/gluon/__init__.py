@@ -98,7 +98,9 @@ class Config:
         sum) on one barrier, release stage i-1 after the softmax;
         "stats_first": (max, sum, rescale) handed over on their own barrier right after the
         softmax, before P is written, so the next tile's softmax waits for the softmax alone
-        (the other's PV_{i-1} then runs after the softmax).
+        (the other's PV_{i-1} then runs after the softmax); "pv_release": as "pv_first", but
+        PV_{i-1} is waited and stage i-1 released before waiting for tile i's copies (not
+        measured on the GPU yet).
     alt_ablate: BENCHMARK ONLY, wrong results, schedule="alternate": 1 = no wgmma products (S
         taken as 0, no PV; softmax, P and max / sum exchange, every barrier and the gather
         kept): the alternating kernel's pace without the tensor cores.
@@ -232,9 +234,9 @@ class Config:
             raise ValueError(f"alt_regs={a!r} must be a multiple of 8 in 128..240")
         if self.alt_split and self.resolved_schedule != "alternate":
             raise ValueError("alt_split=True applies to schedule='alternate' only")
-        if self.alt_order not in ("s_first", "pv_first", "stats_first"):
-            raise ValueError(f"alt_order={self.alt_order!r} must be 's_first', 'pv_first' or "
-                             f"'stats_first'")
+        if self.alt_order not in ("s_first", "pv_first", "stats_first", "pv_release"):
+            raise ValueError(f"alt_order={self.alt_order!r} must be 's_first', 'pv_first', "
+                             f"'stats_first' or 'pv_release'")
         if isinstance(self.alt_ablate, bool) or self.alt_ablate not in (0, 1):
             raise ValueError(f"alt_ablate={self.alt_ablate!r} must be 0 (off) or 1 (benchmark "
                              f"only)")

@@ -287,11 +287,14 @@ def _own_tile_stats_first(idx_ptr, i, acc, m, l, bufs, W: gl.constexpr,
 def _own_tile_pv_first(idx_ptr, i, acc, m, l, bufs, W: gl.constexpr,
                        BK: gl.constexpr, STAGES: gl.constexpr, DH: gl.constexpr,
                        QK_SCALE: gl.constexpr, srow: gl.constexpr, orow: gl.constexpr,
-                       p_layout: gl.constexpr, SPLIT: gl.constexpr, ABLATE: gl.constexpr):
+                       p_layout: gl.constexpr, SPLIT: gl.constexpr, ABLATE: gl.constexpr,
+                       WAIT_PV: gl.constexpr):
     """ORDER 1 (Config.alt_order="pv_first"): the other's PV_{i-1} is issued before S_i (it
     only waits for the other's publish, not for tile i's copies), both are waited together,
     and this warpgroup's half of stage i-1 and the other's P buffer are released then, before
-    the softmax of tile i (order 0 releases them after it)."""
+    the softmax of tile i (order 0 releases them after it). ORDER 3 ("pv_release", WAIT_PV):
+    PV_{i-1} is waited and stage i-1 released before waiting for tile i's copies, so the
+    release does not wait for tile i either (S_i then starts after PV_{i-1} is done)."""
     ring, q_smem, full, consumed, ex, exfree, own_p, oth_p, st_bufs, s_zero, kcols, _ = bufs
     OTHER: gl.constexpr = 1 - W
     s, ids, tile, q = _tile_views(idx_ptr, i, ring, q_smem, kcols, BK, STAGES)
@@ -299,11 +302,16 @@ def _own_tile_pv_first(idx_ptr, i, acc, m, l, bufs, W: gl.constexpr,
     if i >= 1:
         acc, m, l = _other_pv_issue(st_bufs, oth_p, ring, full, acc, ex.index(OTHER), i - 1,
                                     srow, orow, W, STAGES, DH, SPLIT, ABLATE)
+        if WAIT_PV:
+            acc = warpgroup_mma_init(warpgroup_mma_wait(0, deps=[acc]))
+            _release(_bar(consumed, (i - 1) % STAGES, W, SPLIT))
+            _release(exfree.index(OTHER))
     sc = _issue_s(q, tile, full, s, i, s_zero, STAGES, SPLIT, ABLATE)
     sc, acc = warpgroup_mma_wait(0, deps=[sc, acc])
     if i >= 1:
-        _release(_bar(consumed, (i - 1) % STAGES, W, SPLIT))
-        _release(exfree.index(OTHER))
+        if not WAIT_PV:
+            _release(_bar(consumed, (i - 1) % STAGES, W, SPLIT))
+            _release(exfree.index(OTHER))
     if SPLIT:
         _release(_bar(consumed, s, OTHER, SPLIT))    # the other's column half: S is done
     p, alpha, m_new, l = _softmax_step(sc, ids, m, l, QK_SCALE)
@@ -382,9 +390,10 @@ def _alt_consumer(idx_ptr, sink_ptr, o_ptr, lse_ptr, q_smem, ring, full, consume
         if ORDER == 2:
             acc, m, l = _own_tile_stats_first(idx_ptr, i, acc, m, l, bufs, W, BK, STAGES, DH,
                                               QK_SCALE, srow, orow, p_layout, SPLIT, ABLATE)
-        elif ORDER == 1:
+        elif ORDER == 1 or ORDER == 3:
             acc, m, l = _own_tile_pv_first(idx_ptr, i, acc, m, l, bufs, W, BK, STAGES, DH,
-                                           QK_SCALE, srow, orow, p_layout, SPLIT, ABLATE)
+                                           QK_SCALE, srow, orow, p_layout, SPLIT, ABLATE,
+                                           ORDER == 3)
         else:
             acc, m, l = _own_tile(idx_ptr, i, acc, m, l, bufs, W, BK, STAGES, DH, QK_SCALE,
                                   srow, orow, p_layout, SPLIT, ABLATE)
@@ -480,7 +489,8 @@ def producer_regs(consumer_regs):
     return (REG_FILE - 256 * int(consumer_regs)) // 128
 
 
-ORDERS = ("s_first", "pv_first", "stats_first")   # Config.alt_order -> ORDER 0, 1, 2
+# Config.alt_order -> ORDER 0, 1, 2, 3
+ORDERS = ("s_first", "pv_first", "stats_first", "pv_release")
 
 
 def constexprs(*, T, N, NHB, D, K, BK, stages, scale, consumer_regs=216, prefetch=True,
