@@ -18,12 +18,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import statistics
 import time
 
 import jax
 
-from benchmarks.common import make_problem, parse_overrides
+from benchmarks.common import make_problem, parse_overrides, time_fn
 from csa_jax import registry
 
 
@@ -35,16 +34,6 @@ def _pipelined(fn, args, calls):
         out = fn(*args)
     jax.block_until_ready(out)
     return (time.perf_counter() - t) / calls * 1e3
-
-
-def _synced(fn, args, calls):
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(calls):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e3
 
 
 def _kernel_fn(q, kv, idx, sink, scale, config):
@@ -90,7 +79,7 @@ def main(argv=None):
                 a = (q, kv, idx, sink)
                 row = dict(family=family, ratio=ratio, T=T, impl=args.impl, config=repr(c),
                            device=jax.devices()[0].device_kind,
-                           synced_ms=_synced(fwd, a, args.calls),
+                           synced_ms=time_fn(fwd, a, args.calls, 10.0)[0],
                            pipelined_ms=_pipelined(fwd, a, args.calls))
                 if args.impl == "gluon":
                     try:
