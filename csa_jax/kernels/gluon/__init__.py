@@ -69,6 +69,9 @@ class Config:
         the pool slot for it: window.p_smem_mode). win_ablate: BENCHMARK ONLY, wrong results:
         1 = the window kernel computes everything but stores no o / lse, 2 = its consumers only
         wait for and release the copies (the producer's pace).
+    win_schedule: cr0's window kernel: "lockstep" (window.py: 8 consumer warps in step) or
+        "exchange" (window_xchg.py: two consumer warpgroups, two max / P exchanges per token;
+        cr0 only); win_regs: the exchange kernel's consumer registers (setmaxnreg).
     ablate: BENCHMARK ONLY, wrong results: 1 = no PV product, 2 = no QK^T product, 3 = neither,
         4 = no compute at all (the consumers only wait for and release the ring: the producer's
         pace). Used to place the time inside the kernel (docs/perf/gluon_h200.md).
@@ -135,6 +138,8 @@ class Config:
     pool_stages: int = 1
     win_p_smem: bool = False
     win_ablate: int = 0
+    win_schedule: str = "lockstep"
+    win_regs: int = 216
     ablate: int = 0
     schedule: str = "auto"
     alt_regs: int = 216
@@ -265,6 +270,16 @@ def _check_layout_fields(c):
         raise ValueError(f"win_ablate={c.win_ablate!r} must be 0 (off), 1 or 2 (benchmark only)")
     if c.pool_tile not in (16, 32, 64):
         raise ValueError(f"pool_tile={c.pool_tile} must be 16, 32 or 64")
+    if c.win_schedule not in ("lockstep", "exchange"):
+        raise ValueError(f"win_schedule={c.win_schedule!r} must be 'lockstep' or 'exchange'")
+    if c.win_schedule == "exchange" and c.layout not in ("cr0", "generic", "cr4"):
+        raise ValueError(f"win_schedule='exchange' is the cr0 window kernel; layout="
+                         f"{c.layout!r} runs the lockstep one (win_schedule='lockstep')")
+    if c.win_schedule == "exchange" and (c.win_ablate or c.win_p_smem):
+        raise ValueError("win_ablate / win_p_smem apply to win_schedule='lockstep' only")
+    r = c.win_regs
+    if isinstance(r, bool) or not isinstance(r, int) or r % 8 or not 128 <= r <= 240:
+        raise ValueError(f"win_regs={r!r} must be a multiple of 8 in 128..240")
 
 
 def shared_bytes(D, config, itemsize=2):

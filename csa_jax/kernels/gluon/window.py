@@ -393,23 +393,32 @@ def forward(q, kv, sink, bad, *, scale, config):
     nhb = Hp // HB
     G = programs(B, T, nhb, config.win_programs)
     ratio = config.pool_ratio if config.layout == "cr128" else 0
-    p_mode = p_smem_mode(Dp, config.window, ratio, config.pool_tile, config.win_p_smem)
-    need = shared_bytes(Dp, config.window, ratio, config.pool_tile, config.pool_stages, p_mode)
+    if config.win_schedule == "exchange" and not ratio:
+        from csa_jax.kernels.gluon import window_xchg as wx
+        need = wx.shared_bytes(Dp, config.window)
+        kernel, warps = wx.csa_window_xchg_kernel, wx.NUM_WARPS
+        consts = wx.constexprs(T=T, N=N, NHB=nhb, D=Dp, window=config.window, G=G,
+                               scale=scale, consumer_regs=config.win_regs)
+    else:
+        p_mode = p_smem_mode(Dp, config.window, ratio, config.pool_tile, config.win_p_smem)
+        need = shared_bytes(Dp, config.window, ratio, config.pool_tile, config.pool_stages,
+                            p_mode)
+        kernel, warps = csa_window_kernel, CONSUMER_WARPS
+        consts = constexprs(T=T, N=N, NHB=nhb, D=Dp, window=config.window, G=G, ratio=ratio,
+                            pool_tile=config.pool_tile, pool_stages=config.pool_stages,
+                            scale=scale, producer_regs=config.win_producer_regs,
+                            p_smem=config.win_p_smem, ablate=config.win_ablate)
     if need > SMEM_LIMIT:
         raise NotImplementedError(
             f"layout={config.layout!r}, window={config.window}, D={D}, pool_tile="
-            f"{config.pool_tile}, pool_stages={config.pool_stages}: the window kernel needs "
-            f"~{need} B of shared memory, over the {SMEM_LIMIT} B per block")
+            f"{config.pool_tile}, pool_stages={config.pool_stages}, win_schedule="
+            f"{config.win_schedule!r}: the window kernel needs ~{need} B of shared memory, "
+            f"over the {SMEM_LIMIT} B per block")
     o, lse = gluon_call(
-        q_p, kv_p, sink_p, bad.astype(jnp.int32).reshape(B * T),
-        kernel=csa_window_kernel,
+        q_p, kv_p, sink_p, bad.astype(jnp.int32).reshape(B * T), kernel=kernel,
         out_shape=[jax.ShapeDtypeStruct((B * T * Hp, Dp), q.dtype),
                    jax.ShapeDtypeStruct((B * T * Hp,), jnp.float32)],
-        grid=(B * G * nhb,), num_warps=CONSUMER_WARPS, name="csa_gluon_window",
-        **constexprs(T=T, N=N, NHB=nhb, D=Dp, window=config.window, G=G, ratio=ratio,
-                     pool_tile=config.pool_tile, pool_stages=config.pool_stages, scale=scale,
-                     producer_regs=config.win_producer_regs, p_smem=config.win_p_smem,
-                     ablate=config.win_ablate))
+        grid=(B * G * nhb,), num_warps=warps, name="csa_gluon_window", **consts)
     o = o.reshape(B, T, Hp, Dp)[:, :, :H, :D]
     lse = lse.reshape(B, T, Hp)[:, :, :H]
     return o, lse
