@@ -132,6 +132,10 @@ def gluon_nv_kernels(variants):
     yield ("csa_window[cr0,exchange]", True, None,
            _gluon(window_xchg.csa_window_xchg_kernel, window.arg_types(), consts,
                   window_xchg.NUM_WARPS))
+    # the overlap variant (win_schedule="overlap", reported, not gating: it spills)
+    yield ("csa_window[cr0,overlap]", False, None,
+           _gluon(window_xchg.csa_window_xchg_kernel, window.arg_types(),
+                  {**consts, "OVERLAP": True, "CONSUMER_REGS": 224}, window_xchg.NUM_WARPS))
     yield ("ring_gather_probe", False, None,
            _gluon(ring_gather_kernel, ["*bf16", "*i32", "*bf16"],
                   dict(NT=4, BK=16, D=512, STAGES=2), 4))

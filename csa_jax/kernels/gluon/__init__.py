@@ -70,9 +70,10 @@ class Config:
         1 = the window kernel computes everything but stores no o / lse, 2 = its consumers only
         wait for and release the copies (the producer's pace).
     win_schedule: the cr0 window kernel: "lockstep" (window.py: 8 consumer warps in step) or
-        "exchange" (window_xchg.py: two consumer warpgroups, two max / P exchanges per token);
-        cr128 always runs the lockstep one; win_regs: the exchange kernel's consumer registers
-        (setmaxnreg).
+        "exchange" (window_xchg.py: two consumer warpgroups, two max / P exchanges per token) or
+        "overlap" (the same, with the next token's scores issued before this token's o stores;
+        it spills at the default win_regs); cr128 always runs the lockstep one; win_regs: the
+        exchange kernels' consumer registers (setmaxnreg).
     ablate: BENCHMARK ONLY, wrong results: 1 = no PV product, 2 = no QK^T product, 3 = neither,
         4 = no compute at all (the consumers only wait for and release the ring: the producer's
         pace). Used to place the time inside the kernel (docs/perf/gluon_h200.md).
@@ -271,9 +272,10 @@ def _check_layout_fields(c):
         raise ValueError(f"win_ablate={c.win_ablate!r} must be 0 (off), 1 or 2 (benchmark only)")
     if c.pool_tile not in (16, 32, 64):
         raise ValueError(f"pool_tile={c.pool_tile} must be 16, 32 or 64")
-    if c.win_schedule not in ("lockstep", "exchange"):
-        raise ValueError(f"win_schedule={c.win_schedule!r} must be 'lockstep' or 'exchange'")
-    if c.win_schedule == "exchange" and c.layout == "cr0" and (c.win_ablate or c.win_p_smem):
+    if c.win_schedule not in ("lockstep", "exchange", "overlap"):
+        raise ValueError(f"win_schedule={c.win_schedule!r} must be 'lockstep', 'exchange' or "
+                         f"'overlap'")
+    if c.win_schedule != "lockstep" and c.layout == "cr0" and (c.win_ablate or c.win_p_smem):
         raise ValueError("win_ablate / win_p_smem apply to win_schedule='lockstep' only")
     r = c.win_regs
     if isinstance(r, bool) or not isinstance(r, int) or r % 8 or not 128 <= r <= 240:

@@ -393,12 +393,13 @@ def forward(q, kv, sink, bad, *, scale, config):
     nhb = Hp // HB
     G = programs(B, T, nhb, config.win_programs)
     ratio = config.pool_ratio if config.layout == "cr128" else 0
-    if config.win_schedule == "exchange" and not ratio:
+    if config.win_schedule in ("exchange", "overlap") and not ratio:
         from csa_jax.kernels.gluon import window_xchg as wx
         need = wx.shared_bytes(Dp, config.window)
         kernel, warps = wx.csa_window_xchg_kernel, wx.NUM_WARPS
         consts = wx.constexprs(T=T, N=N, NHB=nhb, D=Dp, window=config.window, G=G,
-                               scale=scale, consumer_regs=config.win_regs)
+                               scale=scale, consumer_regs=config.win_regs,
+                               overlap=config.win_schedule == "overlap")
     else:
         p_mode = p_smem_mode(Dp, config.window, ratio, config.pool_tile, config.win_p_smem)
         need = shared_bytes(Dp, config.window, ratio, config.pool_tile, config.pool_stages,

@@ -34,7 +34,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from csa_jax.kernels.gluon.fwd import NEG, PRODUCER_WARPS, _finish
 from csa_jax.kernels.gluon.fwd_alt import _opaque, _release
-from csa_jax.kernels.gluon.window import BT, HBC, _producer
+from csa_jax.kernels.gluon.window import BLOCK_T, BT, HBC, _producer
 
 WG_WARPS = gl.constexpr(4)
 NUM_WARPS = 4                # the default partition (the producer); 12 warps in all
@@ -61,116 +61,202 @@ def _rowsum(p_smem, layout: gl.constexpr, srow: gl.constexpr):
     return gl.convert_layout(gl.sum(p_smem.load(layout).to(gl.float32), axis=1), srow)
 
 
+@gluon.constexpr_function
+def _s_layout(W):
+    """Scores of a W/2-row span tile (one warpgroup, heads as M = 64)."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                     instr_shape=[16, W // 2, 16])
+
+
+@gluon.constexpr_function
+def _c_layout():
+    """Scores of the span's 16-row tail."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                     instr_shape=[16, BLOCK_T, 16])
+
+
+@gluon.constexpr_function
+def _o_layout(D):
+    """A warpgroup's [64, D/2] f32 accumulator."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                     instr_shape=[16, D // 2, 16])
+
+
 @gluon.jit
-def _xconsumer(sink_ptr, bad_ptr, o_ptr, lse_ptr, q_smem, win_a, win_b, p_a, p_b, p_c, mx,
-               q_ready, q_free, span_ready, span_free, ex_m, ex_p, b, hb, g, nblk,
-               T: gl.constexpr, NHB: gl.constexpr, D: gl.constexpr, W: gl.constexpr,
-               G: gl.constexpr, QK_SCALE: gl.constexpr, WG: gl.constexpr):
-    DH: gl.constexpr = D // 2
+def _issue(bufs, q_ready, it, W: gl.constexpr, D: gl.constexpr, WG: gl.constexpr):
+    """Wait for token `it`'s q and issue this warpgroup's score products (async): warpgroup 0
+    the span rows t0 - W .. t0 - W/2 - 1, warpgroup 1 rows t0 - W/2 .. t0 - 1 and the tail
+    t0 .. t0 + 15. The buffers are indexed with an opaque 0 so that their wgmma descriptors
+    are rebuilt per token instead of hoisted out of the loops (and spilled: fwd_alt.py)."""
+    q_smem, win_a, win_b = bufs[0], bufs[1], bufs[2]
+    s_layout: gl.constexpr = _s_layout(W)
+    c_layout: gl.constexpr = _c_layout()
+    o_layout: gl.constexpr = _o_layout(D)
     HALF: gl.constexpr = W // 2
-    OTHER: gl.constexpr = 1 - WG
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 16])
-    c_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BT, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DH, 16])
+    mbarrier.wait(q_ready, it & 1)
+    fence_async_shared()
+    z = _opaque(it * 0)
+    q = q_smem.index(z)
+    if WG == 0:
+        s = (_qk(q, win_a.index(z).slice(0, HALF), s_layout),)
+    else:
+        s = (_qk(q, win_a.index(z).slice(HALF, HALF), s_layout),
+             _qk(q, win_b.index(z), c_layout))
+    return s
+
+
+@gluon.jit
+def _token(s, t0, t, it, bufs, bars, W: gl.constexpr, D: gl.constexpr,
+           QK_SCALE: gl.constexpr, WG: gl.constexpr):
+    """The token's softmax and PV from its score products `s` (in flight): (acc, m, l) of this
+    warpgroup's D/2 output columns, the token's row max and sum (exp2 domain)."""
+    q_smem, win_a, win_b, p_a, p_b, p_c, mx = bufs
+    q_ready, q_free, span_ready, span_free, ex_m, ex_p = bars
+    s_layout: gl.constexpr = _s_layout(W)
+    c_layout: gl.constexpr = _c_layout()
+    o_layout: gl.constexpr = _o_layout(D)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     srow: gl.constexpr = gl.SliceLayout(1, s_layout)
     crow: gl.constexpr = gl.SliceLayout(1, c_layout)
-    orow: gl.constexpr = gl.SliceLayout(1, o_layout)
-    hrows = gl.arange(0, HBC, layout=srow)
-    orows = gl.arange(0, HBC, layout=orow)
+    DH: gl.constexpr = D // 2
+    HALF: gl.constexpr = W // 2
+    OTHER: gl.constexpr = 1 - WG
+    dtype: gl.constexpr = p_a.dtype
+    ph = it & 1
+    lo = gl.maximum(t - W + 1, 0)                  # rows < 0 are zero-filled
+    if WG == 0:
+        sa = warpgroup_mma_wait(0, deps=[s[0]])
+        _release(q_free)                           # q may be refilled once both are
+        sa = _mask(sa, t0 - W, lo, t, QK_SCALE)
+        m_own = gl.max(sa, axis=1)
+    else:
+        sb, sc = warpgroup_mma_wait(0, deps=[s[0], s[1]])
+        _release(q_free)
+        sb = _mask(sb, t0 - HALF, lo, t, QK_SCALE)
+        sc = _mask(sc, t0, lo, t, QK_SCALE)
+        m_own = gl.maximum(gl.max(sb, axis=1), gl.convert_layout(gl.max(sc, axis=1), srow))
+    # exchange 1: the row max
+    mx.slice(WG * HBC, HBC).store(m_own)
+    _release(ex_m.index(WG))
+    mbarrier.wait(ex_m.index(OTHER), ph)
+    m = gl.maximum(gl.maximum(m_own, mx.slice(OTHER * HBC, HBC).load(srow)), NEG)
+    # P of this warpgroup's columns, to shared memory for the other
+    if WG == 0:
+        pa = gl.exp2(sa - m[:, None]).to(dtype)
+        l_own = gl.sum(pa.to(gl.float32), axis=1)
+        p_a.store(pa)
+    else:
+        pb = gl.exp2(sb - m[:, None]).to(dtype)
+        pc = gl.exp2(sc - gl.convert_layout(m, crow)[:, None]).to(dtype)
+        l_own = gl.sum(pb.to(gl.float32), axis=1) + gl.convert_layout(
+            gl.sum(pc.to(gl.float32), axis=1), srow)
+        p_b.store(pb)
+        p_c.store(pc)
+    fence_async_shared()          # P is read by the other warpgroup's wgmma
+    _release(ex_p.index(WG))
+    mbarrier.wait(ex_p.index(OTHER), ph)
+    # exchange 2 done. PV on this warpgroup's D/2 columns: own P from registers, the other's
+    # from shared memory
+    z = _opaque(it * 0)
+    va = win_a.index(z).slice(0, HALF).slice(WG * DH, DH, dim=1)
+    vb = win_a.index(z).slice(HALF, HALF).slice(WG * DH, DH, dim=1)
+    vc = win_b.index(z).slice(WG * DH, DH, dim=1)
+    acc = gl.zeros([HBC, DH], gl.float32, o_layout)
+    if WG == 0:
+        acc = warpgroup_mma(gl.convert_layout(pa, a_layout), va, acc, use_acc=False,
+                            is_async=True)
+        acc = warpgroup_mma(p_b, vb, acc, is_async=True)
+        acc = warpgroup_mma(p_c, vc, acc, is_async=True)
+        l_oth = _rowsum(p_b, s_layout, srow) + _rowsum(p_c, c_layout, srow)
+    else:
+        acc = warpgroup_mma(p_a, va, acc, use_acc=False, is_async=True)
+        acc = warpgroup_mma(gl.convert_layout(pb, a_layout), vb, acc, is_async=True)
+        acc = warpgroup_mma(gl.convert_layout(pc, a_layout), vc, acc, is_async=True)
+        l_oth = _rowsum(p_a, s_layout, srow)
+    acc = warpgroup_mma_wait(0, deps=[acc])
+    return acc, m, l_own + l_oth
+
+
+@gluon.jit
+def _final(acc, m, l, broken, sink_ptrs, o_dtype: gl.constexpr, D: gl.constexpr):
+    """(o, lse) of one token: this warpgroup's bf16 [64, D/2] half of o; NaN if `broken`."""
+    orow: gl.constexpr = gl.SliceLayout(1, _o_layout(D))
+    lse, o_scale = _finish(m, l, sink_ptrs)
+    o_scale = gl.where(broken, float("nan"), o_scale)
+    o = (acc * gl.convert_layout(o_scale, orow)[:, None]).to(o_dtype)
+    return o, gl.where(broken, float("nan"), lse)
+
+
+@gluon.jit
+def _store(o, lse, row, o_ptr, lse_ptr, W: gl.constexpr, D: gl.constexpr, WG: gl.constexpr):
+    """This warpgroup's half of o (and, warpgroup 0, lse) of one token."""
+    o_layout: gl.constexpr = _o_layout(D)
+    DH: gl.constexpr = D // 2
+    if WG == 0:
+        hrows = gl.arange(0, HBC, layout=gl.SliceLayout(1, _s_layout(W)))
+        gl.store(lse_ptr + row * HBC + hrows, lse)
+    orows = gl.arange(0, HBC, layout=gl.SliceLayout(1, o_layout))
     ocols = WG * DH + gl.arange(0, DH, layout=gl.SliceLayout(0, o_layout))
-    sink_ptrs = sink_ptr + hb * HBC + hrows
-    dtype: gl.constexpr = win_a.dtype
-    for k in range(nblk):
-        t0 = (g + k * G) * BT
-        mbarrier.wait(span_ready, k & 1)
-        ntok = gl.minimum(T - t0, BT)
-        for i in range(ntok):
-            t = t0 + i
-            it = k * BT + i
-            ph = it & 1
-            # the promise check's verdict for this token (wrapper: NaN outputs if broken)
+    gl.store(o_ptr + (row * HBC + orows).to(gl.int64)[:, None] * D + ocols[None, :], o)
+
+
+@gluon.jit
+def _xconsumer(sink_ptr, bad_ptr, o_ptr, lse_ptr, bufs, bars, b, hb, g, nblk,
+               T: gl.constexpr, NHB: gl.constexpr, D: gl.constexpr, W: gl.constexpr,
+               G: gl.constexpr, QK_SCALE: gl.constexpr, OVERLAP: gl.constexpr,
+               WG: gl.constexpr):
+    q_ready, q_free, span_ready, span_free, ex_m, ex_p = bars
+    s_layout: gl.constexpr = _s_layout(W)
+    c_layout: gl.constexpr = _c_layout()
+    o_layout: gl.constexpr = _o_layout(D)
+    sink_ptrs = sink_ptr + hb * HBC + gl.arange(0, HBC, layout=gl.SliceLayout(1, s_layout))
+    if OVERLAP:
+        # one loop over the program's tokens; token it + 1's score products are issued before
+        # token it's epilogue (its o stores overlap them on the tensor cores)
+        ntok = (nblk - 1) * BT + gl.minimum(T - (g + (nblk - 1) * G) * BT, BT)
+        mbarrier.wait(span_ready, 0)
+        s = _issue(bufs, q_ready, 0, W, D, WG)
+        for it in range(ntok - 1):     # (no branch between an issue and its wait: ptxas
+            t0 = (g + (it // BT) * G) * BT    # would serialize every wgmma, C7512)
+            t = t0 + it % BT
             broken = gl.load(bad_ptr + b * T + t) != 0
-            lo = gl.maximum(t - W + 1, 0)                  # rows < 0 are zero-filled
-            mbarrier.wait(q_ready, ph)
-            fence_async_shared()
-            # the operands' buffers through an index LLVM cannot see through, so their wgmma
-            # descriptors are rebuilt per token instead of hoisted (and spilled: fwd_alt.py)
-            z = _opaque(it * 0)
-            q = q_smem.index(z)
-            tile_a = win_a.index(z).slice(0, HALF)     # span rows t0 - W .. t0 - W/2 - 1 (wg 0)
-            tile_b = win_a.index(z).slice(HALF, HALF)  # t0 - W/2 .. t0 - 1 (wg 1)
-            tile_c = win_b.index(z)                    # t0 .. t0 + 15 (wg 1)
-            if WG == 0:
-                sa = _qk(q, tile_a, s_layout)
-                sa = warpgroup_mma_wait(0, deps=[sa])
-                _release(q_free)                           # q may be refilled once both are
-                sa = _mask(sa, t0 - W, lo, t, QK_SCALE)
-                m_own = gl.max(sa, axis=1)
-            else:
-                sb = _qk(q, tile_b, s_layout)
-                sc = _qk(q, tile_c, c_layout)
-                sb, sc = warpgroup_mma_wait(0, deps=[sb, sc])
-                _release(q_free)
-                sb = _mask(sb, t0 - HALF, lo, t, QK_SCALE)
-                sc = _mask(sc, t0, lo, t, QK_SCALE)
-                m_own = gl.maximum(gl.max(sb, axis=1),
-                                   gl.convert_layout(gl.max(sc, axis=1), srow))
-            # exchange 1: the row max
-            mx.slice(WG * HBC, HBC).store(m_own)
-            _release(ex_m.index(WG))
-            mbarrier.wait(ex_m.index(OTHER), ph)
-            m = gl.maximum(gl.maximum(m_own, mx.slice(OTHER * HBC, HBC).load(srow)), NEG)
-            # P of this warpgroup's columns, to shared memory for the other
-            if WG == 0:
-                pa = gl.exp2(sa - m[:, None]).to(dtype)
-                l_own = gl.sum(pa.to(gl.float32), axis=1)
-                p_a.store(pa)
-            else:
-                pb = gl.exp2(sb - m[:, None]).to(dtype)
-                pc = gl.exp2(sc - gl.convert_layout(m, crow)[:, None]).to(dtype)
-                l_own = gl.sum(pb.to(gl.float32), axis=1) + gl.convert_layout(
-                    gl.sum(pc.to(gl.float32), axis=1), srow)
-                p_b.store(pb)
-                p_c.store(pc)
-            fence_async_shared()          # P is read by the other warpgroup's wgmma
-            _release(ex_p.index(WG))
-            mbarrier.wait(ex_p.index(OTHER), ph)
-            # PV on this warpgroup's D/2 columns: own P from registers, the other's from smem
-            acc = gl.zeros([HBC, DH], gl.float32, o_layout)
-            va = tile_a.slice(WG * DH, DH, dim=1)
-            vb = tile_b.slice(WG * DH, DH, dim=1)
-            vc = tile_c.slice(WG * DH, DH, dim=1)
-            if WG == 0:
-                acc = warpgroup_mma(gl.convert_layout(pa, a_layout), va, acc, use_acc=False,
-                                    is_async=True)
-                acc = warpgroup_mma(p_b, vb, acc, is_async=True)
-                acc = warpgroup_mma(p_c, vc, acc, is_async=True)
-                l_oth = _rowsum(p_b, s_layout, srow) + _rowsum(p_c, c_layout, srow)
-            else:
-                acc = warpgroup_mma(p_a, va, acc, use_acc=False, is_async=True)
-                acc = warpgroup_mma(gl.convert_layout(pb, a_layout), vb, acc, is_async=True)
-                acc = warpgroup_mma(gl.convert_layout(pc, a_layout), vc, acc, is_async=True)
-                l_oth = _rowsum(p_a, s_layout, srow)
-            acc = warpgroup_mma_wait(0, deps=[acc])
-            lse, o_scale = _finish(m, l_own + l_oth, sink_ptrs)
-            o_scale = gl.where(broken, float("nan"), o_scale)
-            o = (acc * gl.convert_layout(o_scale, orow)[:, None]).to(o_ptr.dtype.element_ty)
-            row = (b * T + t) * NHB + hb
-            if WG == 0:
-                gl.store(lse_ptr + row * HBC + hrows, gl.where(broken, float("nan"), lse))
-            gl.store(o_ptr + (row * HBC + orows).to(gl.int64)[:, None] * D + ocols[None, :], o)
-        _release(span_free)                                # past the block's reads of the span
+            acc, m, l = _token(s, t0, t, it, bufs, bars, W, D, QK_SCALE, WG)
+            o, lse = _final(acc, m, l, broken, sink_ptrs, o_ptr.dtype.element_ty, D)
+            nxt = it + 1
+            if nxt % BT == 0:                      # the next block: its span first
+                _release(span_free)
+                mbarrier.wait(span_ready, (nxt // BT) & 1)
+            s = _issue(bufs, q_ready, nxt, W, D, WG)
+            _store(o, lse, (b * T + t) * NHB + hb, o_ptr, lse_ptr, W, D, WG)
+        it = ntok - 1                              # the last token: nothing to issue after it
+        t0 = (g + (it // BT) * G) * BT
+        t = t0 + it % BT
+        broken = gl.load(bad_ptr + b * T + t) != 0
+        acc, m, l = _token(s, t0, t, it, bufs, bars, W, D, QK_SCALE, WG)
+        o, lse = _final(acc, m, l, broken, sink_ptrs, o_ptr.dtype.element_ty, D)
+        _store(o, lse, (b * T + t) * NHB + hb, o_ptr, lse_ptr, W, D, WG)
+    else:
+        for k in range(nblk):
+            t0 = (g + k * G) * BT
+            mbarrier.wait(span_ready, k & 1)
+            for i in range(gl.minimum(T - t0, BT)):
+                t = t0 + i
+                it = k * BT + i
+                # the promise check's verdict for this token (wrapper: NaN outputs if broken)
+                broken = gl.load(bad_ptr + b * T + t) != 0
+                s = _issue(bufs, q_ready, it, W, D, WG)
+                acc, m, l = _token(s, t0, t, it, bufs, bars, W, D, QK_SCALE, WG)
+                o, lse = _final(acc, m, l, broken, sink_ptrs, o_ptr.dtype.element_ty, D)
+                _store(o, lse, (b * T + t) * NHB + hb, o_ptr, lse_ptr, W, D, WG)
+            _release(span_free)                    # past the block's reads of the span
 
 
 @gluon.jit
 def csa_window_xchg_kernel(q_ptr, kv_ptr, sink_ptr, bad_ptr, o_ptr, lse_ptr,
                            T: gl.constexpr, N: gl.constexpr, NHB: gl.constexpr,
                            D: gl.constexpr, W: gl.constexpr, G: gl.constexpr,
-                           QK_SCALE: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+                           QK_SCALE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                           OVERLAP: gl.constexpr):
     pid = gl.program_id(0)
     hb = pid % NHB
     g = (pid // NHB) % G
@@ -206,16 +292,17 @@ def csa_window_xchg_kernel(q_ptr, kv_ptr, sink_ptr, bad_ptr, o_ptr, lse_ptr,
     for w in gl.static_range(2):
         mbarrier.init(ex_m.index(w), count=1)
         mbarrier.init(ex_p.index(w), count=1)
+    bufs = (q_smem, win_a, win_b, p_a, p_b, p_c, mx)
+    bars = (q_ready, q_free, span_ready, span_free, ex_m, ex_p)
     # window._producer with RATIO = 0 (its pool arguments are not used: placeholders)
     gl.warp_specialize([
-        (_producer, (q_ptr, kv_ptr, q_smem.index(0), win_a.index(0), win_b.index(0), p_c, q_ready, q_free, span_ready,
-                     span_free, ex_m, ex_p, b, hb, g, nblk, T, N, NHB, D, W, G, 0, BT, 1)),
-        (_xconsumer, (sink_ptr, bad_ptr, o_ptr, lse_ptr, q_smem, win_a, win_b, p_a, p_b, p_c,
-                      mx, q_ready, q_free, span_ready, span_free, ex_m, ex_p, b, hb, g, nblk,
-                      T, NHB, D, W, G, QK_SCALE, 0)),
-        (_xconsumer, (sink_ptr, bad_ptr, o_ptr, lse_ptr, q_smem, win_a, win_b, p_a, p_b, p_c,
-                      mx, q_ready, q_free, span_ready, span_free, ex_m, ex_p, b, hb, g, nblk,
-                      T, NHB, D, W, G, QK_SCALE, 1)),
+        (_producer, (q_ptr, kv_ptr, q_smem.index(0), win_a.index(0), win_b.index(0), p_c,
+                     q_ready, q_free, span_ready, span_free, ex_m, ex_p, b, hb, g, nblk, T, N,
+                     NHB, D, W, G, 0, BT, 1)),
+        (_xconsumer, (sink_ptr, bad_ptr, o_ptr, lse_ptr, bufs, bars, b, hb, g, nblk, T, NHB, D,
+                      W, G, QK_SCALE, OVERLAP, 0)),
+        (_xconsumer, (sink_ptr, bad_ptr, o_ptr, lse_ptr, bufs, bars, b, hb, g, nblk, T, NHB, D,
+                      W, G, QK_SCALE, OVERLAP, 1)),
     ], [WG_WARPS, WG_WARPS], [CONSUMER_REGS, CONSUMER_REGS])
 
 
@@ -230,7 +317,7 @@ def shared_bytes(D, window, itemsize=2):
             + 320)
 
 
-def constexprs(*, T, N, NHB, D, window, G, scale, consumer_regs=216):
+def constexprs(*, T, N, NHB, D, window, G, scale, consumer_regs=216, overlap=False):
     from csa_jax.kernels.gluon.fwd import LOG2E
     return dict(T=T, N=N, NHB=NHB, D=D, W=window, G=G, QK_SCALE=float(scale) * LOG2E,
-                CONSUMER_REGS=int(consumer_regs))
+                CONSUMER_REGS=int(consumer_regs), OVERLAP=bool(overlap))
