@@ -26,9 +26,9 @@ from csa_jax.kernels.gluon import adapter
     (dict(win_producer_regs=44), "win_producer_regs=44"),
     (dict(win_p_smem=1), "win_p_smem=1"),
     (dict(win_ablate=3), "win_ablate=3"),
-    (dict(win_schedule="alternate"), "win_schedule='alternate'"),
+    (dict(win_schedule="alternate"), "win_schedule='alternate' must be one of"),
     (dict(win_regs=220), "win_regs=220"),
-    (dict(layout="cr0", win_schedule="exchange", win_p_smem=True), "lockstep' only"),
+    (dict(layout="cr0", win_schedule="exchange", win_p_smem=True), "lockstep window kernel"),
 ])
 def test_config_rejects_bad_promise(kw, match):
     with pytest.raises(ValueError, match=match):
@@ -183,6 +183,30 @@ def test_window_exchange_kernel_compiles_without_spills(T, NHB, window, G):
     for n in (window // 2, 16, 256):
         assert f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16" in ptx, n
     assert "cp.async.cg.shared.global" in ptx and "cp.async.mbarrier.arrive.noinc" in ptx
+
+
+@pytest.mark.parametrize("layout, sched, want", [
+    ("cr0", "auto", "lockstep"), ("cr128", "auto", "gather"), ("generic", "exchange", "generic"),
+    ("cr4", "auto", "generic"), ("cr0", "exchange", "exchange"), ("cr0", "overlap", "overlap"),
+    ("cr128", "exchange", "lockstep"), ("cr128", "gather", "gather"), ("cr0", "gather", "gather"),
+])
+def test_window_schedule_resolution(layout, sched, want):
+    assert impl.Config(layout=layout, win_schedule=sched).window_schedule() == want
+
+
+def test_gather_schedule_ignores_the_promise(monkeypatch):
+    """win_schedule="gather" under a cr0 promise runs the gather kernel on idx as given (no
+    promise check: a broken list is still computed exactly)."""
+    from csa_jax.kernels.gluon import fwd
+    monkeypatch.setattr(impl, "_check", lambda *a: None)
+    monkeypatch.setattr(impl, "_amd", lambda: None)
+    seen = []
+    monkeypatch.setattr(fwd, "forward", lambda *a, **k: seen.append(k["config"]) or "gather")
+    idx = np.full((1, 4, 128), -1, np.int32)          # breaks the cr0 promise everywhere
+    cfg = impl.Config(layout="cr0", win_schedule="gather")
+    assert impl.forward(None, jnp.zeros((1, 4, 8)), idx, None, scale=1.0, interpret=False,
+                        config=cfg) == "gather"
+    assert seen == [cfg]
 
 
 def test_window_schedule_selects_the_kernel(monkeypatch):

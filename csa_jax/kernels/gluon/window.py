@@ -393,13 +393,17 @@ def forward(q, kv, sink, bad, *, scale, config):
     nhb = Hp // HB
     G = programs(B, T, nhb, config.win_programs)
     ratio = config.pool_ratio if config.layout == "cr128" else 0
-    if config.win_schedule in ("exchange", "overlap") and not ratio:
+    sched = config.window_schedule()
+    if sched not in ("lockstep", "exchange", "overlap"):
+        raise ValueError(f"window.forward: layout={config.layout!r} runs {sched!r}, not a "
+                         f"window kernel")
+    if sched in ("exchange", "overlap"):
         from csa_jax.kernels.gluon import window_xchg as wx
         need = wx.shared_bytes(Dp, config.window)
         kernel, warps = wx.csa_window_xchg_kernel, wx.NUM_WARPS
         consts = wx.constexprs(T=T, N=N, NHB=nhb, D=Dp, window=config.window, G=G,
                                scale=scale, consumer_regs=config.win_regs,
-                               overlap=config.win_schedule == "overlap")
+                               overlap=sched == "overlap")
     else:
         p_mode = p_smem_mode(Dp, config.window, ratio, config.pool_tile, config.win_p_smem)
         need = shared_bytes(Dp, config.window, ratio, config.pool_tile, config.pool_stages,
@@ -412,8 +416,8 @@ def forward(q, kv, sink, bad, *, scale, config):
     if need > SMEM_LIMIT:
         raise NotImplementedError(
             f"layout={config.layout!r}, window={config.window}, D={D}, pool_tile="
-            f"{config.pool_tile}, pool_stages={config.pool_stages}, win_schedule="
-            f"{config.win_schedule!r}: the window kernel needs ~{need} B of shared memory, "
+            f"{config.pool_tile}, pool_stages={config.pool_stages}, schedule="
+            f"{sched!r}: the window kernel needs ~{need} B of shared memory, "
             f"over the {SMEM_LIMIT} B per block")
     o, lse = gluon_call(
         q_p, kv_p, sink_p, bad.astype(jnp.int32).reshape(B * T), kernel=kernel,
