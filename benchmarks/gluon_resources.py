@@ -132,7 +132,7 @@ def gluon_nv_kernels(variants):
     yield ("csa_window[cr0,exchange]", True, None,
            _gluon(window_xchg.csa_window_xchg_kernel, window.arg_types(), consts,
                   window_xchg.NUM_WARPS))
-    # the overlap variant (win_schedule="overlap", reported, not gating: it spills)
+    # the overlap variant (win_schedule="overlap", reported, not gating: 4 B spill)
     yield ("csa_window[cr0,overlap]", False, None,
            _gluon(window_xchg.csa_window_xchg_kernel, window.arg_types(),
                   {**consts, "OVERLAP": True, "CONSUMER_REGS": 224}, window_xchg.NUM_WARPS))

@@ -71,7 +71,7 @@ class Config:
     win_schedule: which kernel a cr0 / cr128 promise runs (Config.window_schedule):
         "lockstep" (window.py: 8 consumer warps in step), "exchange" (cr0: window_xchg.py, two
         consumer warpgroups, two max / P exchanges per token), "overlap" (cr0: the same, the
-        next token's scores issued before this token's o stores; it spills), "gather" (the
+        next token's scores issued before this token's o stores; win_regs=224), "gather" (the
         gather kernel, as without a promise) or "auto" (default: cr0 lockstep, cr128 gather,
         the faster of the measured ones, docs/perf/gluon_window_h200.md); exchange / overlap
         at cr128 run the lockstep kernel (no cr128 exchange kernel). win_regs: the exchange

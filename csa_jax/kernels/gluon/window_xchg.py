@@ -178,12 +178,19 @@ def _token(s, t0, t, it, bufs, bars, W: gl.constexpr, D: gl.constexpr,
 
 
 @gluon.jit
-def _final(acc, m, l, broken, sink_ptrs, o_dtype: gl.constexpr, D: gl.constexpr):
+def _final(acc, m, l, broken, sink_ptrs, o_dtype: gl.constexpr, D: gl.constexpr,
+           PIN: gl.constexpr):
     """(o, lse) of one token: this warpgroup's bf16 [64, D/2] half of o; NaN if `broken`."""
     orow: gl.constexpr = gl.SliceLayout(1, _o_layout(D))
     lse, o_scale = _finish(m, l, sink_ptrs)
     o_scale = gl.where(broken, float("nan"), o_scale)
     o = (acc * gl.convert_layout(o_scale, orow)[:, None]).to(o_dtype)
+    if PIN:
+        # through an opaque move: o (64 registers) is materialised here, so acc (128) is
+        # dead before the next token's score products are issued (else LLVM sinks the
+        # conversion past them and ptxas spills)
+        o = gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [o], dtype=o.dtype,
+                                      is_pure=False, pack=2)
     return o, gl.where(broken, float("nan"), lse)
 
 
@@ -221,7 +228,7 @@ def _xconsumer(sink_ptr, bad_ptr, o_ptr, lse_ptr, bufs, bars, b, hb, g, nblk,
             t = t0 + it % BT
             broken = gl.load(bad_ptr + b * T + t) != 0
             acc, m, l = _token(s, t0, t, it, bufs, bars, W, D, QK_SCALE, WG)
-            o, lse = _final(acc, m, l, broken, sink_ptrs, o_ptr.dtype.element_ty, D)
+            o, lse = _final(acc, m, l, broken, sink_ptrs, o_ptr.dtype.element_ty, D, True)
             nxt = it + 1
             if nxt % BT == 0:                      # the next block: its span first
                 _release(span_free)
@@ -233,7 +240,7 @@ def _xconsumer(sink_ptr, bad_ptr, o_ptr, lse_ptr, bufs, bars, b, hb, g, nblk,
         t = t0 + it % BT
         broken = gl.load(bad_ptr + b * T + t) != 0
         acc, m, l = _token(s, t0, t, it, bufs, bars, W, D, QK_SCALE, WG)
-        o, lse = _final(acc, m, l, broken, sink_ptrs, o_ptr.dtype.element_ty, D)
+        o, lse = _final(acc, m, l, broken, sink_ptrs, o_ptr.dtype.element_ty, D, False)
         _store(o, lse, (b * T + t) * NHB + hb, o_ptr, lse_ptr, W, D, WG)
     else:
         for k in range(nblk):
@@ -246,7 +253,7 @@ def _xconsumer(sink_ptr, bad_ptr, o_ptr, lse_ptr, bufs, bars, b, hb, g, nblk,
                 broken = gl.load(bad_ptr + b * T + t) != 0
                 s = _issue(bufs, q_ready, it, W, D, WG)
                 acc, m, l = _token(s, t0, t, it, bufs, bars, W, D, QK_SCALE, WG)
-                o, lse = _final(acc, m, l, broken, sink_ptrs, o_ptr.dtype.element_ty, D)
+                o, lse = _final(acc, m, l, broken, sink_ptrs, o_ptr.dtype.element_ty, D, False)
                 _store(o, lse, (b * T + t) * NHB + hb, o_ptr, lse_ptr, W, D, WG)
             _release(span_free)                    # past the block's reads of the span
 
