@@ -11,7 +11,9 @@ schedule (Config.win_schedule; "gather" = the default gather kernel, layout gene
           only (not for "gather");
   check   jit(layouts.violations) alone (once per shape);
 each as the median of per-call synchronised runs (`ms`) and as the mean of `reps` back-to-back
-calls with one sync (`ms_pipelined`: host dispatch overlapped, closest to the kernel's own time).
+calls with one sync (`ms_pipelined`: host dispatch overlapped, closest to the kernel's own time),
+and o / lse of each schedule against the first one's on the same inputs (max-abs error over
+max-abs; the first is "gather" by default, the gather kernel checked against xla elsewhere).
 """
 from __future__ import annotations
 
@@ -24,6 +26,11 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.common import make_problem, time_fn
+
+
+def rel_err(x, ref):
+    x, ref = x.astype(jnp.float32), ref.astype(jnp.float32)
+    return float(jnp.max(jnp.abs(x - ref)) / jnp.max(jnp.abs(ref)))
 
 
 def pipelined(fn, args, reps):
@@ -56,6 +63,7 @@ def main(argv=None):
         rows.append(row)
         print(json.dumps(row), flush=True)
         base = impl.default_config(q.shape, kv.shape, idx.shape, q.dtype)
+        ref = None
         for sched in args.schedules.split(","):
             over = dict(layout="generic") if sched == "gather" else dict(
                 layout=layout, win_schedule=sched, **({"win_regs": 224} if sched == "overlap"
@@ -65,8 +73,15 @@ def main(argv=None):
             try:
                 f = jax.jit(lambda q, kv, i, s, c=c: impl.forward(
                     q, kv, i, s, scale=scale, interpret=False, config=c))
-                row.update(traced_ms=time_fn(f, (q, kv, idx, sink), args.reps, 2.0)[0],
+                ms, _, _, (o, lse) = time_fn(f, (q, kv, idx, sink), args.reps, 2.0)
+                row.update(traced_ms=ms,
                            traced_ms_pipelined=pipelined(f, (q, kv, idx, sink), args.reps))
+                if ref is None:
+                    ref = (o, lse)
+                else:       # the same inputs: each schedule against the first one
+                    row.update(err_o_vs_first=rel_err(o, ref[0]),
+                               err_lse_vs_first=rel_err(lse, ref[1]),
+                               nan=bool(jnp.isnan(o).any() | jnp.isnan(lse).any()))
                 if sched != "gather":
                     bad = jnp.zeros(idx.shape[:2], jnp.int32)
                     k = jax.jit(lambda q, kv, s, bd, c=c: window.forward(
