@@ -267,18 +267,23 @@ def _consumer(sink_ptr, bad_ptr, o_ptr, lse_ptr, q_smem, win_a, win_b, pool, q_r
 
 
 @gluon.jit
+def _program_blocks(T: gl.constexpr, NHB: gl.constexpr, G: gl.constexpr):
+    """(head block, g, sequence, number of blocks) of this program: program = (b, g, head
+    block), head block fastest; it owns the 16-token blocks g, g + G, ... below T / 16."""
+    pid = gl.program_id(0)
+    NBLK: gl.constexpr = (T + BT - 1) // BT
+    g = (pid // NHB) % G
+    return pid % NHB, g, pid // (NHB * G), gl.cdiv(NBLK - g, G)
+
+
+@gluon.jit
 def csa_window_kernel(q_ptr, kv_ptr, sink_ptr, bad_ptr, o_ptr, lse_ptr,
                       T: gl.constexpr, N: gl.constexpr, NHB: gl.constexpr, D: gl.constexpr,
                       W: gl.constexpr, G: gl.constexpr, RATIO: gl.constexpr, PT: gl.constexpr,
                       PSTAGES: gl.constexpr, QK_SCALE: gl.constexpr,
                       PRODUCER_REGS: gl.constexpr, P_SMEM: gl.constexpr,
                       ABLATE: gl.constexpr):
-    pid = gl.program_id(0)
-    hb = pid % NHB
-    g = (pid // NHB) % G
-    b = pid // (NHB * G)
-    NBLK: gl.constexpr = (T + BT - 1) // BT
-    nblk = gl.cdiv(NBLK - g, G)                       # blocks g, g + G, ... below NBLK
+    hb, g, b, nblk = _program_blocks(T, NHB, G)
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     q_smem = gl.allocate_shared_memory(
         dtype, [HBC, D], gl.NVMMASharedLayout.get_default_for([HBC, D], dtype))

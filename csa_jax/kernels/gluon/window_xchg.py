@@ -34,7 +34,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from csa_jax.kernels.gluon.fwd import NEG, PRODUCER_WARPS, _finish
 from csa_jax.kernels.gluon.fwd_alt import _opaque, _release
-from csa_jax.kernels.gluon.window import BLOCK_T, BT, HBC, _producer
+from csa_jax.kernels.gluon.window import BLOCK_T, BT, HBC, _producer, _program_blocks
 
 WG_WARPS = gl.constexpr(4)
 NUM_WARPS = 4                # the default partition (the producer); 12 warps in all
@@ -264,12 +264,7 @@ def csa_window_xchg_kernel(q_ptr, kv_ptr, sink_ptr, bad_ptr, o_ptr, lse_ptr,
                            D: gl.constexpr, W: gl.constexpr, G: gl.constexpr,
                            QK_SCALE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                            OVERLAP: gl.constexpr):
-    pid = gl.program_id(0)
-    hb = pid % NHB
-    g = (pid // NHB) % G
-    b = pid // (NHB * G)
-    NBLK: gl.constexpr = (T + BT - 1) // BT
-    nblk = gl.cdiv(NBLK - g, G)                       # blocks g, g + G, ... below NBLK
+    hb, g, b, nblk = _program_blocks(T, NHB, G)
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     HALF: gl.constexpr = W // 2
     # [1, ...]: the consumers index them with an opaque 0 (_xconsumer)
