@@ -4,7 +4,8 @@
         [--reps 20] [--out times.json]
 
 For each shape (family:ratio:T, the V4 inputs of benchmarks/bench_csa.py) and each window
-schedule (Config.win_schedule; "gather" = the default gather kernel, layout generic) it times
+schedule (Config.win_schedule; "gather" = the default gather kernel, layout generic; "+key=val"
+appends Config overrides, e.g. "exchange+win_ablate=1") it times
   traced  jit(impl.forward) with idx traced: what bench_csa.py times (the promise check
           csa_jax/layouts.violations in XLA + the kernel);
   kernel  jit(window.forward) with a precomputed all-false `bad`: the kernel and its padding
@@ -25,7 +26,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from benchmarks.common import make_problem, time_fn
+from benchmarks.common import make_problem, parse_overrides, time_fn
 
 
 def rel_err(x, ref):
@@ -64,12 +65,14 @@ def main(argv=None):
         print(json.dumps(row), flush=True)
         base = impl.default_config(q.shape, kv.shape, idx.shape, q.dtype)
         ref = None
-        for sched in args.schedules.split(","):
+        for name in args.schedules.split(","):
+            sched, *extra = name.split("+")        # e.g. exchange+win_ablate=1
             over = dict(layout="generic") if sched == "gather" else dict(
                 layout=layout, win_schedule=sched, **({"win_regs": 224} if sched == "overlap"
                                                       else {}))
+            over.update(parse_overrides(",".join(extra)))
             c = dataclasses.replace(base, **over)
-            row = dict(shape=spec, schedule=sched)
+            row = dict(shape=spec, schedule=name)
             try:
                 f = jax.jit(lambda q, kv, i, s, c=c: impl.forward(
                     q, kv, i, s, scale=scale, interpret=False, config=c))
@@ -78,6 +81,8 @@ def main(argv=None):
                            traced_ms_pipelined=pipelined(f, (q, kv, idx, sink), args.reps))
                 if ref is None:
                     ref = (o, lse)
+                elif c.win_ablate:
+                    pass            # wrong results by design
                 else:       # the same inputs: each schedule against the first one
                     row.update(err_o_vs_first=rel_err(o, ref[0]),
                                err_lse_vs_first=rel_err(lse, ref[1]),

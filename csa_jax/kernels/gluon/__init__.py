@@ -67,7 +67,8 @@ class Config:
         goes to the PV products through shared memory instead of registers (cr128 always uses
         the pool slot for it: window.p_smem_mode). win_ablate: BENCHMARK ONLY, wrong results:
         1 = the window kernel computes everything but stores no o / lse, 2 = its consumers only
-        wait for and release the copies (the producer's pace).
+        wait for and release the copies (the producer's pace); 3 (exchange only) = q copied
+        for each program's first token only (the kernel without q's loads).
     win_schedule: which kernel a cr0 / cr128 promise runs (Config.window_schedule):
         "lockstep" (window.py: 8 consumer warps in step), "exchange" (cr0: window_xchg.py, two
         consumer warpgroups, two max / P exchanges per token), "overlap" (cr0: the same, the
@@ -280,15 +281,21 @@ def _check_layout_fields(c):
                          f"takes window 64 or 128")
     if not isinstance(c.win_p_smem, bool):
         raise ValueError(f"win_p_smem={c.win_p_smem!r} must be a bool")
-    if isinstance(c.win_ablate, bool) or c.win_ablate not in (0, 1, 2):
-        raise ValueError(f"win_ablate={c.win_ablate!r} must be 0 (off), 1 or 2 (benchmark only)")
+    if isinstance(c.win_ablate, bool) or c.win_ablate not in (0, 1, 2, 3):
+        raise ValueError(f"win_ablate={c.win_ablate!r} must be 0 (off), 1, 2 or 3 (benchmark "
+                         f"only; 3: win_schedule='exchange' only)")
     if c.pool_tile not in (16, 32, 64):
         raise ValueError(f"pool_tile={c.pool_tile} must be 16, 32 or 64")
     if c.win_schedule not in WIN_SCHEDULES:
         raise ValueError(f"win_schedule={c.win_schedule!r} must be one of {WIN_SCHEDULES}")
-    if c.window_schedule() in ("exchange", "overlap") and (c.win_ablate or c.win_p_smem):
-        raise ValueError(f"win_ablate / win_p_smem apply to the lockstep window kernel only "
-                         f"(layout={c.layout!r} runs {c.window_schedule()!r})")
+    ws = c.window_schedule()
+    if ws in ("exchange", "overlap") and c.win_p_smem:
+        raise ValueError(f"win_p_smem applies to the lockstep window kernel only "
+                         f"(layout={c.layout!r} runs {ws!r})")
+    if c.win_ablate and ws not in ("generic", "gather") and not (
+            ws == "exchange" or (ws == "lockstep" and c.win_ablate < 3)):
+        raise ValueError(f"win_ablate={c.win_ablate} does not apply to {ws!r} (lockstep: 1, 2; "
+                         f"exchange: 1, 2, 3)")
     r = c.win_regs
     if isinstance(r, bool) or not isinstance(r, int) or r % 8 or not 128 <= r <= 240:
         raise ValueError(f"win_regs={r!r} must be a multiple of 8 in 128..240")

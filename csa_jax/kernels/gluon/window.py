@@ -61,7 +61,10 @@ def _copy_rows(dst, base, row0, NROWS: gl.constexpr, N, D: gl.constexpr, COLS: g
 def _producer(q_ptr, kv_ptr, q_smem, win_a, win_b, pool, q_ready, q_free, span_ready, span_free,
               pool_full, pool_free, b, hb, g, nblk, T: gl.constexpr, N: gl.constexpr,
               NHB: gl.constexpr, D: gl.constexpr, W: gl.constexpr, G: gl.constexpr,
-              RATIO: gl.constexpr, PT: gl.constexpr, PSTAGES: gl.constexpr):
+              RATIO: gl.constexpr, PT: gl.constexpr, PSTAGES: gl.constexpr,
+              Q_ONCE: gl.constexpr = False):
+    """Q_ONCE (benchmark only, wrong results): q is copied for the program's first token only,
+    every later token's q_ready arrives without a copy (the kernel without q's loads)."""
     kv_base = kv_ptr + b.to(gl.int64) * (N * D)
     pc = 0                                            # pool tiles issued so far
     for k in range(nblk):
@@ -71,7 +74,8 @@ def _producer(q_ptr, kv_ptr, q_smem, win_a, win_b, pool, q_ready, q_free, span_r
             qrow = ((b * T + t0 + i) * NHB + hb) * HBC
             if it > 0:
                 mbarrier.wait(q_free, (it - 1) & 1)
-            _copy_rows(q_smem, q_ptr, qrow, HBC, qrow + HBC, D, D)
+            if not Q_ONCE or it == 0:
+                _copy_rows(q_smem, q_ptr, qrow, HBC, qrow + HBC, D, D)
             async_copy.mbarrier_arrive(q_ready, increment_count=False)
             if i == 0:        # after the block's first q: that q waits only for a QK^T
                 if k > 0:
@@ -408,7 +412,7 @@ def forward(q, kv, sink, bad, *, scale, config):
         kernel, warps = wx.csa_window_xchg_kernel, wx.NUM_WARPS
         consts = wx.constexprs(T=T, N=N, NHB=nhb, D=Dp, window=config.window, G=G,
                                scale=scale, consumer_regs=config.win_regs,
-                               overlap=sched == "overlap")
+                               overlap=sched == "overlap", ablate=config.win_ablate)
     else:
         p_mode = p_smem_mode(Dp, config.window, ratio, config.pool_tile, config.win_p_smem)
         need = shared_bytes(Dp, config.window, ratio, config.pool_tile, config.pool_stages,

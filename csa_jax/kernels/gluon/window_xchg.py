@@ -195,8 +195,12 @@ def _final(acc, m, l, broken, sink_ptrs, o_dtype: gl.constexpr, D: gl.constexpr,
 
 
 @gluon.jit
-def _store(o, lse, row, o_ptr, lse_ptr, W: gl.constexpr, D: gl.constexpr, WG: gl.constexpr):
-    """This warpgroup's half of o (and, warpgroup 0, lse) of one token."""
+def _store(o, lse, row, o_ptr, lse_ptr, W: gl.constexpr, D: gl.constexpr, WG: gl.constexpr,
+           ABLATE: gl.constexpr = 0):
+    """This warpgroup's half of o (and, warpgroup 0, lse) of one token (ABLATE 1, benchmark
+    only: none)."""
+    if ABLATE == 1:
+        return
     o_layout: gl.constexpr = _o_layout(D)
     DH: gl.constexpr = D // 2
     if WG == 0:
@@ -211,7 +215,7 @@ def _store(o, lse, row, o_ptr, lse_ptr, W: gl.constexpr, D: gl.constexpr, WG: gl
 def _xconsumer(sink_ptr, bad_ptr, o_ptr, lse_ptr, bufs, bars, b, hb, g, nblk,
                T: gl.constexpr, NHB: gl.constexpr, D: gl.constexpr, W: gl.constexpr,
                G: gl.constexpr, QK_SCALE: gl.constexpr, OVERLAP: gl.constexpr,
-               WG: gl.constexpr):
+               ABLATE: gl.constexpr, WG: gl.constexpr):
     q_ready, q_free, span_ready, span_free, ex_m, ex_p = bars
     s_layout: gl.constexpr = _s_layout(W)
     c_layout: gl.constexpr = _c_layout()
@@ -249,12 +253,17 @@ def _xconsumer(sink_ptr, bad_ptr, o_ptr, lse_ptr, bufs, bars, b, hb, g, nblk,
             for i in range(gl.minimum(T - t0, BT)):
                 t = t0 + i
                 it = k * BT + i
-                # the promise check's verdict for this token (wrapper: NaN outputs if broken)
-                broken = gl.load(bad_ptr + b * T + t) != 0
-                s = _issue(bufs, q_ready, it, W, D, WG)
-                acc, m, l = _token(s, t0, t, it, bufs, bars, W, D, QK_SCALE, WG)
-                o, lse = _final(acc, m, l, broken, sink_ptrs, o_ptr.dtype.element_ty, D, False)
-                _store(o, lse, (b * T + t) * NHB + hb, o_ptr, lse_ptr, W, D, WG)
+                if ABLATE == 2:        # benchmark only: no compute, the copies' pace
+                    mbarrier.wait(q_ready, it & 1)
+                    _release(q_free)
+                else:
+                    # the promise check's verdict for this token (wrapper: NaN if broken)
+                    broken = gl.load(bad_ptr + b * T + t) != 0
+                    s = _issue(bufs, q_ready, it, W, D, WG)
+                    acc, m, l = _token(s, t0, t, it, bufs, bars, W, D, QK_SCALE, WG)
+                    o, lse = _final(acc, m, l, broken, sink_ptrs, o_ptr.dtype.element_ty, D,
+                                    False)
+                    _store(o, lse, (b * T + t) * NHB + hb, o_ptr, lse_ptr, W, D, WG, ABLATE)
             _release(span_free)                    # past the block's reads of the span
 
 
@@ -263,7 +272,7 @@ def csa_window_xchg_kernel(q_ptr, kv_ptr, sink_ptr, bad_ptr, o_ptr, lse_ptr,
                            T: gl.constexpr, N: gl.constexpr, NHB: gl.constexpr,
                            D: gl.constexpr, W: gl.constexpr, G: gl.constexpr,
                            QK_SCALE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                           OVERLAP: gl.constexpr):
+                           OVERLAP: gl.constexpr, ABLATE: gl.constexpr):
     hb, g, b, nblk = _program_blocks(T, NHB, G)
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     HALF: gl.constexpr = W // 2
@@ -300,11 +309,11 @@ def csa_window_xchg_kernel(q_ptr, kv_ptr, sink_ptr, bad_ptr, o_ptr, lse_ptr,
     gl.warp_specialize([
         (_producer, (q_ptr, kv_ptr, q_smem.index(0), win_a.index(0), win_b.index(0), p_c,
                      q_ready, q_free, span_ready, span_free, ex_m, ex_p, b, hb, g, nblk, T, N,
-                     NHB, D, W, G, 0, BT, 1)),
+                     NHB, D, W, G, 0, BT, 1, ABLATE == 3)),
         (_xconsumer, (sink_ptr, bad_ptr, o_ptr, lse_ptr, bufs, bars, b, hb, g, nblk, T, NHB, D,
-                      W, G, QK_SCALE, OVERLAP, 0)),
+                      W, G, QK_SCALE, OVERLAP, ABLATE, 0)),
         (_xconsumer, (sink_ptr, bad_ptr, o_ptr, lse_ptr, bufs, bars, b, hb, g, nblk, T, NHB, D,
-                      W, G, QK_SCALE, OVERLAP, 1)),
+                      W, G, QK_SCALE, OVERLAP, ABLATE, 1)),
     ], [WG_WARPS, WG_WARPS], [CONSUMER_REGS, CONSUMER_REGS])
 
 
@@ -319,7 +328,12 @@ def shared_bytes(D, window, itemsize=2):
             + 320)
 
 
-def constexprs(*, T, N, NHB, D, window, G, scale, consumer_regs=216, overlap=False):
+def constexprs(*, T, N, NHB, D, window, G, scale, consumer_regs=216, overlap=False, ablate=0):
+    """ablate (benchmark only, wrong results; Config.win_ablate): 1 no o / lse stores, 2 the
+    consumers only wait for and release q and the span (the copies' pace), 3 q copied for the
+    program's first token only (the kernel without q's loads); overlap=False only."""
     from csa_jax.kernels.gluon.fwd import LOG2E
+    if ablate and overlap:
+        raise ValueError("win_ablate applies to win_schedule='exchange' (not 'overlap')")
     return dict(T=T, N=N, NHB=NHB, D=D, W=window, G=G, QK_SCALE=float(scale) * LOG2E,
-                CONSUMER_REGS=int(consumer_regs), OVERLAP=bool(overlap))
+                CONSUMER_REGS=int(consumer_regs), OVERLAP=bool(overlap), ABLATE=int(ablate))
