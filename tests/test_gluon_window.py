@@ -28,6 +28,8 @@ from csa_jax.kernels.gluon import adapter
     (dict(win_ablate=4), "win_ablate=4"),
     (dict(layout="cr0", win_schedule="lockstep", win_ablate=3), "does not apply to 'lockstep'"),
     (dict(layout="cr0", win_schedule="overlap", win_ablate=1), "does not apply to 'overlap'"),
+    (dict(win_prefetch=5), "win_prefetch=5"),
+    (dict(layout="cr0", win_schedule="lockstep", win_prefetch=1), "exchange window kernels"),
     (dict(win_schedule="alternate"), "win_schedule='alternate' must be one of"),
     (dict(win_regs=220), "win_regs=220"),
     (dict(layout="cr0", win_schedule="exchange", win_p_smem=True), "lockstep window kernel"),
@@ -188,12 +190,17 @@ def test_window_exchange_kernel_compiles_without_spills(T, NHB, window, G):
 
 
 @pytest.mark.parametrize("layout, sched, want", [
-    ("cr0", "auto", "lockstep"), ("cr128", "auto", "gather"), ("generic", "exchange", "generic"),
+    ("cr0", "auto", "exchange"), ("cr128", "auto", "gather"), ("generic", "exchange", "generic"),
     ("cr4", "auto", "generic"), ("cr0", "exchange", "exchange"), ("cr0", "overlap", "overlap"),
     ("cr128", "exchange", "lockstep"), ("cr128", "gather", "gather"), ("cr0", "gather", "gather"),
 ])
 def test_window_schedule_resolution(layout, sched, want):
     assert impl.Config(layout=layout, win_schedule=sched).window_schedule() == want
+
+
+def test_auto_window_64_runs_the_gather_kernel():
+    """window 64 was not checked on the GPU: auto keeps the gather kernel there."""
+    assert impl.Config(layout="cr0", window=64).window_schedule() == "gather"
 
 
 def test_gather_schedule_ignores_the_promise(monkeypatch):

@@ -73,10 +73,11 @@ class Config:
         "lockstep" (window.py: 8 consumer warps in step), "exchange" (cr0: window_xchg.py, two
         consumer warpgroups, two max / P exchanges per token), "overlap" (cr0: the same, the
         next token's scores issued before this token's o stores; win_regs=224), "gather" (the
-        gather kernel, as without a promise) or "auto" (default: cr0 lockstep, cr128 gather,
-        the faster of the measured ones, docs/perf/gluon_window_h200.md); exchange / overlap
-        at cr128 run the lockstep kernel (no cr128 exchange kernel). win_regs: the exchange
-        kernels' consumer registers (setmaxnreg).
+        gather kernel, as without a promise) or "auto" (default: cr0 with window 128 exchange,
+        the rest gather: the faster of the measured and checked ones, WIN_AUTO); exchange and
+        overlap at cr128 run the lockstep kernel (there is no cr128 exchange kernel). win_regs:
+        the exchange kernels' consumer registers (setmaxnreg). win_prefetch (exchange kernels
+        only): 0 off, n = the producer prefetches the q of the token n ahead into L2.
     ablate: BENCHMARK ONLY, wrong results: 1 = no PV product, 2 = no QK^T product, 3 = neither,
         4 = no compute at all (the consumers only wait for and release the ring: the producer's
         pace). Used to place the time inside the kernel (docs/perf/gluon_h200.md).
@@ -145,6 +146,7 @@ class Config:
     win_ablate: int = 0
     win_schedule: str = "auto"
     win_regs: int = 216
+    win_prefetch: int = 0
     ablate: int = 0
     schedule: str = "auto"
     alt_regs: int = 216
@@ -244,7 +246,9 @@ class Config:
         "gather" (the gather kernel despite the promise), "lockstep", "exchange", "overlap"."""
         if self.layout not in ("cr0", "cr128"):
             return "generic"
-        s = WIN_AUTO[self.layout] if self.win_schedule == "auto" else self.win_schedule
+        s = self.win_schedule
+        if s == "auto":            # what the H200 measured faster and checked (WIN_AUTO)
+            s = WIN_AUTO.get((self.layout, self.window), "gather")
         return "lockstep" if self.layout == "cr128" and s in ("exchange", "overlap") else s
 
     @property
@@ -258,7 +262,10 @@ class Config:
 
 LAYOUTS = ("generic", "cr0", "cr4", "cr128")
 WIN_SCHEDULES = ("auto", "lockstep", "exchange", "overlap", "gather")
-WIN_AUTO = {"cr0": "lockstep", "cr128": "gather"}    # per layout (gluon_window_h200.md)
+# win_schedule="auto" per (layout, window); the rest runs the gather kernel
+# (docs/perf/gluon_window_h200.md: round 1, exchange checked vs xla and 12-16% faster than the
+# gather kernel at Pro cr0 T=4096; cr128's lockstep window kernel slower than gather in call A)
+WIN_AUTO = {("cr0", 128): "exchange"}
 
 
 def _check_layout_fields(c):
@@ -299,6 +306,12 @@ def _check_layout_fields(c):
     r = c.win_regs
     if isinstance(r, bool) or not isinstance(r, int) or r % 8 or not 128 <= r <= 240:
         raise ValueError(f"win_regs={r!r} must be a multiple of 8 in 128..240")
+    p = c.win_prefetch
+    if isinstance(p, bool) or not isinstance(p, int) or not 0 <= p <= 4:
+        raise ValueError(f"win_prefetch={p!r} must be an int in 0..4 (tokens ahead)")
+    if p and ws not in ("exchange", "overlap", "generic", "gather"):
+        raise ValueError(f"win_prefetch={p} applies to the exchange window kernels only "
+                         f"(layout={c.layout!r} runs {ws!r})")
 
 
 def shared_bytes(D, config, itemsize=2):

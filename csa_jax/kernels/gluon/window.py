@@ -58,13 +58,28 @@ def _copy_rows(dst, base, row0, NROWS: gl.constexpr, N, D: gl.constexpr, COLS: g
 
 
 @gluon.jit
+def _prefetch_l2(ptr0, NELEM: gl.constexpr):
+    """prefetch.global.L2 of the NELEM contiguous elements from ptr0 on: one 128-byte line per
+    producer thread and step (a hint: no data, nothing to wait for)."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [PRODUCER_WARPS], [0])
+    LINE: gl.constexpr = 1024 // ptr0.dtype.element_ty.primitive_bitwidth   # elements a line
+    lines = gl.arange(0, NELEM // LINE, layout=layout)
+    gl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l",
+                              [ptr0 + lines.to(gl.int64) * LINE], dtype=gl.int32,
+                              is_pure=False, pack=1)
+
+
+@gluon.jit
 def _producer(q_ptr, kv_ptr, q_smem, win_a, win_b, pool, q_ready, q_free, span_ready, span_free,
               pool_full, pool_free, b, hb, g, nblk, T: gl.constexpr, N: gl.constexpr,
               NHB: gl.constexpr, D: gl.constexpr, W: gl.constexpr, G: gl.constexpr,
               RATIO: gl.constexpr, PT: gl.constexpr, PSTAGES: gl.constexpr,
-              Q_ONCE: gl.constexpr = False):
+              Q_ONCE: gl.constexpr = False, Q_AHEAD: gl.constexpr = 0):
     """Q_ONCE (benchmark only, wrong results): q is copied for the program's first token only,
-    every later token's q_ready arrives without a copy (the kernel without q's loads)."""
+    every later token's q_ready arrives without a copy (the kernel without q's loads).
+    Q_AHEAD > 0: when token it's q is copied, the q of token it + Q_AHEAD is prefetched into L2
+    (`prefetch.global.L2`, one per 128-byte line), so that its copy, which can only start once
+    the single q buffer is free, reads L2 instead of HBM."""
     kv_base = kv_ptr + b.to(gl.int64) * (N * D)
     pc = 0                                            # pool tiles issued so far
     for k in range(nblk):
@@ -77,6 +92,12 @@ def _producer(q_ptr, kv_ptr, q_smem, win_a, win_b, pool, q_ready, q_free, span_r
             if not Q_ONCE or it == 0:
                 _copy_rows(q_smem, q_ptr, qrow, HBC, qrow + HBC, D, D)
             async_copy.mbarrier_arrive(q_ready, increment_count=False)
+            if Q_AHEAD > 0:
+                ahead = it + Q_AHEAD
+                t_ahead = (g + (ahead // BT) * G) * BT + ahead % BT
+                ok = (ahead // BT < nblk) & (t_ahead < T)
+                row_ahead = gl.where(ok, ((b * T + t_ahead) * NHB + hb) * HBC, qrow)
+                _prefetch_l2(q_ptr + row_ahead.to(gl.int64) * D, HBC * D)
             if i == 0:        # after the block's first q: that q waits only for a QK^T
                 if k > 0:
                     mbarrier.wait(span_free, (k - 1) & 1)
@@ -412,7 +433,8 @@ def forward(q, kv, sink, bad, *, scale, config):
         kernel, warps = wx.csa_window_xchg_kernel, wx.NUM_WARPS
         consts = wx.constexprs(T=T, N=N, NHB=nhb, D=Dp, window=config.window, G=G,
                                scale=scale, consumer_regs=config.win_regs,
-                               overlap=sched == "overlap", ablate=config.win_ablate)
+                               overlap=sched == "overlap", ablate=config.win_ablate,
+                               q_ahead=config.win_prefetch)
     else:
         p_mode = p_smem_mode(Dp, config.window, ratio, config.pool_tile, config.win_p_smem)
         need = shared_bytes(Dp, config.window, ratio, config.pool_tile, config.pool_stages,

@@ -272,7 +272,8 @@ def csa_window_xchg_kernel(q_ptr, kv_ptr, sink_ptr, bad_ptr, o_ptr, lse_ptr,
                            T: gl.constexpr, N: gl.constexpr, NHB: gl.constexpr,
                            D: gl.constexpr, W: gl.constexpr, G: gl.constexpr,
                            QK_SCALE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                           OVERLAP: gl.constexpr, ABLATE: gl.constexpr):
+                           OVERLAP: gl.constexpr, ABLATE: gl.constexpr,
+                           Q_AHEAD: gl.constexpr):
     hb, g, b, nblk = _program_blocks(T, NHB, G)
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     HALF: gl.constexpr = W // 2
@@ -309,7 +310,7 @@ def csa_window_xchg_kernel(q_ptr, kv_ptr, sink_ptr, bad_ptr, o_ptr, lse_ptr,
     gl.warp_specialize([
         (_producer, (q_ptr, kv_ptr, q_smem.index(0), win_a.index(0), win_b.index(0), p_c,
                      q_ready, q_free, span_ready, span_free, ex_m, ex_p, b, hb, g, nblk, T, N,
-                     NHB, D, W, G, 0, BT, 1, ABLATE == 3)),
+                     NHB, D, W, G, 0, BT, 1, ABLATE == 3, Q_AHEAD)),
         (_xconsumer, (sink_ptr, bad_ptr, o_ptr, lse_ptr, bufs, bars, b, hb, g, nblk, T, NHB, D,
                       W, G, QK_SCALE, OVERLAP, ABLATE, 0)),
         (_xconsumer, (sink_ptr, bad_ptr, o_ptr, lse_ptr, bufs, bars, b, hb, g, nblk, T, NHB, D,
@@ -328,12 +329,16 @@ def shared_bytes(D, window, itemsize=2):
             + 320)
 
 
-def constexprs(*, T, N, NHB, D, window, G, scale, consumer_regs=216, overlap=False, ablate=0):
+def constexprs(*, T, N, NHB, D, window, G, scale, consumer_regs=216, overlap=False, ablate=0,
+               q_ahead=0):
     """ablate (benchmark only, wrong results; Config.win_ablate): 1 no o / lse stores, 2 the
     consumers only wait for and release q and the span (the copies' pace), 3 q copied for the
-    program's first token only (the kernel without q's loads); overlap=False only."""
+    program's first token only (the kernel without q's loads); overlap=False only. q_ahead
+    (Config.win_prefetch): the producer prefetches the q of the token that many ahead into L2
+    (window._producer)."""
     from csa_jax.kernels.gluon.fwd import LOG2E
     if ablate and overlap:
         raise ValueError("win_ablate applies to win_schedule='exchange' (not 'overlap')")
     return dict(T=T, N=N, NHB=NHB, D=D, W=window, G=G, QK_SCALE=float(scale) * LOG2E,
-                CONSUMER_REGS=int(consumer_regs), OVERLAP=bool(overlap), ABLATE=int(ablate))
+                CONSUMER_REGS=int(consumer_regs), OVERLAP=bool(overlap), ABLATE=int(ablate),
+                Q_AHEAD=int(q_ahead))
