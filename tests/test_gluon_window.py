@@ -218,6 +218,22 @@ def test_gather_schedule_ignores_the_promise(monkeypatch):
     assert seen == [cfg]
 
 
+def test_window_exchange_prefetch_compiles():
+    """win_prefetch: the producer's L2 prefetch of a later token's q, 4 lines a thread, no
+    spills; without it no prefetch."""
+    if adapter.missing():
+        pytest.skip(adapter.missing())
+    from csa_jax.kernels.gluon import window as win, window_xchg as wx
+    for ahead, n in ((0, 0), (2, 4)):
+        c = adapter.compile_kernel(
+            wx.csa_window_xchg_kernel, win.arg_types(),
+            wx.constexprs(T=4096, N=4096, NHB=2, D=512, window=128, G=66, scale=0.05,
+                          q_ahead=ahead), target="sm_90a", num_warps=wx.NUM_WARPS)
+        assert c.asm["ptx"].count("prefetch.global.L2") == n
+        r = adapter.resources(c, "sm_90a")
+        assert r["spill_stores"] == 0, r
+
+
 def test_window_schedule_selects_the_kernel(monkeypatch):
     """win_schedule="exchange" runs window_xchg's kernel for cr0 and the lockstep one for cr128
     (the launch is intercepted: no GPU here)."""
