@@ -47,13 +47,18 @@ def main(argv=None):
     ap.add_argument("--shapes", default="pro:0:4096")
     ap.add_argument("--schedules", default="gather,lockstep,exchange")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--plan", default="",
+                    help="instead of --shapes x --schedules: 'shape=sched,sched;shape=sched,...'")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    plan = ([(p.split("=", 1)[0], p.split("=", 1)[1].split(","))
+             for p in args.plan.split(";") if p] if args.plan else
+            [(spec, args.schedules.split(",")) for spec in args.shapes.split(",")])
     from csa_jax import layouts
     from csa_jax.kernels import gluon as impl
     from csa_jax.kernels.gluon import window
     rows = []
-    for spec in args.shapes.split(","):
+    for spec, schedules in plan:
         family, ratio, T = spec.split(":")
         cfg, q, kv, idx, sink, _ = make_problem(family, int(ratio), int(T), "causal", 0)
         layout = f"cr{int(ratio)}"
@@ -65,7 +70,7 @@ def main(argv=None):
         print(json.dumps(row), flush=True)
         base = impl.default_config(q.shape, kv.shape, idx.shape, q.dtype)
         ref = None
-        for name in args.schedules.split(","):
+        for name in schedules:
             sched, *extra = name.split("+")        # e.g. exchange+win_ablate=1
             over = dict(layout="generic") if sched == "gather" else dict(
                 layout=layout, win_schedule=sched, **({"win_regs": 224} if sched == "overlap"
