@@ -229,6 +229,10 @@ def part_window(seed, only=""):
     key = jax.random.PRNGKey(seed + 3)
     cases = [  # name, layout, B, T, H, D, window, sink
         ("cr0_w128_h64_t300_sink", "cr0", 1, 300, 64, 512, 128, True),
+        # several 16-token blocks per program (span reloads, barrier phases across blocks),
+        # two head blocks, two sequences; the window-64 kernel
+        ("cr0_w128_h128_b2_t2500", "cr0", 2, 2500, 128, 512, 128, False),
+        ("cr0_w64_h64_t1000_sink", "cr0", 1, 1000, 64, 512, 64, True),
         ("cr128_w128_h128_b2_t300", "cr128", 2, 300, 128, 512, 128, False),
         ("cr128_w64_h64_t700_sink", "cr128", 1, 700, 64, 512, 64, True),
     ]

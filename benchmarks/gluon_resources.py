@@ -123,6 +123,18 @@ def gluon_nv_kernels(variants):
         yield (f"csa_window[{layout}]", False, None,
                _gluon(window.csa_window_kernel, window.arg_types(), consts,
                       window.CONSUMER_WARPS))
+    from csa_jax.kernels.gluon import window_xchg
+    # cr0's exchange schedule (win_schedule="exchange"): gating, 0 spills
+    consts = window_xchg.constexprs(T=4096, N=4096, NHB=2, D=512, window=base.window,
+                                    G=window.programs(1, 4096, 2), scale=512 ** -0.5,
+                                    consumer_regs=base.win_regs)
+    yield ("csa_window[cr0,exchange]", True, None,
+           _gluon(window_xchg.csa_window_xchg_kernel, window.arg_types(), consts,
+                  window_xchg.NUM_WARPS))
+    # the overlap variant (win_schedule="overlap", reported, not gating: 4 B spill)
+    yield ("csa_window[cr0,overlap]", False, None,
+           _gluon(window_xchg.csa_window_xchg_kernel, window.arg_types(),
+                  {**consts, "OVERLAP": True, "CONSUMER_REGS": 224}, window_xchg.NUM_WARPS))
     yield ("ring_gather_probe", False, None,
            _gluon(ring_gather_kernel, ["*bf16", "*i32", "*bf16"],
                   dict(NT=4, BK=16, D=512, STAGES=2), 4))

@@ -25,7 +25,14 @@ from csa_jax.kernels.gluon import adapter
     (dict(win_programs=-1), "win_programs=-1"),
     (dict(win_producer_regs=44), "win_producer_regs=44"),
     (dict(win_p_smem=1), "win_p_smem=1"),
-    (dict(win_ablate=3), "win_ablate=3"),
+    (dict(win_ablate=4), "win_ablate=4"),
+    (dict(layout="cr0", win_schedule="lockstep", win_ablate=3), "does not apply to 'lockstep'"),
+    (dict(layout="cr0", win_schedule="overlap", win_ablate=1), "does not apply to 'overlap'"),
+    (dict(win_prefetch=5), "win_prefetch=5"),
+    (dict(layout="cr0", win_schedule="lockstep", win_prefetch=1), "exchange window kernels"),
+    (dict(win_schedule="alternate"), "win_schedule='alternate' must be one of"),
+    (dict(win_regs=220), "win_regs=220"),
+    (dict(layout="cr0", win_schedule="exchange", win_p_smem=True), "lockstep window kernel"),
 ])
 def test_config_rejects_bad_promise(kw, match):
     with pytest.raises(ValueError, match=match):
@@ -152,6 +159,105 @@ def test_window_kernel_cr128_compiles(window, p_mode):
     assert r["shared"] <= r["shared_limit"], r
     assert r["shared"] <= win.shared_bytes(512, window, 128, 16, 1, p_mode), r
     assert r["spill_stores"] <= 320, r
+
+
+def _compile_xchg(T=4096, NHB=2, window=128, G=66, regs=216):
+    if adapter.missing():
+        pytest.skip(adapter.missing())
+    from csa_jax.kernels.gluon import window as win, window_xchg as wx
+    c = adapter.compile_kernel(
+        wx.csa_window_xchg_kernel, win.arg_types(),
+        wx.constexprs(T=T, N=T, NHB=NHB, D=512, window=window, G=G, scale=512 ** -0.5,
+                      consumer_regs=regs),
+        target="sm_90a", num_warps=wx.NUM_WARPS)
+    return c, adapter.resources(c, "sm_90a")
+
+
+@pytest.mark.parametrize("T, NHB, window, G", [(4096, 2, 128, 66), (1000, 1, 64, 63)])
+def test_window_exchange_kernel_compiles_without_spills(T, NHB, window, G):
+    """cr0's exchange schedule: 12 warps (producer + two consumer warpgroups), within shared
+    memory and its estimate, no spills; per warpgroup the scores of its span tiles (m64n64 /
+    m64n32 and the 16-row tail m64n16) and PV on its 256 output columns (m64n256)."""
+    from csa_jax.kernels.gluon import window_xchg as wx
+    c, r = _compile_xchg(T, NHB, window, G)
+    assert r["num_warps"] == 12 and r["launch_problem"] is None
+    assert r["shared"] <= wx.shared_bytes(512, window) <= r["shared_limit"], r
+    assert r["spill_stores"] == 0 and r["spill_loads"] == 0, r
+    ptx = c.asm["ptx"]
+    for n in (window // 2, 16, 256):
+        assert f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16" in ptx, n
+    assert "cp.async.cg.shared.global" in ptx and "cp.async.mbarrier.arrive.noinc" in ptx
+
+
+@pytest.mark.parametrize("layout, sched, want", [
+    ("cr0", "auto", "exchange"), ("cr128", "auto", "gather"), ("generic", "exchange", "generic"),
+    ("cr4", "auto", "generic"), ("cr0", "exchange", "exchange"), ("cr0", "overlap", "overlap"),
+    ("cr128", "exchange", "lockstep"), ("cr128", "gather", "gather"), ("cr0", "gather", "gather"),
+])
+def test_window_schedule_resolution(layout, sched, want):
+    assert impl.Config(layout=layout, win_schedule=sched).window_schedule() == want
+
+
+def test_auto_window_64_runs_the_gather_kernel():
+    """window 64 was not checked on the GPU: auto keeps the gather kernel there."""
+    assert impl.Config(layout="cr0", window=64).window_schedule() == "gather"
+
+
+def test_gather_schedule_ignores_the_promise(monkeypatch):
+    """win_schedule="gather" under a cr0 promise runs the gather kernel on idx as given (no
+    promise check: a broken list is still computed exactly)."""
+    from csa_jax.kernels.gluon import fwd
+    monkeypatch.setattr(impl, "_check", lambda *a: None)
+    monkeypatch.setattr(impl, "_amd", lambda: None)
+    seen = []
+    monkeypatch.setattr(fwd, "forward", lambda *a, **k: seen.append(k["config"]) or "gather")
+    idx = np.full((1, 4, 128), -1, np.int32)          # breaks the cr0 promise everywhere
+    cfg = impl.Config(layout="cr0", win_schedule="gather")
+    assert impl.forward(None, jnp.zeros((1, 4, 8)), idx, None, scale=1.0, interpret=False,
+                        config=cfg) == "gather"
+    assert seen == [cfg]
+
+
+def test_window_exchange_prefetch_compiles():
+    """win_prefetch: the producer's L2 prefetch of a later token's q, 4 lines a thread, no
+    spills; without it no prefetch."""
+    if adapter.missing():
+        pytest.skip(adapter.missing())
+    from csa_jax.kernels.gluon import window as win, window_xchg as wx
+    for ahead, n in ((0, 0), (2, 4)):
+        c = adapter.compile_kernel(
+            wx.csa_window_xchg_kernel, win.arg_types(),
+            wx.constexprs(T=4096, N=4096, NHB=2, D=512, window=128, G=66, scale=0.05,
+                          q_ahead=ahead), target="sm_90a", num_warps=wx.NUM_WARPS)
+        assert c.asm["ptx"].count("prefetch.global.L2") == n
+        r = adapter.resources(c, "sm_90a")
+        assert r["spill_stores"] == 0, r
+
+
+def test_window_schedule_selects_the_kernel(monkeypatch):
+    """win_schedule="exchange" runs window_xchg's kernel for cr0 and the lockstep one for cr128
+    (the launch is intercepted: no GPU here)."""
+    from csa_jax.kernels.gluon import adapter as ad, window as win, window_xchg as wx
+    seen = []
+
+    def fake_call(*args, kernel, out_shape, grid, num_warps, name, **consts):
+        seen.append((kernel, num_warps, grid, consts))
+        return [jnp.zeros(s.shape, s.dtype) for s in out_shape]
+
+    monkeypatch.setattr(ad, "gluon_call", fake_call)
+    B, T, H, D = 1, 64, 128, 512
+    for layout, ratio in (("cr0", 0), ("cr128", 128)):
+        cfg = impl.Config(layout=layout, win_schedule="exchange")
+        N = T + (T // ratio if ratio else 0) + 1
+        q = jnp.zeros((B, T, H, D), jnp.bfloat16)
+        kv = jnp.zeros((B, N, D), jnp.bfloat16)
+        o, lse = win.forward(q, kv, jnp.zeros((H,)), jnp.zeros((B, T), bool), scale=0.1,
+                             config=cfg)
+        assert o.shape == (B, T, H, D) and lse.shape == (B, T, H)
+    (k0, w0, g0, c0), (k1, w1, _, c1) = seen
+    assert k0 is wx.csa_window_xchg_kernel and w0 == wx.NUM_WARPS and c0["CONSUMER_REGS"] == 216
+    assert g0 == (1 * 2 * 4,)             # B x H/64 x G (G = the T / 16 = 4 blocks)
+    assert k1 is win.csa_window_kernel and c1["RATIO"] == 128
 
 
 def _violations_by_sets(idx, layout, w, ratio):

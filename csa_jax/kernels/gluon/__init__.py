@@ -55,11 +55,10 @@ class Config:
         max(0, t - window + 1) .. t (each once, any order, -1 for the rest), every later slot -1;
         "cr4" the same window, the other slots arbitrary; "cr128" the same window, then the
         visible pool rows T + p, p < (t + 1) // pool_ratio (any order), -1 elsewhere.
-        cr0 / cr128 run the window-reuse kernel (window.py: a block of 16 tokens copies its
-        window union once and every token reads it at its own offset; idx is not read, a traced
-        idx that breaks the promise gives NaN for its tokens); generic / cr4 the gather kernel.
-        Measured on the H200 it is no faster than the gather kernel, and cr128's numerics have
-        not been checked there yet (docs/perf/gluon_h200.md, window reuse).
+        cr0 / cr128 may run a window-reuse kernel (win_schedule: a block of 16 tokens copies
+        its window union once and every token reads it at its own offset; idx is not read, a
+        traced idx that breaks the promise gives NaN for its tokens); generic / cr4 the gather
+        kernel (docs/perf/gluon_window_h200.md).
     window, pool_ratio: the layout's window (the window kernel takes 64 or 128) and cr128 ratio.
     win_programs: programs per (sequence, head block) of the window kernel along the tokens
         (0 = one program per SM in all); win_producer_regs: its producer's registers (40: its
@@ -68,7 +67,17 @@ class Config:
         goes to the PV products through shared memory instead of registers (cr128 always uses
         the pool slot for it: window.p_smem_mode). win_ablate: BENCHMARK ONLY, wrong results:
         1 = the window kernel computes everything but stores no o / lse, 2 = its consumers only
-        wait for and release the copies (the producer's pace).
+        wait for and release the copies (the producer's pace); 3 (exchange only) = q copied
+        for each program's first token only (the kernel without q's loads).
+    win_schedule: which kernel a cr0 / cr128 promise runs (Config.window_schedule):
+        "lockstep" (window.py: 8 consumer warps in step), "exchange" (cr0: window_xchg.py, two
+        consumer warpgroups, two max / P exchanges per token), "overlap" (cr0: the same, the
+        next token's scores issued before this token's o stores; win_regs=224), "gather" (the
+        gather kernel, as without a promise) or "auto" (default: cr0 with window 128 exchange,
+        the rest gather: the faster of the measured and checked ones, WIN_AUTO); exchange and
+        overlap at cr128 run the lockstep kernel (there is no cr128 exchange kernel). win_regs:
+        the exchange kernels' consumer registers (setmaxnreg). win_prefetch (exchange kernels
+        only): 0 off, n = the producer prefetches the q of the token n ahead into L2.
     ablate: BENCHMARK ONLY, wrong results: 1 = no PV product, 2 = no QK^T product, 3 = neither,
         4 = no compute at all (the consumers only wait for and release the ring: the producer's
         pace). Used to place the time inside the kernel (docs/perf/gluon_h200.md).
@@ -150,6 +159,9 @@ class Config:
     pool_stages: int = 1
     win_p_smem: bool = False
     win_ablate: int = 0
+    win_schedule: str = "auto"
+    win_regs: int = 216
+    win_prefetch: int = 0
     ablate: int = 0
     schedule: str = "auto"
     alt_regs: int = 216
@@ -257,6 +269,16 @@ class Config:
     def _lockstep_options(self):
         return [n for n in ("pipeline", "smem_epilogue", "ablate") if getattr(self, n)]
 
+    def window_schedule(self):
+        """What this config runs for its layout: "generic" (no window promise: generic / cr4),
+        "gather" (the gather kernel despite the promise), "lockstep", "exchange", "overlap"."""
+        if self.layout not in ("cr0", "cr128"):
+            return "generic"
+        s = self.win_schedule
+        if s == "auto":            # what the H200 measured faster and checked (WIN_AUTO)
+            s = WIN_AUTO.get((self.layout, self.window), "gather")
+        return "lockstep" if self.layout == "cr128" and s in ("exchange", "overlap") else s
+
     @property
     def resolved_schedule(self):
         """"default" or "alternate": what schedule="auto" runs (an option that only the
@@ -267,6 +289,11 @@ class Config:
 
 
 LAYOUTS = ("generic", "cr0", "cr4", "cr128")
+WIN_SCHEDULES = ("auto", "lockstep", "exchange", "overlap", "gather")
+# win_schedule="auto" per (layout, window); the rest runs the gather kernel
+# (docs/perf/gluon_window_h200.md: round 1, exchange checked vs xla and 12-16% faster than the
+# gather kernel at Pro cr0 T=4096; cr128's lockstep window kernel slower than gather in call A)
+WIN_AUTO = {("cr0", 128): "exchange"}
 
 
 def _check_layout_fields(c):
@@ -289,10 +316,30 @@ def _check_layout_fields(c):
                          f"takes window 64 or 128")
     if not isinstance(c.win_p_smem, bool):
         raise ValueError(f"win_p_smem={c.win_p_smem!r} must be a bool")
-    if isinstance(c.win_ablate, bool) or c.win_ablate not in (0, 1, 2):
-        raise ValueError(f"win_ablate={c.win_ablate!r} must be 0 (off), 1 or 2 (benchmark only)")
+    if isinstance(c.win_ablate, bool) or c.win_ablate not in (0, 1, 2, 3):
+        raise ValueError(f"win_ablate={c.win_ablate!r} must be 0 (off), 1, 2 or 3 (benchmark "
+                         f"only; 3: win_schedule='exchange' only)")
     if c.pool_tile not in (16, 32, 64):
         raise ValueError(f"pool_tile={c.pool_tile} must be 16, 32 or 64")
+    if c.win_schedule not in WIN_SCHEDULES:
+        raise ValueError(f"win_schedule={c.win_schedule!r} must be one of {WIN_SCHEDULES}")
+    ws = c.window_schedule()
+    if ws in ("exchange", "overlap") and c.win_p_smem:
+        raise ValueError(f"win_p_smem applies to the lockstep window kernel only "
+                         f"(layout={c.layout!r} runs {ws!r})")
+    if c.win_ablate and ws not in ("generic", "gather") and not (
+            ws == "exchange" or (ws == "lockstep" and c.win_ablate < 3)):
+        raise ValueError(f"win_ablate={c.win_ablate} does not apply to {ws!r} (lockstep: 1, 2; "
+                         f"exchange: 1, 2, 3)")
+    r = c.win_regs
+    if isinstance(r, bool) or not isinstance(r, int) or r % 8 or not 128 <= r <= 240:
+        raise ValueError(f"win_regs={r!r} must be a multiple of 8 in 128..240")
+    p = c.win_prefetch
+    if isinstance(p, bool) or not isinstance(p, int) or not 0 <= p <= 4:
+        raise ValueError(f"win_prefetch={p!r} must be an int in 0..4 (tokens ahead)")
+    if p and ws not in ("exchange", "overlap", "generic", "gather"):
+        raise ValueError(f"win_prefetch={p} applies to the exchange window kernels only "
+                         f"(layout={c.layout!r} runs {ws!r})")
 
 
 def shared_bytes(D, config, itemsize=2):
@@ -458,7 +505,7 @@ def forward(q, kv, idx, sink, *, scale, interpret, config):
         return amd_fwd.forward(q, kv, idx, sink, scale=float(scale), arch=arch,
                                block_k=config.block_k, stages=config.stages)
     # (the layout promise is only a promise: AMD runs its generic kernel above)
-    if config.layout in ("cr0", "cr128"):
+    if config.window_schedule() not in ("generic", "gather"):
         from csa_jax import layouts
         from csa_jax.kernels.gluon import window as _win
         if isinstance(idx, jax.core.Tracer):

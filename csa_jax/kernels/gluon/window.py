@@ -58,10 +58,28 @@ def _copy_rows(dst, base, row0, NROWS: gl.constexpr, N, D: gl.constexpr, COLS: g
 
 
 @gluon.jit
+def _prefetch_l2(ptr0, NELEM: gl.constexpr):
+    """prefetch.global.L2 of the NELEM contiguous elements from ptr0 on: one 128-byte line per
+    producer thread and step (a hint: no data, nothing to wait for)."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [PRODUCER_WARPS], [0])
+    LINE: gl.constexpr = 1024 // ptr0.dtype.element_ty.primitive_bitwidth   # elements a line
+    lines = gl.arange(0, NELEM // LINE, layout=layout)
+    gl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l",
+                              [ptr0 + lines.to(gl.int64) * LINE], dtype=gl.int32,
+                              is_pure=False, pack=1)
+
+
+@gluon.jit
 def _producer(q_ptr, kv_ptr, q_smem, win_a, win_b, pool, q_ready, q_free, span_ready, span_free,
               pool_full, pool_free, b, hb, g, nblk, T: gl.constexpr, N: gl.constexpr,
               NHB: gl.constexpr, D: gl.constexpr, W: gl.constexpr, G: gl.constexpr,
-              RATIO: gl.constexpr, PT: gl.constexpr, PSTAGES: gl.constexpr):
+              RATIO: gl.constexpr, PT: gl.constexpr, PSTAGES: gl.constexpr,
+              Q_ONCE: gl.constexpr = False, Q_AHEAD: gl.constexpr = 0):
+    """Q_ONCE (benchmark only, wrong results): q is copied for the program's first token only,
+    every later token's q_ready arrives without a copy (the kernel without q's loads).
+    Q_AHEAD > 0: when token it's q is copied, the q of token it + Q_AHEAD is prefetched into L2
+    (`prefetch.global.L2`, one per 128-byte line), so that its copy, which can only start once
+    the single q buffer is free, reads L2 instead of HBM."""
     kv_base = kv_ptr + b.to(gl.int64) * (N * D)
     pc = 0                                            # pool tiles issued so far
     for k in range(nblk):
@@ -71,8 +89,15 @@ def _producer(q_ptr, kv_ptr, q_smem, win_a, win_b, pool, q_ready, q_free, span_r
             qrow = ((b * T + t0 + i) * NHB + hb) * HBC
             if it > 0:
                 mbarrier.wait(q_free, (it - 1) & 1)
-            _copy_rows(q_smem, q_ptr, qrow, HBC, qrow + HBC, D, D)
+            if not Q_ONCE or it == 0:
+                _copy_rows(q_smem, q_ptr, qrow, HBC, qrow + HBC, D, D)
             async_copy.mbarrier_arrive(q_ready, increment_count=False)
+            if Q_AHEAD > 0:
+                ahead = it + Q_AHEAD
+                t_ahead = (g + (ahead // BT) * G) * BT + ahead % BT
+                ok = (ahead // BT < nblk) & (t_ahead < T)
+                row_ahead = gl.where(ok, ((b * T + t_ahead) * NHB + hb) * HBC, qrow)
+                _prefetch_l2(q_ptr + row_ahead.to(gl.int64) * D, HBC * D)
             if i == 0:        # after the block's first q: that q waits only for a QK^T
                 if k > 0:
                     mbarrier.wait(span_free, (k - 1) & 1)
@@ -267,18 +292,23 @@ def _consumer(sink_ptr, bad_ptr, o_ptr, lse_ptr, q_smem, win_a, win_b, pool, q_r
 
 
 @gluon.jit
+def _program_blocks(T: gl.constexpr, NHB: gl.constexpr, G: gl.constexpr):
+    """(head block, g, sequence, number of blocks) of this program: program = (b, g, head
+    block), head block fastest; it owns the 16-token blocks g, g + G, ... below T / 16."""
+    pid = gl.program_id(0)
+    NBLK: gl.constexpr = (T + BT - 1) // BT
+    g = (pid // NHB) % G
+    return pid % NHB, g, pid // (NHB * G), gl.cdiv(NBLK - g, G)
+
+
+@gluon.jit
 def csa_window_kernel(q_ptr, kv_ptr, sink_ptr, bad_ptr, o_ptr, lse_ptr,
                       T: gl.constexpr, N: gl.constexpr, NHB: gl.constexpr, D: gl.constexpr,
                       W: gl.constexpr, G: gl.constexpr, RATIO: gl.constexpr, PT: gl.constexpr,
                       PSTAGES: gl.constexpr, QK_SCALE: gl.constexpr,
                       PRODUCER_REGS: gl.constexpr, P_SMEM: gl.constexpr,
                       ABLATE: gl.constexpr):
-    pid = gl.program_id(0)
-    hb = pid % NHB
-    g = (pid // NHB) % G
-    b = pid // (NHB * G)
-    NBLK: gl.constexpr = (T + BT - 1) // BT
-    nblk = gl.cdiv(NBLK - g, G)                       # blocks g, g + G, ... below NBLK
+    hb, g, b, nblk = _program_blocks(T, NHB, G)
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     q_smem = gl.allocate_shared_memory(
         dtype, [HBC, D], gl.NVMMASharedLayout.get_default_for([HBC, D], dtype))
@@ -393,23 +423,38 @@ def forward(q, kv, sink, bad, *, scale, config):
     nhb = Hp // HB
     G = programs(B, T, nhb, config.win_programs)
     ratio = config.pool_ratio if config.layout == "cr128" else 0
-    p_mode = p_smem_mode(Dp, config.window, ratio, config.pool_tile, config.win_p_smem)
-    need = shared_bytes(Dp, config.window, ratio, config.pool_tile, config.pool_stages, p_mode)
+    sched = config.window_schedule()
+    if sched not in ("lockstep", "exchange", "overlap"):
+        raise ValueError(f"window.forward: layout={config.layout!r} runs {sched!r}, not a "
+                         f"window kernel")
+    if sched in ("exchange", "overlap"):
+        from csa_jax.kernels.gluon import window_xchg as wx
+        need = wx.shared_bytes(Dp, config.window)
+        kernel, warps = wx.csa_window_xchg_kernel, wx.NUM_WARPS
+        consts = wx.constexprs(T=T, N=N, NHB=nhb, D=Dp, window=config.window, G=G,
+                               scale=scale, consumer_regs=config.win_regs,
+                               overlap=sched == "overlap", ablate=config.win_ablate,
+                               q_ahead=config.win_prefetch)
+    else:
+        p_mode = p_smem_mode(Dp, config.window, ratio, config.pool_tile, config.win_p_smem)
+        need = shared_bytes(Dp, config.window, ratio, config.pool_tile, config.pool_stages,
+                            p_mode)
+        kernel, warps = csa_window_kernel, CONSUMER_WARPS
+        consts = constexprs(T=T, N=N, NHB=nhb, D=Dp, window=config.window, G=G, ratio=ratio,
+                            pool_tile=config.pool_tile, pool_stages=config.pool_stages,
+                            scale=scale, producer_regs=config.win_producer_regs,
+                            p_smem=config.win_p_smem, ablate=config.win_ablate)
     if need > SMEM_LIMIT:
         raise NotImplementedError(
             f"layout={config.layout!r}, window={config.window}, D={D}, pool_tile="
-            f"{config.pool_tile}, pool_stages={config.pool_stages}: the window kernel needs "
-            f"~{need} B of shared memory, over the {SMEM_LIMIT} B per block")
+            f"{config.pool_tile}, pool_stages={config.pool_stages}, schedule="
+            f"{sched!r}: the window kernel needs ~{need} B of shared memory, "
+            f"over the {SMEM_LIMIT} B per block")
     o, lse = gluon_call(
-        q_p, kv_p, sink_p, bad.astype(jnp.int32).reshape(B * T),
-        kernel=csa_window_kernel,
+        q_p, kv_p, sink_p, bad.astype(jnp.int32).reshape(B * T), kernel=kernel,
         out_shape=[jax.ShapeDtypeStruct((B * T * Hp, Dp), q.dtype),
                    jax.ShapeDtypeStruct((B * T * Hp,), jnp.float32)],
-        grid=(B * G * nhb,), num_warps=CONSUMER_WARPS, name="csa_gluon_window",
-        **constexprs(T=T, N=N, NHB=nhb, D=Dp, window=config.window, G=G, ratio=ratio,
-                     pool_tile=config.pool_tile, pool_stages=config.pool_stages, scale=scale,
-                     producer_regs=config.win_producer_regs, p_smem=config.win_p_smem,
-                     ablate=config.win_ablate))
+        grid=(B * G * nhb,), num_warps=warps, name="csa_gluon_window", **consts)
     o = o.reshape(B, T, Hp, Dp)[:, :, :H, :D]
     lse = lse.reshape(B, T, Hp)[:, :, :H]
     return o, lse
