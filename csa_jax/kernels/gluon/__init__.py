@@ -112,6 +112,12 @@ class Config:
         it): the dq kernel also writes the interm GEMM's stacked [q; dO] operand from its shared
         memory (4.3 GB of writes at Pro cr4 T = 16384 in place of XLA's stack: 4.3 GB read +
         4.3 GB written); dsp is then laid out head block first to match.
+    bwd_pair: the dq kernel keeps q and dO rows interleaved in 8-row groups in its resident
+        [q; dO] buffer (bwd.py _qdo_row), so the score product's accumulator holds S and dP of
+        one (head, slot) in the same thread: p and dS are formed in registers, without the f32
+        S / dP exchange through shared memory (16 KiB stored and loaded per 32-row tile) and
+        one of the tile's three partition barriers; dsp leaves in 4-byte stores. 16 KiB less
+        shared memory. No bwd_prefetch / bwd_ablate modes.
     bwd_narrow_keys: the dkv inverse map sorts int16 keys when N < 2**15 (same map).
     bwd_reduce: the dkv gather-reduce kernel: "pallas_triton" (the Pallas Triton impl's) or
         "gluon" (kernels/gluon/dkv.py: 16-byte loads, two chunks of rows in flight, f32 [R, D]
@@ -150,6 +156,7 @@ class Config:
     bwd_interm_stages: int = 4
     bwd_interm_pipeline: bool = False
     bwd_qdo: bool = False
+    bwd_pair: bool = False
     bwd_narrow_keys: bool = False
     bwd_reduce: str = "pallas_triton"
     bwd_block_r: int = 0
@@ -167,9 +174,12 @@ class Config:
         if isinstance(self.bwd_ablate, bool) or self.bwd_ablate not in (0, 1, 2, 3, 4):
             raise ValueError(f"bwd_ablate={self.bwd_ablate!r} must be 0 (off) or 1..4 "
                              f"(benchmark only)")
-        for name in ("bwd_qdo", "bwd_narrow_keys"):
+        for name in ("bwd_qdo", "bwd_narrow_keys", "bwd_pair"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
+        if self.bwd_pair and (self.bwd_prefetch or self.bwd_ablate):
+            raise ValueError(f"bwd_pair=True has no bwd_prefetch / bwd_ablate modes (got "
+                             f"bwd_prefetch={self.bwd_prefetch}, bwd_ablate={self.bwd_ablate})")
         if self.bwd_dq_operand not in ("desc", "desc_a", "ldsm_trans", "movmatrix"):
             raise ValueError(f"bwd_dq_operand={self.bwd_dq_operand!r} must be 'desc', 'desc_a', "
                              f"'ldsm_trans' or 'movmatrix'")
@@ -452,7 +462,8 @@ def backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, interpret, config):
                              block_k=config.bwd_block_k, stages=config.bwd_stages,
                              producer_regs=config.producer_regs, prefetch=config.bwd_prefetch,
                              ablate=config.bwd_ablate, qdo=config.bwd_qdo,
-                             dq_operand=config.bwd_dq_operand, interm=config.bwd_interm,
+                             dq_operand=config.bwd_dq_operand, pair=config.bwd_pair,
+                             interm=config.bwd_interm,
                              interm_operand=config.bwd_interm_operand,
                              interm_stages=config.bwd_interm_stages,
                              interm_pipeline=config.bwd_interm_pipeline,

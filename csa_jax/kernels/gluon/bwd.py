@@ -67,21 +67,62 @@ def _dq_producer(q_ptr, do_ptr, kv_ptr, idx_ptr, qdo_smem, ring, full, consumed,
 
 
 @gluon.jit
-def _store_qdo(qdo_ptr, qdo_smem, row, D: gl.constexpr, HBC: gl.constexpr):
+def _qdo_row(r, HBC: gl.constexpr, PAIR: gl.constexpr):
+    """(plane, head) of row r of the resident [q; dO] buffer: plane 0 = q, 1 = dO. Stacked
+    (PAIR False): rows 0..HBC-1 = q, then dO. Paired: 8-row groups alternate, row 16a + 8c + j =
+    plane c, head 8a + j, so that S and dP of one (head, slot) land in the same thread's
+    wgmma accumulator registers (rows r and r + 8 of an m64 fragment)."""
+    if PAIR:
+        return (r // 8) % 2, (r // 16) * 8 + r % 8
+    else:
+        return r // HBC, r % HBC
+
+
+@gluon.jit
+def _dq_pair_producer(q_ptr, do_ptr, kv_ptr, idx_ptr, qdo_smem, ring, full, consumed, q_bar,
+                      row, b, ntiles, N: gl.constexpr, D: gl.constexpr, K: gl.constexpr,
+                      BK: gl.constexpr, STAGES: gl.constexpr, HBC: gl.constexpr):
+    """Config.bwd_pair's producer: q and dO rows interleaved into [q; dO] (_qdo_row) by one
+    cp.async pass, then the kv ring as fwd._producer's (row ids loaded per tile)."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [PRODUCER_WARPS, 1], [1, 0])
+    cols = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
+    r = gl.arange(0, 2 * HBC, layout=gl.SliceLayout(1, layout))
+    plane, head = _qdo_row(r, HBC, True)
+    off = (row * HBC + head).to(gl.int64)[:, None] * D + cols[None, :]
+    src = gl.where((plane == 0)[:, None], q_ptr + off, do_ptr + off)
+    async_copy.async_copy_global_to_shared(qdo_smem, src)
+    async_copy.mbarrier_arrive(q_bar, increment_count=False)
+    krows = gl.arange(0, BK, layout=gl.SliceLayout(1, layout))
+    kv_base = kv_ptr + b.to(gl.int64) * (N * D)
+    for i in range(ntiles):
+        s = i % STAGES
+        ids = gl.load(idx_ptr + i * BK + krows)
+        valid = ids >= 0
+        ptrs = kv_base + gl.where(valid, ids, 0).to(gl.int64)[:, None] * D + cols[None, :]
+        if i >= STAGES:
+            mbarrier.wait(consumed.index(s), ((i // STAGES) - 1) & 1)
+        async_copy.async_copy_global_to_shared(ring.index(s), ptrs, mask=valid[:, None])
+        async_copy.mbarrier_arrive(full.index(s), increment_count=False)
+
+
+@gluon.jit
+def _store_qdo(qdo_ptr, qdo_smem, row, D: gl.constexpr, HBC: gl.constexpr,
+               PAIR: gl.constexpr):
     """Copy this program's resident [q; dO] [2*HBC, D] from shared memory to qdo[row] (the
-    interm GEMM's operand, in place of XLA's stack), 32 rows at a time, 16-byte stores."""
+    interm GEMM's operand, in place of XLA's stack; q's rows then dO's, whatever the buffer's
+    row order, _qdo_row), 32 rows at a time, 16-byte stores."""
     blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
     r = gl.arange(0, 32, layout=gl.SliceLayout(1, blk))
     c = gl.arange(0, D, layout=gl.SliceLayout(0, blk))
     base = qdo_ptr + row.to(gl.int64) * (2 * HBC * D)
     for j in gl.static_range(2 * HBC // 32):
         v = qdo_smem.slice(32 * j, 32).load(blk)
-        gl.store(base + (32 * j + r)[:, None] * D + c[None, :], v)
+        plane, head = _qdo_row(32 * j + r, HBC, PAIR)
+        gl.store(base + (plane * HBC + head)[:, None] * D + c[None, :], v)
 
 
 @gluon.jit
-def _dq_product(tile, ds_smem, acc, a_dot: gl.constexpr, D: gl.constexpr, BK: gl.constexpr,
-                DQ_OP: gl.constexpr):
+def _dq_product(tile, ds_smem, acc, D: gl.constexpr, BK: gl.constexpr, DQ_OP: gl.constexpr):
     """dq += dS kv for one tile, the kv tile taken one of four ways (Config.bwd_dq_operand):
     0 "desc":       dq += dS kv, the tile [BK, D] as B through an MN-major ("transposed")
                     shared-memory descriptor (the timed default);
@@ -90,6 +131,7 @@ def _dq_product(tile, ds_smem, acc, a_dot: gl.constexpr, D: gl.constexpr, BK: gl
     2 "ldsm_trans": A in registers, loaded with ldmatrix .trans (the transpose-load);
     3 "movmatrix":  A in registers, loaded with plain ldmatrix and transposed in registers
                     (regtrans.transpose_load: PTX movmatrix, no shared-memory round trip)."""
+    a_dot: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc.type.layout, k_width=2)
     if DQ_OP == 0:
         acc = warpgroup_mma(ds_smem, tile, acc)
     elif DQ_OP == 1:
@@ -102,6 +144,115 @@ def _dq_product(tile, ds_smem, acc, a_dot: gl.constexpr, D: gl.constexpr, BK: gl
 
 
 @gluon.jit
+def _dsp_ptrs(dsp_ptr, tok, hb, hrows, kcols, HP: gl.constexpr, K: gl.constexpr,
+              HBC: gl.constexpr, QDO: gl.constexpr):
+    """(scale*dS pointers, P pointers) of tile 0 at (hrows, kcols): dsp [B*T, 2, HP, K], this
+    program's heads hb*HBC.., plane 0 = scale*dS, plane 1 = P; with QDO [B*T, NHB, 2, HBC, K]
+    (head block outermost, as the qdo rows the kernel writes)."""
+    if QDO:
+        ds_ptrs = (dsp_ptr + tok.to(gl.int64) * (2 * HP * K) + hb.to(gl.int64) * (2 * HBC * K)
+                   + hrows.to(gl.int64)[:, None] * K + kcols[None, :])
+        p_ptrs = ds_ptrs + HBC * K
+    else:
+        ds_ptrs = (dsp_ptr + tok.to(gl.int64) * (2 * HP * K)
+                   + (hb * HBC + hrows).to(gl.int64)[:, None] * K + kcols[None, :])
+        p_ptrs = ds_ptrs + HP * K
+    return ds_ptrs, p_ptrs
+
+
+@gluon.jit
+def _store_dq(dq_ptr, acc, row, D: gl.constexpr, HBC: gl.constexpr, SCALE: gl.constexpr,
+              DQ_OP: gl.constexpr):
+    """dq = scale * acc in dq's dtype, straight from the accumulator layout (acc = dq^T for
+    the kv-as-A operand modes: element (d, h) goes to dq[h, d])."""
+    acc_layout: gl.constexpr = acc.type.layout
+    if DQ_OP == 0:
+        orows = gl.arange(0, HBC, layout=gl.SliceLayout(1, acc_layout))
+        ocols = gl.arange(0, D, layout=gl.SliceLayout(0, acc_layout))
+        dq_ptrs = dq_ptr + (row * HBC + orows).to(gl.int64)[:, None] * D + ocols[None, :]
+    else:
+        dcols = gl.arange(0, D, layout=gl.SliceLayout(1, acc_layout))
+        hcols = gl.arange(0, HBC, layout=gl.SliceLayout(0, acc_layout))
+        dq_ptrs = dq_ptr + (row * HBC + hcols).to(gl.int64)[None, :] * D + dcols[:, None]
+    gl.store(dq_ptrs, (acc * SCALE).to(dq_ptr.dtype.element_ty))
+
+
+@gluon.jit
+def _dq_acc_layout(D: gl.constexpr, HBC: gl.constexpr, DQ_OP: gl.constexpr):
+    """The zero accumulator of the dq product: dq [HBC, D] += dS kv with each
+    warpgroup owning half of dq's columns (DQ_OP 0), or dq^T [D, HBC] += kv^T dS^T (the kv
+    tile as the transposed A operand)."""
+    if DQ_OP == 0:
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, D // 2, 16])
+        acc = gl.zeros([HBC, D], gl.float32, acc_layout)
+    else:
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, HBC, 16])
+        acc = gl.zeros([D, HBC], gl.float32, acc_layout)
+    return acc
+
+
+@gluon.jit
+def _split_sd(sd, HBC: gl.constexpr, BK: gl.constexpr):
+    """(S, dP) [HBC, BK] of the paired [q; dO] kv^T accumulator [2*HBC, BK] (rows as _qdo_row):
+    a register-only regrouping (reshape, permute, split of the register bit that selects rows
+    r / r + 8 of each m64 fragment; no shared memory, no barrier)."""
+    x = sd.reshape([HBC // 8, 2, 8, BK]).permute((0, 2, 3, 1)).reshape([HBC, BK, 2])
+    return gl.split(x)
+
+
+@gluon.jit
+def _dq_pair_consumer(idx_ptr, lse_ptr, dc_ptr, dq_ptr, dsp_ptr, qdo_ptr, qdo_smem, ring, full,
+                      consumed, q_bar, ds_smem, row, tok, hb, ntiles, D: gl.constexpr,
+                      K: gl.constexpr, HP: gl.constexpr, BK: gl.constexpr,
+                      STAGES: gl.constexpr, HBC: gl.constexpr, QK_SCALE: gl.constexpr,
+                      SCALE: gl.constexpr, QDO: gl.constexpr, DQ_OP: gl.constexpr):
+    """Config.bwd_pair's consumers: as _dq_consumer, but the score product's accumulator holds
+    S and dP of the same (head, slot) in one thread (the paired [q; dO] rows), so p and dS are
+    formed in registers without the f32 S/dP exchange through shared memory and its barrier;
+    the dsp stores go out from that layout (4-byte stores)."""
+    sd_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, BK, 16])
+    dt: gl.constexpr = dsp_ptr.dtype.element_ty
+    sd_zero = gl.zeros([2 * HBC, BK], gl.float32, sd_layout)
+    sc0, dp0 = _split_sd(sd_zero, HBC, BK)
+    ew: gl.constexpr = sc0.type.layout
+    hrows = gl.arange(0, HBC, layout=gl.SliceLayout(1, ew))
+    kcols = gl.arange(0, BK, layout=gl.SliceLayout(0, ew))
+    lse2 = gl.load(lse_ptr + row * HBC + hrows) * _LOG2E       # exp2 domain
+    dc = gl.load(dc_ptr + row * HBC + hrows)                   # dlse - delta
+    ds_ptrs, p_ptrs = _dsp_ptrs(dsp_ptr, tok, hb, hrows, kcols, HP, K, HBC, QDO)
+    acc = _dq_acc_layout(D, HBC, DQ_OP)
+    mbarrier.wait(q_bar, 0)
+    if QDO:
+        _store_qdo(qdo_ptr, qdo_smem, row, D, HBC, True)
+    for i in range(ntiles):
+        s = i % STAGES
+        mbarrier.wait(full.index(s), (i // STAGES) & 1)
+        fence_async_shared()          # cp.async (generic proxy) -> wgmma (async proxy)
+        tile = ring.index(s)
+        ids = gl.load(idx_ptr + i * BK + kcols)    # (under the score product's wait)
+        sd = warpgroup_mma(qdo_smem, tile.permute((1, 0)), sd_zero, use_acc=False)
+        sc, dp = _split_sd(sd, HBC, BK)
+        valid = (ids >= 0)[None, :]
+        p = gl.where(valid, gl.exp2(sc * QK_SCALE - lse2[:, None]), 0.0)
+        ds = p * (dp + dc[:, None])
+        gl.store(ds_ptrs + i * BK, (ds * SCALE).to(dt))
+        gl.store(p_ptrs + i * BK, p.to(dt))
+        ds_smem.store(ds.to(dt))
+        fence_async_shared()          # generic-proxy stores -> wgmma reads
+        gl.thread_barrier()
+        acc = _dq_product(tile, ds_smem, acc, D, BK, DQ_OP)
+        _release(consumed.index(s))
+    zero = gl.zeros([HBC, BK], dt, ew)
+    for i in range(ntiles, K // BK):  # past the last non-empty tile: exact zeros
+        gl.store(ds_ptrs + i * BK, zero)
+        gl.store(p_ptrs + i * BK, zero)
+    _store_dq(dq_ptr, acc, row, D, HBC, SCALE, DQ_OP)
+
+
+@gluon.jit
 def _dq_consumer(idx_ptr, lse_ptr, dc_ptr, dq_ptr, dsp_ptr, qdo_ptr, qdo_smem, ring, full,
                  consumed, q_bar, do_bar, sd_smem, ds_smem, row, tok, hb, ntiles,
                  D: gl.constexpr, K: gl.constexpr, HP: gl.constexpr, BK: gl.constexpr,
@@ -110,13 +261,6 @@ def _dq_consumer(idx_ptr, lse_ptr, dc_ptr, dq_ptr, dsp_ptr, qdo_ptr, qdo_smem, r
                  ABLATE: gl.constexpr, QDO: gl.constexpr, DQ_OP: gl.constexpr):
     sd_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, BK, 16])
-    if DQ_OP == 0:      # dq [HBC, D] += dS kv: each warpgroup owns half of dq's columns
-        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, D // 2, 16])
-    else:               # dq^T [D, HBC] += kv^T dS^T: the kv tile is the (transposed) A operand
-        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, HBC, 16])
-    a_dot: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     # Element-wise layout of one [HBC, BK] tile over the 8 warps: EW_C consecutive slots per
     # thread (16-byte stores of the bf16 dsp rows).
     ew: gl.constexpr = gl.BlockedLayout([1, EW_C], [32 // (BK // EW_C), BK // EW_C],
@@ -129,26 +273,14 @@ def _dq_consumer(idx_ptr, lse_ptr, dc_ptr, dq_ptr, dsp_ptr, qdo_ptr, qdo_smem, r
     kcols = gl.arange(0, BK, layout=ecol)
     lse2 = gl.load(lse_ptr + row * HBC + hrows) * _LOG2E       # exp2 domain
     dc = gl.load(dc_ptr + row * HBC + hrows)                   # dlse - delta
-    # dsp [B*T, 2, HP, K]: this program's heads hb*HBC.., plane 0 = scale*dS, plane 1 = P;
-    # with QDO [B*T, NHB, 2, HBC, K] (head block outermost, as the qdo rows the kernel writes).
-    if QDO:
-        ds_ptrs = (dsp_ptr + tok.to(gl.int64) * (2 * HP * K) + hb.to(gl.int64) * (2 * HBC * K)
-                   + hrows.to(gl.int64)[:, None] * K + kcols[None, :])
-        p_ptrs = ds_ptrs + HBC * K
-    else:
-        ds_ptrs = (dsp_ptr + tok.to(gl.int64) * (2 * HP * K)
-                   + (hb * HBC + hrows).to(gl.int64)[:, None] * K + kcols[None, :])
-        p_ptrs = ds_ptrs + HP * K
+    ds_ptrs, p_ptrs = _dsp_ptrs(dsp_ptr, tok, hb, hrows, kcols, HP, K, HBC, QDO)
     sd_zero = gl.zeros([2 * HBC, BK], gl.float32, sd_layout)
-    if DQ_OP == 0:
-        acc = gl.zeros([HBC, D], gl.float32, acc_layout)
-    else:
-        acc = gl.zeros([D, HBC], gl.float32, acc_layout)
+    acc = _dq_acc_layout(D, HBC, DQ_OP)
     ids_next = gl.load(idx_ptr + kcols)                 # tile 0's ids (K >= BK), PREFETCH only
     mbarrier.wait(q_bar, 0)
     mbarrier.wait(do_bar, 0)
     if QDO:
-        _store_qdo(qdo_ptr, qdo_smem, row, D, HBC)
+        _store_qdo(qdo_ptr, qdo_smem, row, D, HBC, False)
     for i in range(ntiles):
         s = i % STAGES
         mbarrier.wait(full.index(s), (i // STAGES) & 1)
@@ -176,22 +308,14 @@ def _dq_consumer(idx_ptr, lse_ptr, dc_ptr, dq_ptr, dsp_ptr, qdo_ptr, qdo_smem, r
             fence_async_shared()      # generic-proxy stores -> wgmma reads
             gl.thread_barrier()
             if ABLATE != 2:
-                acc = _dq_product(tile, ds_smem, acc, a_dot, D, BK, DQ_OP)
+                acc = _dq_product(tile, ds_smem, acc, D, BK, DQ_OP)
             _release(consumed.index(s))
     if ABLATE != 1:
         zero = gl.zeros([HBC, BK], dt, ew)
         for i in range(ntiles, K // BK):  # past the last non-empty tile: exact zeros
             gl.store(ds_ptrs + i * BK, zero)
             gl.store(p_ptrs + i * BK, zero)
-    if DQ_OP == 0:
-        orows = gl.arange(0, HBC, layout=gl.SliceLayout(1, acc_layout))
-        ocols = gl.arange(0, D, layout=gl.SliceLayout(0, acc_layout))
-        dq_ptrs = dq_ptr + (row * HBC + orows).to(gl.int64)[:, None] * D + ocols[None, :]
-    else:               # acc = dq^T: element (d, h) goes to dq[h, d]
-        dcols = gl.arange(0, D, layout=gl.SliceLayout(1, acc_layout))
-        hcols = gl.arange(0, HBC, layout=gl.SliceLayout(0, acc_layout))
-        dq_ptrs = dq_ptr + (row * HBC + hcols).to(gl.int64)[None, :] * D + dcols[:, None]
-    gl.store(dq_ptrs, (acc * SCALE).to(dq_ptr.dtype.element_ty))
+    _store_dq(dq_ptr, acc, row, D, HBC, SCALE, DQ_OP)
 
 
 @gluon.jit
@@ -200,7 +324,7 @@ def csa_dq_kernel(q_ptr, do_ptr, kv_ptr, idx_ptr, ntiles_ptr, lse_ptr, dc_ptr, d
                   K: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, EW_C: gl.constexpr,
                   QK_SCALE: gl.constexpr, SCALE: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                   PREFETCH: gl.constexpr, ABLATE: gl.constexpr, QDO: gl.constexpr,
-                  DQ_OP: gl.constexpr):
+                  DQ_OP: gl.constexpr, PAIR: gl.constexpr):
     row, tok, hb, b, ntiles, idx_tok = _program(ntiles_ptr, idx_ptr, T, NHB, K)
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     HBC: gl.constexpr = 64
@@ -208,29 +332,41 @@ def csa_dq_kernel(q_ptr, do_ptr, kv_ptr, idx_ptr, ntiles_ptr, lse_ptr, dc_ptr, d
         dtype, [2 * HBC, D], gl.NVMMASharedLayout.get_default_for([2 * HBC, D], dtype))
     ring = gl.allocate_shared_memory(
         dtype, [STAGES, BK, D], gl.NVMMASharedLayout.get_default_for([BK, D], dtype))
-    # 16-byte units XOR-swizzled by row: gl.bank_conflicts gives 1 for the accumulator-layout
-    # stores and 0 (BK = 32) / 1 (BK = 64) for the element-wise loads (3 and 1 unswizzled).
-    sd_smem = gl.allocate_shared_memory(gl.float32, [2 * HBC, BK],
-                                        gl.SwizzledSharedLayout(4, 1, 8, [1, 0]))
+    if not PAIR:
+        # 16-byte units XOR-swizzled by row: gl.bank_conflicts gives 1 for the accumulator-
+        # layout stores and 0 (BK = 32) / 1 (BK = 64) for the element-wise loads (3 and 1
+        # unswizzled). Config.bwd_pair needs no such exchange.
+        sd_smem = gl.allocate_shared_memory(gl.float32, [2 * HBC, BK],
+                                            gl.SwizzledSharedLayout(4, 1, 8, [1, 0]))
     ds_smem = gl.allocate_shared_memory(
         dtype, [HBC, BK], gl.NVMMASharedLayout.get_default_for([HBC, BK], dtype))
     full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     consumed = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    do_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=PRODUCER_WARPS * 32)
-    mbarrier.init(do_bar, count=PRODUCER_WARPS * 32)
+    if not PAIR:
+        do_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(do_bar, count=PRODUCER_WARPS * 32)
     for s in gl.static_range(STAGES):
         mbarrier.init(full.index(s), count=PRODUCER_WARPS * 32)
         mbarrier.init(consumed.index(s), count=1)
-    gl.warp_specialize([
-        (_dq_consumer, (idx_tok, lse_ptr, dc_ptr, dq_ptr, dsp_ptr, qdo_ptr, qdo_smem, ring,
-                        full, consumed, q_bar, do_bar, sd_smem, ds_smem, row, tok, hb, ntiles, D,
-                        K, NHB * HBC, BK, STAGES, HBC, EW_C, QK_SCALE, SCALE, PREFETCH, ABLATE,
-                        QDO, DQ_OP)),
-        (_dq_producer, (q_ptr, do_ptr, kv_ptr, idx_tok, qdo_smem, ring, full, consumed, q_bar,
-                        do_bar, row, b, ntiles, N, D, K, BK, STAGES, HBC, PREFETCH)),
-    ], [PRODUCER_WARPS], [PRODUCER_REGS])
+    if PAIR:
+        gl.warp_specialize([
+            (_dq_pair_consumer, (idx_tok, lse_ptr, dc_ptr, dq_ptr, dsp_ptr, qdo_ptr, qdo_smem,
+                                 ring, full, consumed, q_bar, ds_smem, row, tok, hb, ntiles, D,
+                                 K, NHB * HBC, BK, STAGES, HBC, QK_SCALE, SCALE, QDO, DQ_OP)),
+            (_dq_pair_producer, (q_ptr, do_ptr, kv_ptr, idx_tok, qdo_smem, ring, full, consumed,
+                                 q_bar, row, b, ntiles, N, D, K, BK, STAGES, HBC)),
+        ], [PRODUCER_WARPS], [PRODUCER_REGS])
+    else:
+        gl.warp_specialize([
+            (_dq_consumer, (idx_tok, lse_ptr, dc_ptr, dq_ptr, dsp_ptr, qdo_ptr, qdo_smem, ring,
+                            full, consumed, q_bar, do_bar, sd_smem, ds_smem, row, tok, hb,
+                            ntiles, D, K, NHB * HBC, BK, STAGES, HBC, EW_C, QK_SCALE, SCALE,
+                            PREFETCH, ABLATE, QDO, DQ_OP)),
+            (_dq_producer, (q_ptr, do_ptr, kv_ptr, idx_tok, qdo_smem, ring, full, consumed,
+                            q_bar, do_bar, row, b, ntiles, N, D, K, BK, STAGES, HBC, PREFETCH)),
+        ], [PRODUCER_WARPS], [PRODUCER_REGS])
 
 
 # ----------------------------------------------------------------------------- host side
@@ -252,23 +388,23 @@ DQ_OPERANDS = ("desc", "desc_a", "ldsm_trans", "movmatrix")     # Config.bwd_dq_
 
 
 def constexprs(*, T, N, NHB, D, K, BK, stages, scale, producer_regs, prefetch=False, ablate=0,
-               qdo=False, dq_operand="desc"):
+               qdo=False, dq_operand="desc", pair=False):
     """The dq kernel's compile-time parameters (also used by the CPU compile checks)."""
     return dict(T=T, N=N, NHB=NHB, D=D, K=K, BK=BK, STAGES=stages, EW_C=ew_cols(BK),
                 QK_SCALE=float(scale) * LOG2E, SCALE=float(scale), PRODUCER_REGS=producer_regs,
                 PREFETCH=bool(prefetch), ABLATE=int(ablate), QDO=bool(qdo),
-                DQ_OP=DQ_OPERANDS.index(dq_operand))
+                DQ_OP=DQ_OPERANDS.index(dq_operand), PAIR=bool(pair))
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_k", "stages", "producer_regs",
-                                             "prefetch", "ablate", "qdo", "dq_operand",
+                                             "prefetch", "ablate", "qdo", "dq_operand", "pair",
                                              "interm", "interm_operand", "interm_stages",
                                              "interm_pipeline",
                                              "narrow_keys",
                                              "reduce", "block_r", "reduce_warps",
                                              "interpret_reduce", "amd"))
 def backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, block_k, stages, producer_regs,
-             prefetch=False, ablate=0, qdo=False, dq_operand="desc", interm="xla",
+             prefetch=False, ablate=0, qdo=False, dq_operand="desc", pair=False, interm="xla",
              interm_operand="desc", interm_stages=4, interm_pipeline=False, narrow_keys=False,
              reduce="pallas_triton", block_r=0, reduce_warps=0, interpret_reduce=False,
              amd=None):
@@ -276,6 +412,7 @@ def backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, block_k, stages, prod
     reduce of the Pallas Triton impl, dsink and delta in XLA (CUDA only). idx must already be
     sanitized (-1 for every empty or out-of-range slot). interpret_reduce runs the reduce kernel
     in the Pallas interpreter (the CPU test of this wrapper, with the dq kernel emulated).
+    pair: the dq kernel's paired [q; dO] rows (no S / dP exchange; Config.bwd_pair).
     qdo: the dq kernel also writes the GEMM's stacked [q; dO] operand per head block (and dsp in
     the matching head-block-major layout), so XLA's stack of q and dO goes away; dq_operand:
     how the dq product takes the kv tile (_dq_product, Config.bwd_dq_operand); interm,
@@ -301,7 +438,7 @@ def backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, block_k, stages, prod
     # The Gluon interm GEMM walks slots in 128-row tiles: pad K to that (the dq kernel writes
     # exact zeros for the padding; padded slots are -1, in no inverse-map row).
     Hp, Dp, Kp = padded_dims(H, D, K, 128 if interm == "gluon" else block_k)
-    need = shared_bytes(D, block_k, stages)
+    need = shared_bytes(D, block_k, stages, pair=pair)
     if amd is None and need > SMEM_LIMIT:
         raise ValueError(f"dq kernel tiles bwd_block_k={block_k}, bwd_stages={stages} at D={D} "
                          f"need {need} B of shared memory; the H200 has {SMEM_LIMIT} per block")
@@ -323,12 +460,13 @@ def backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, block_k, stages, prod
         kernel, warps, name = csa_dq_kernel, CONSUMER_WARPS, "csa_gluon_dq"
         consts = constexprs(T=T, N=N, NHB=nhb, D=Dp, K=Kp, BK=block_k, stages=stages,
                             scale=scale, producer_regs=producer_regs, prefetch=prefetch,
-                            ablate=ablate, qdo=qdo, dq_operand=dq_operand)
+                            ablate=ablate, qdo=qdo, dq_operand=dq_operand, pair=pair)
         outs = [(B * T * Hp, Dp), dsp_shape, qdo_shape]
     else:
-        if qdo or interm == "gluon" or dq_operand != "desc":
-            raise ValueError(f"bwd_qdo={qdo}, bwd_interm={interm!r}, bwd_dq_operand="
-                             f"{dq_operand!r}: NVIDIA-only options (not on {amd})")
+        if qdo or pair or interm == "gluon" or dq_operand != "desc":
+            raise ValueError(f"bwd_qdo={qdo}, bwd_pair={pair}, bwd_interm={interm!r}, "
+                             f"bwd_dq_operand={dq_operand!r}: NVIDIA-only options (not on "
+                             f"{amd})")
         from csa_jax.kernels.gluon import amd_bwd
         from csa_jax.kernels.gluon.dims import AMD_LDS, amd_lds_bytes
         a = amd_bwd.DQ_DEFAULTS[amd]
