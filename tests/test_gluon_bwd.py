@@ -203,12 +203,26 @@ def test_config_switch():
                 dict(bwd_dq_operand="strided"), dict(bwd_interm="cublas"),
                 dict(bwd_interm_operand="strided"), dict(bwd_interm_stages=5),
                 dict(bwd_interm_pipeline=1),
-                dict(bwd_interm_pipeline=True, bwd_interm_operand="movmatrix")):
+                dict(bwd_interm_pipeline=True, bwd_interm_operand="movmatrix"),
+                dict(bwd_pair=1), dict(bwd_pair=True, bwd_prefetch=True),
+                dict(bwd_pair=True, bwd_ablate=2)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             gluon.Config(**bad)
     for D in (64, 128, 256, 512):
         c = gluon.default_config((1, 8, 64, D), None, None, jnp.bfloat16)
         assert bwd.shared_bytes(D, c.bwd_block_k, c.bwd_stages) <= bwd.SMEM_LIMIT - 8192
+
+
+def test_default_config_backward_options(monkeypatch):
+    """default_config: on NVIDIA (here: not an AMD device) the dq kernel writes [q; dO] and the
+    Gluon reduce sums dkv (gluon.NVIDIA_BWD, checked against xla on the H200); the AMD route,
+    which refuses bwd_qdo, keeps the Pallas Triton reduce."""
+    c = gluon.default_config((1, 8, 128, 512), None, None, jnp.bfloat16)
+    assert (c.bwd_qdo, c.bwd_reduce) == (True, "gluon"), c
+    assert gluon.NVIDIA_BWD == dict(bwd_qdo=True, bwd_reduce="gluon")
+    monkeypatch.setattr(gluon, "_amd", lambda: "gfx950")
+    c = gluon.default_config((1, 8, 128, 512), None, None, jnp.bfloat16)
+    assert (c.bwd_qdo, c.bwd_reduce) == (False, "pallas_triton"), c
 
 
 def test_oversized_tiles_are_refused_by_name():

@@ -111,7 +111,8 @@ class Config:
     bwd_qdo (with bwd_interm="xla"; the Gluon interm GEMM reads q and dO in place and ignores
         it): the dq kernel also writes the interm GEMM's stacked [q; dO] operand from its shared
         memory (4.3 GB of writes at Pro cr4 T = 16384 in place of XLA's stack: 4.3 GB read +
-        4.3 GB written); dsp is then laid out head block first to match.
+        4.3 GB written); dsp is then laid out head block first to match. On by default_config
+        on NVIDIA (NVIDIA_BWD), off on AMD (the AMD dq kernel has no such copy).
     bwd_pair: the dq kernel keeps q and dO rows interleaved in 8-row groups in its resident
         [q; dO] buffer (bwd.py _qdo_row), so the score product's accumulator holds S and dP of
         one (head, slot) in the same thread: p and dS are formed in registers, without the f32
@@ -122,6 +123,7 @@ class Config:
     bwd_reduce: the dkv gather-reduce kernel: "pallas_triton" (the Pallas Triton impl's) or
         "gluon" (kernels/gluon/dkv.py: 16-byte loads, two chunks of rows in flight, f32 [R, D]
         partials summed once); both deterministic, with different (fixed) summation orders.
+        default_config picks "gluon" on NVIDIA (NVIDIA_BWD), "pallas_triton" on AMD.
     bwd_block_r, bwd_reduce_warps: that kernel's inverse-map entries per step and warps
         (0 = its default: 32 x 4 warps for pallas_triton, 16 x 4 for gluon).
     """
@@ -291,9 +293,17 @@ def shared_bytes(D, config, itemsize=2):
 _SMEM_BUDGET = 232_448 - 16_384      # the H200's per-block limit minus compiler scratch
 
 
+# The backward's dkv options default_config turns on for NVIDIA (measured at Pro cr4 T=16384:
+# backward 36.25 vs 41.51 ms; every gradient case against xla passed on the H200, empty and
+# out-of-range slots and both cotangents included: docs/perf/gluon_bwd_h200.md). The AMD route
+# refuses bwd_qdo and keeps the Pallas Triton reduce.
+NVIDIA_BWD = dict(bwd_qdo=True, bwd_reduce="gluon")
+
+
 def default_config(q_shape, kv_shape, idx_shape, dtype) -> Config:
     """block_k 64, 2 stages at D = 512 (the most that fits the H200's 227 KiB), more stages for
-    smaller D while they fit; block_k 32 if even 2 stages of 64 rows would not fit."""
+    smaller D while they fit; block_k 32 if even 2 stages of 64 rows would not fit. On NVIDIA
+    the backward also takes NVIDIA_BWD (the dq kernel writes [q; dO], the Gluon reduce)."""
     del kv_shape, idx_shape
     D = q_shape[3]
     arch = _amd()
@@ -301,7 +311,7 @@ def default_config(q_shape, kv_shape, idx_shape, dtype) -> Config:
         d, b = AMD_DEFAULTS[arch], AMD_DQ_DEFAULTS[arch]
         return Config(block_k=d["block_k"], stages=d["stages"], bwd_block_k=b["block_k"],
                       bwd_stages=b["stages"])
-    cfg = _bwd_default(D, Config())
+    cfg = _bwd_default(D, Config(**NVIDIA_BWD))
     for stages in (4, 3, 2):
         c = dataclasses.replace(cfg, stages=stages)
         if shared_bytes(D, c) <= _SMEM_BUDGET:
