@@ -235,9 +235,11 @@ def test_oversized_tiles_are_refused_by_name():
                      stages=2, producer_regs=96)
 
 
-def _emulated_dq_kernel(q, do, kv, idx, ntiles, lse, dc, *, kernel, out_shape, grid, num_warps,
-                        name, T, N, NHB, D, K, BK, SCALE, QDO, **_):
-    """What csa_dq_kernel computes, in jnp (its contract; see the bwd.py docstring)."""
+def _emulated_dq_kernel(q, do, kv, idx, ntiles, lse, dc, o=None, *, kernel, out_shape, grid,
+                        num_warps, name, T, N, NHB, D, K, BK, SCALE, QDO, FUSE=False, **_):
+    """What csa_dq_kernel computes, in jnp (its contract; see the bwd.py docstring). FUSE
+    (Config.bwd_fuse_delta): dc holds dlse, the kernel subtracts delta = sum(o * dO) and
+    writes the result out."""
     from csa_jax.kernels.gluon import amd_bwd
     amd_warps = amd_bwd.DQ_DEFAULTS["gfx950"]["warps"]
     assert (kernel, num_warps) in ((bwd.csa_dq_kernel, bwd.CONSUMER_WARPS),
@@ -252,6 +254,8 @@ def _emulated_dq_kernel(q, do, kv, idx, ntiles, lse, dc, *, kernel, out_shape, g
     walked = jnp.arange(K)[None, :] < (ntiles * BK)[:, None]
     valid = ((idx >= 0) & walked)[:, None, :]                                   # [BT, 1, K]
     s = jnp.einsum("thd,tkd->thk", qf, rows)
+    if FUSE:
+        dc = dc - jnp.sum(o.astype(f32) * do.astype(f32), axis=-1)
     lse2, dc2 = lse.reshape(BT, Hp, 1), dc.reshape(BT, Hp, 1)
     p = jnp.where(valid, jnp.exp(jnp.where(valid, s * SCALE - lse2, 0.0)), 0.0)
     ds = p * (jnp.einsum("thd,tkd->thk", dof, rows) + dc2)
@@ -266,7 +270,9 @@ def _emulated_dq_kernel(q, do, kv, idx, ntiles, lse, dc, *, kernel, out_shape, g
         dsp = hb(dsp)
         qdo = hb(jnp.stack([q.reshape(BT, Hp, D), do.reshape(BT, Hp, D)], axis=1)).astype(dt)
     assert dsp.shape == out_shape[1].shape and qdo.shape == out_shape[2].shape
-    return dq.reshape(BT * Hp, D).astype(dt), dsp.astype(out_shape[1].dtype), qdo
+    dcout = dc if FUSE else jnp.zeros((8,), f32)
+    assert dcout.shape == out_shape[3].shape and o.shape == q.shape
+    return dq.reshape(BT * Hp, D).astype(dt), dsp.astype(out_shape[1].dtype), qdo, dcout
 
 
 def _emulated_reduce_kernel(offsets, perm, interm, *, kernel, out_shape, grid, num_warps, name,
@@ -305,21 +311,26 @@ def _emulated_call(*args, kernel, **kw):
     return f(*args, kernel=kernel, **kw)
 
 
-@pytest.mark.parametrize("H,D,K,bk,qdo,narrow,reduce,interm,amd", [
-    (20, 24, 40, 16, False, False, "pallas_triton", "xla", None),
-    (64, 64, 70, 32, False, False, "gluon", "xla", None),
-    (130, 24, 40, 16, True, True, "pallas_triton", "xla", None),
-    (130, 24, 40, 16, True, True, "gluon", "xla", None),
-    (130, 24, 140, 32, False, True, "gluon", "gluon", None),
-    (64, 64, 40, 16, False, False, "pallas_triton", "gluon", None),
-    (70, 40, 75, 32, False, False, "pallas_triton", "xla", "gfx950")])
+@pytest.mark.parametrize("H,D,K,bk,qdo,narrow,reduce,interm,amd,fuse", [
+    (20, 24, 40, 16, False, False, "pallas_triton", "xla", None, False),
+    (64, 64, 70, 32, False, False, "gluon", "xla", None, False),
+    (130, 24, 40, 16, True, True, "pallas_triton", "xla", None, False),
+    (130, 24, 40, 16, True, True, "gluon", "xla", None, False),
+    (130, 24, 140, 32, False, True, "gluon", "gluon", None, False),
+    (64, 64, 40, 16, False, False, "pallas_triton", "gluon", None, False),
+    (70, 40, 75, 32, False, False, "pallas_triton", "xla", "gfx950", False),
+    (130, 24, 40, 16, True, False, "gluon", "xla", None, True),
+    (20, 24, 40, 16, False, False, "pallas_triton", "xla", None, True),
+    (70, 40, 75, 32, False, False, "pallas_triton", "xla", "gfx950", True)])
 def test_wrapper_against_dense_oracle(rng, monkeypatch, H, D, K, bk, qdo, narrow, reduce,
-                                      interm, amd):
+                                      interm, amd, fuse):
     """qdo = Config.bwd_qdo (the dq kernel writes [q; dO] and dsp head block first; 3 head
     blocks at H = 130), narrow = Config.bwd_narrow_keys (int16 inverse-map keys), reduce =
     Config.bwd_reduce, interm = Config.bwd_interm (the Gluon reduce and interm kernels
     emulated: their launch plumbing, K padded to 128 for the interm GEMM, the CSR map);
-    amd: the ROCm route (amd_bwd.csa_dq_amd_kernel, same contract; never run on a GPU)."""
+    amd: the ROCm route (amd_bwd.csa_dq_amd_kernel, same contract; never run on a GPU), which
+    ignores fuse = Config.bwd_fuse_delta (dlse in, delta formed by the kernel, dlse - delta
+    out for dsink; here with Config.bwd_pair, whose kernel has the same contract)."""
     from csa_jax.common import sanitize_indices
     monkeypatch.setattr(adapter, "gluon_call", _emulated_call)
     q, kv, idx, sink = random_problem(rng, T=10, H=H, D=D, K=K, dtype=jnp.float32, empty_rows=2)
@@ -332,7 +343,8 @@ def test_wrapper_against_dense_oracle(rng, monkeypatch, H, D, K, bk, qdo, narrow
     dq, dkv, dsink = bwd.backward(q, kv, idx, sink, o, lse, do, dlse, scale=scale, block_k=bk,
                                   stages=2, producer_regs=96, qdo=qdo, narrow_keys=narrow,
                                   reduce=reduce, interm=interm, block_r=16 if qdo else 0,
-                                  interpret_reduce=True, amd=amd)
+                                  interpret_reduce=True, amd=amd, fuse_delta=fuse,
+                                  pair=fuse and amd is None)
     _, _, rdq, rdkv, rdsink = dense_oracle(q, kv, idx, sink, scale, do, dlse)
     for what, got, want in (("dq", dq, rdq), ("dkv", dkv, rdkv), ("dsink", dsink, rdsink)):
         assert got.shape == want.shape, (what, got.shape, want.shape)

@@ -119,6 +119,10 @@ class Config:
         S / dP exchange through shared memory (16 KiB stored and loaded per 32-row tile) and
         one of the tile's three partition barriers; dsp leaves in 4-byte stores. 16 KiB less
         shared memory. No bwd_prefetch / bwd_ablate modes.
+    bwd_fuse_delta: the dq kernel forms delta = sum(o * dO) per head itself (o read in 16-row
+        chunks while the producer copies q and dO; dlse - delta written out for dsink) instead
+        of an XLA reduction reading o and dO (4.3 GB at Pro T = 16384). NVIDIA only (the AMD
+        route ignores it).
     bwd_narrow_keys: the dkv inverse map sorts int16 keys when N < 2**15 (same map).
     bwd_reduce: the dkv gather-reduce kernel: "pallas_triton" (the Pallas Triton impl's) or
         "gluon" (kernels/gluon/dkv.py: 16-byte loads, two chunks of rows in flight, f32 [R, D]
@@ -159,6 +163,7 @@ class Config:
     bwd_interm_pipeline: bool = False
     bwd_qdo: bool = False
     bwd_pair: bool = False
+    bwd_fuse_delta: bool = False
     bwd_narrow_keys: bool = False
     bwd_reduce: str = "pallas_triton"
     bwd_block_r: int = 0
@@ -176,7 +181,7 @@ class Config:
         if isinstance(self.bwd_ablate, bool) or self.bwd_ablate not in (0, 1, 2, 3, 4):
             raise ValueError(f"bwd_ablate={self.bwd_ablate!r} must be 0 (off) or 1..4 "
                              f"(benchmark only)")
-        for name in ("bwd_qdo", "bwd_narrow_keys", "bwd_pair"):
+        for name in ("bwd_qdo", "bwd_narrow_keys", "bwd_pair", "bwd_fuse_delta"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
         if self.bwd_pair and (self.bwd_prefetch or self.bwd_ablate):
@@ -473,6 +478,7 @@ def backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, interpret, config):
                              producer_regs=config.producer_regs, prefetch=config.bwd_prefetch,
                              ablate=config.bwd_ablate, qdo=config.bwd_qdo,
                              dq_operand=config.bwd_dq_operand, pair=config.bwd_pair,
+                             fuse_delta=config.bwd_fuse_delta,
                              interm=config.bwd_interm,
                              interm_operand=config.bwd_interm_operand,
                              interm_stages=config.bwd_interm_stages,

@@ -203,11 +203,40 @@ def _split_sd(sd, HBC: gl.constexpr, BK: gl.constexpr):
 
 
 @gluon.jit
-def _dq_pair_consumer(idx_ptr, lse_ptr, dc_ptr, dq_ptr, dsp_ptr, qdo_ptr, qdo_smem, ring, full,
-                      consumed, q_bar, ds_smem, row, tok, hb, ntiles, D: gl.constexpr,
+def _load_dc(dc_ptr, fz, row, hrows, D: gl.constexpr, HBC: gl.constexpr, FUSE: gl.constexpr):
+    """dlse - delta of this program's HBC heads at hrows (any layout). Without FUSE dc_ptr
+    holds it (XLA formed delta = sum(o * dO)); with FUSE (Config.bwd_fuse_delta) dc_ptr holds
+    dlse and the kernel forms delta itself from o and dO (fz = (o_ptr, do_ptr, dcout_ptr);
+    16-row chunks, 16-byte loads issued before the consumers wait for the producer's copies),
+    writes dc to dcout (for XLA's dsink) and reads it back in hrows' layout after a partition
+    barrier (global writes of the CTA are visible to it after bar.sync)."""
+    if FUSE:
+        o_ptr, do_ptr, dcout_ptr = fz
+        CH: gl.constexpr = 16
+        TC: gl.constexpr = 32 if D >= 256 else D // 8
+        blk: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TC, TC], [gl.num_warps(), 1],
+                                             [1, 0])
+        r = gl.arange(0, CH, layout=gl.SliceLayout(1, blk))
+        c = gl.arange(0, D, layout=gl.SliceLayout(0, blk))
+        for k in gl.static_range(HBC // CH):
+            rows = row * HBC + k * CH + r
+            off = rows.to(gl.int64)[:, None] * D + c[None, :]
+            o = gl.load(o_ptr + off).to(gl.float32)
+            d = gl.load(do_ptr + off).to(gl.float32)
+            gl.store(dcout_ptr + rows, gl.load(dc_ptr + rows) - gl.sum(o * d, axis=1))
+        gl.thread_barrier()
+        return gl.load(dcout_ptr + row * HBC + hrows)
+    else:
+        return gl.load(dc_ptr + row * HBC + hrows)
+
+
+@gluon.jit
+def _dq_pair_consumer(idx_ptr, lse_ptr, dc_ptr, fz, dq_ptr, dsp_ptr, qdo_ptr, qdo_smem, ring,
+                      full, consumed, q_bar, ds_smem, row, tok, hb, ntiles, D: gl.constexpr,
                       K: gl.constexpr, HP: gl.constexpr, BK: gl.constexpr,
                       STAGES: gl.constexpr, HBC: gl.constexpr, QK_SCALE: gl.constexpr,
-                      SCALE: gl.constexpr, QDO: gl.constexpr, DQ_OP: gl.constexpr):
+                      SCALE: gl.constexpr, QDO: gl.constexpr, DQ_OP: gl.constexpr,
+                      FUSE: gl.constexpr):
     """Config.bwd_pair's consumers: as _dq_consumer, but the score product's accumulator holds
     S and dP of the same (head, slot) in one thread (the paired [q; dO] rows), so p and dS are
     formed in registers without the f32 S/dP exchange through shared memory and its barrier;
@@ -221,7 +250,7 @@ def _dq_pair_consumer(idx_ptr, lse_ptr, dc_ptr, dq_ptr, dsp_ptr, qdo_ptr, qdo_sm
     hrows = gl.arange(0, HBC, layout=gl.SliceLayout(1, ew))
     kcols = gl.arange(0, BK, layout=gl.SliceLayout(0, ew))
     lse2 = gl.load(lse_ptr + row * HBC + hrows) * _LOG2E       # exp2 domain
-    dc = gl.load(dc_ptr + row * HBC + hrows)                   # dlse - delta
+    dc = _load_dc(dc_ptr, fz, row, hrows, D, HBC, FUSE)        # dlse - delta
     ds_ptrs, p_ptrs = _dsp_ptrs(dsp_ptr, tok, hb, hrows, kcols, HP, K, HBC, QDO)
     acc = _dq_acc_layout(D, HBC, DQ_OP)
     mbarrier.wait(q_bar, 0)
@@ -253,12 +282,13 @@ def _dq_pair_consumer(idx_ptr, lse_ptr, dc_ptr, dq_ptr, dsp_ptr, qdo_ptr, qdo_sm
 
 
 @gluon.jit
-def _dq_consumer(idx_ptr, lse_ptr, dc_ptr, dq_ptr, dsp_ptr, qdo_ptr, qdo_smem, ring, full,
+def _dq_consumer(idx_ptr, lse_ptr, dc_ptr, fz, dq_ptr, dsp_ptr, qdo_ptr, qdo_smem, ring, full,
                  consumed, q_bar, do_bar, sd_smem, ds_smem, row, tok, hb, ntiles,
                  D: gl.constexpr, K: gl.constexpr, HP: gl.constexpr, BK: gl.constexpr,
                  STAGES: gl.constexpr, HBC: gl.constexpr, EW_C: gl.constexpr,
                  QK_SCALE: gl.constexpr, SCALE: gl.constexpr, PREFETCH: gl.constexpr,
-                 ABLATE: gl.constexpr, QDO: gl.constexpr, DQ_OP: gl.constexpr):
+                 ABLATE: gl.constexpr, QDO: gl.constexpr, DQ_OP: gl.constexpr,
+                 FUSE: gl.constexpr):
     sd_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, BK, 16])
     # Element-wise layout of one [HBC, BK] tile over the 8 warps: EW_C consecutive slots per
@@ -272,7 +302,7 @@ def _dq_consumer(idx_ptr, lse_ptr, dc_ptr, dq_ptr, dsp_ptr, qdo_ptr, qdo_smem, r
     hrows = gl.arange(0, HBC, layout=erow)
     kcols = gl.arange(0, BK, layout=ecol)
     lse2 = gl.load(lse_ptr + row * HBC + hrows) * _LOG2E       # exp2 domain
-    dc = gl.load(dc_ptr + row * HBC + hrows)                   # dlse - delta
+    dc = _load_dc(dc_ptr, fz, row, hrows, D, HBC, FUSE)        # dlse - delta
     ds_ptrs, p_ptrs = _dsp_ptrs(dsp_ptr, tok, hb, hrows, kcols, HP, K, HBC, QDO)
     sd_zero = gl.zeros([2 * HBC, BK], gl.float32, sd_layout)
     acc = _dq_acc_layout(D, HBC, DQ_OP)
@@ -319,12 +349,12 @@ def _dq_consumer(idx_ptr, lse_ptr, dc_ptr, dq_ptr, dsp_ptr, qdo_ptr, qdo_smem, r
 
 
 @gluon.jit
-def csa_dq_kernel(q_ptr, do_ptr, kv_ptr, idx_ptr, ntiles_ptr, lse_ptr, dc_ptr, dq_ptr, dsp_ptr,
-                  qdo_ptr, T: gl.constexpr, N: gl.constexpr, NHB: gl.constexpr, D: gl.constexpr,
+def csa_dq_kernel(q_ptr, do_ptr, kv_ptr, idx_ptr, ntiles_ptr, lse_ptr, dc_ptr, o_ptr, dq_ptr,
+                  dsp_ptr, qdo_ptr, dcout_ptr, T: gl.constexpr, N: gl.constexpr, NHB: gl.constexpr, D: gl.constexpr,
                   K: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, EW_C: gl.constexpr,
                   QK_SCALE: gl.constexpr, SCALE: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                   PREFETCH: gl.constexpr, ABLATE: gl.constexpr, QDO: gl.constexpr,
-                  DQ_OP: gl.constexpr, PAIR: gl.constexpr):
+                  DQ_OP: gl.constexpr, PAIR: gl.constexpr, FUSE: gl.constexpr):
     row, tok, hb, b, ntiles, idx_tok = _program(ntiles_ptr, idx_ptr, T, NHB, K)
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     HBC: gl.constexpr = 64
@@ -350,20 +380,22 @@ def csa_dq_kernel(q_ptr, do_ptr, kv_ptr, idx_ptr, ntiles_ptr, lse_ptr, dc_ptr, d
     for s in gl.static_range(STAGES):
         mbarrier.init(full.index(s), count=PRODUCER_WARPS * 32)
         mbarrier.init(consumed.index(s), count=1)
+    fz = (o_ptr, do_ptr, dcout_ptr)    # Config.bwd_fuse_delta's operands (FUSE only)
     if PAIR:
         gl.warp_specialize([
-            (_dq_pair_consumer, (idx_tok, lse_ptr, dc_ptr, dq_ptr, dsp_ptr, qdo_ptr, qdo_smem,
-                                 ring, full, consumed, q_bar, ds_smem, row, tok, hb, ntiles, D,
-                                 K, NHB * HBC, BK, STAGES, HBC, QK_SCALE, SCALE, QDO, DQ_OP)),
+            (_dq_pair_consumer, (idx_tok, lse_ptr, dc_ptr, fz, dq_ptr, dsp_ptr, qdo_ptr,
+                                 qdo_smem, ring, full, consumed, q_bar, ds_smem, row, tok, hb,
+                                 ntiles, D, K, NHB * HBC, BK, STAGES, HBC, QK_SCALE, SCALE, QDO,
+                                 DQ_OP, FUSE)),
             (_dq_pair_producer, (q_ptr, do_ptr, kv_ptr, idx_tok, qdo_smem, ring, full, consumed,
                                  q_bar, row, b, ntiles, N, D, K, BK, STAGES, HBC)),
         ], [PRODUCER_WARPS], [PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (_dq_consumer, (idx_tok, lse_ptr, dc_ptr, dq_ptr, dsp_ptr, qdo_ptr, qdo_smem, ring,
-                            full, consumed, q_bar, do_bar, sd_smem, ds_smem, row, tok, hb,
+            (_dq_consumer, (idx_tok, lse_ptr, dc_ptr, fz, dq_ptr, dsp_ptr, qdo_ptr, qdo_smem,
+                            ring, full, consumed, q_bar, do_bar, sd_smem, ds_smem, row, tok, hb,
                             ntiles, D, K, NHB * HBC, BK, STAGES, HBC, EW_C, QK_SCALE, SCALE,
-                            PREFETCH, ABLATE, QDO, DQ_OP)),
+                            PREFETCH, ABLATE, QDO, DQ_OP, FUSE)),
             (_dq_producer, (q_ptr, do_ptr, kv_ptr, idx_tok, qdo_smem, ring, full, consumed,
                             q_bar, do_bar, row, b, ntiles, N, D, K, BK, STAGES, HBC, PREFETCH)),
         ], [PRODUCER_WARPS], [PRODUCER_REGS])
@@ -371,8 +403,9 @@ def csa_dq_kernel(q_ptr, do_ptr, kv_ptr, idx_ptr, ntiles_ptr, lse_ptr, dc_ptr, d
 
 # ----------------------------------------------------------------------------- host side
 
+# q, dO, kv, idx, ntiles, lse, dc (dlse with FUSE), o | dq, dsp, qdo, dcout
 ARG_TYPES = ("*{dt}", "*{dt}", "*{dt}", "*i32", "*i32", "*fp32", "*fp32", "*{dt}", "*{dt}",
-             "*{dt}")
+             "*{dt}", "*{dt}", "*fp32")
 
 
 def arg_types(dt="bf16"):
@@ -388,23 +421,25 @@ DQ_OPERANDS = ("desc", "desc_a", "ldsm_trans", "movmatrix")     # Config.bwd_dq_
 
 
 def constexprs(*, T, N, NHB, D, K, BK, stages, scale, producer_regs, prefetch=False, ablate=0,
-               qdo=False, dq_operand="desc", pair=False):
+               qdo=False, dq_operand="desc", pair=False, fuse_delta=False):
     """The dq kernel's compile-time parameters (also used by the CPU compile checks)."""
     return dict(T=T, N=N, NHB=NHB, D=D, K=K, BK=BK, STAGES=stages, EW_C=ew_cols(BK),
                 QK_SCALE=float(scale) * LOG2E, SCALE=float(scale), PRODUCER_REGS=producer_regs,
                 PREFETCH=bool(prefetch), ABLATE=int(ablate), QDO=bool(qdo),
-                DQ_OP=DQ_OPERANDS.index(dq_operand), PAIR=bool(pair))
+                DQ_OP=DQ_OPERANDS.index(dq_operand), PAIR=bool(pair), FUSE=bool(fuse_delta))
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_k", "stages", "producer_regs",
                                              "prefetch", "ablate", "qdo", "dq_operand", "pair",
+                                             "fuse_delta",
                                              "interm", "interm_operand", "interm_stages",
                                              "interm_pipeline",
                                              "narrow_keys",
                                              "reduce", "block_r", "reduce_warps",
                                              "interpret_reduce", "amd"))
 def backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, block_k, stages, producer_regs,
-             prefetch=False, ablate=0, qdo=False, dq_operand="desc", pair=False, interm="xla",
+             prefetch=False, ablate=0, qdo=False, dq_operand="desc", pair=False,
+             fuse_delta=False, interm="xla",
              interm_operand="desc", interm_stages=4, interm_pipeline=False, narrow_keys=False,
              reduce="pallas_triton", block_r=0, reduce_warps=0, interpret_reduce=False,
              amd=None):
@@ -412,7 +447,8 @@ def backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, block_k, stages, prod
     reduce of the Pallas Triton impl, dsink and delta in XLA (CUDA only). idx must already be
     sanitized (-1 for every empty or out-of-range slot). interpret_reduce runs the reduce kernel
     in the Pallas interpreter (the CPU test of this wrapper, with the dq kernel emulated).
-    pair: the dq kernel's paired [q; dO] rows (no S / dP exchange; Config.bwd_pair).
+    pair: the dq kernel's paired [q; dO] rows (no S / dP exchange; Config.bwd_pair);
+    fuse_delta: the dq kernel forms delta = sum(o * dO) itself (Config.bwd_fuse_delta).
     qdo: the dq kernel also writes the GEMM's stacked [q; dO] operand per head block (and dsp in
     the matching head-block-major layout), so XLA's stack of q and dO goes away; dq_operand:
     how the dq product takes the kv tile (_dq_product, Config.bwd_dq_operand); interm,
@@ -446,13 +482,16 @@ def backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, block_k, stages, prod
     pad = _pad_to
     idx_p, used = _prep_idx(idx, d)                 # -1 padding; slots up to the last non-empty
     ntiles = _ntiles(used, block_k).reshape(B * T)
-    delta = jnp.sum(o.astype(f32) * do.astype(f32), axis=-1)                 # [B, T, H]
+    fuse_delta = fuse_delta and amd is None
+    if not fuse_delta:
+        delta = jnp.sum(o.astype(f32) * do.astype(f32), axis=-1)             # [B, T, H]
     # Padded heads: q = dO = 0 and lse = dc = 0, so p = 1 on valid slots but dS = 0, p dO = 0.
     q_p = pad(pad(q, 3, Dp), 2, Hp)
     do_p = pad(pad(do, 3, Dp), 2, Hp)
     kv_p = pad(kv, 2, Dp)
     lse_p = pad(lse.astype(f32), 2, Hp).reshape(-1)
-    dc_p = pad(dlse.astype(f32) - delta, 2, Hp).reshape(-1)
+    # dlse - delta, or with fuse_delta dlse alone (the kernel subtracts its own delta)
+    dc_p = pad(dlse.astype(f32) - (0.0 if fuse_delta else delta), 2, Hp).reshape(-1)
     nhb = Hp // HB
     if amd is None:
         dsp_shape = (B * T, nhb, 2, HB, Kp) if qdo else (B * T, 2, Hp, Kp)
@@ -460,10 +499,14 @@ def backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, block_k, stages, prod
         kernel, warps, name = csa_dq_kernel, CONSUMER_WARPS, "csa_gluon_dq"
         consts = constexprs(T=T, N=N, NHB=nhb, D=Dp, K=Kp, BK=block_k, stages=stages,
                             scale=scale, producer_regs=producer_regs, prefetch=prefetch,
-                            ablate=ablate, qdo=qdo, dq_operand=dq_operand, pair=pair)
+                            ablate=ablate, qdo=qdo, dq_operand=dq_operand, pair=pair,
+                            fuse_delta=fuse_delta)
         outs = [(B * T * Hp, Dp), dsp_shape, qdo_shape]
+        # o (read only with fuse_delta; else dO stands in, never read) and the dcout output
+        extra_in = [(pad(pad(o, 3, Dp), 2, Hp) if fuse_delta else do_p).reshape(-1, Dp)]
+        extra_out = [jax.ShapeDtypeStruct((B * T * Hp,) if fuse_delta else (8,), f32)]
     else:
-        if qdo or pair or interm == "gluon" or dq_operand != "desc":
+        if qdo or pair or interm == "gluon" or dq_operand != "desc":  # (fuse_delta: ignored)
             raise ValueError(f"bwd_qdo={qdo}, bwd_pair={pair}, bwd_interm={interm!r}, "
                              f"bwd_dq_operand={dq_operand!r}: NVIDIA-only options (not on "
                              f"{amd})")
@@ -480,14 +523,19 @@ def backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, block_k, stages, prod
         consts = amd_bwd.constexprs(target=amd, T=T, N=N, NHB=nhb, D=Dp, K=Kp, BK=block_k,
                                     stages=stages, scale=scale, qdo=a["qdo"])
         outs = [(B * T * Hp, Dp), (B * T, 2, Hp, Kp)]
+        extra_in, extra_out = [], []
     dq, dsp, *rest = gluon_call(
         q_p.reshape(B * T * Hp, Dp), do_p.reshape(B * T * Hp, Dp), kv_p.reshape(B * N, Dp),
-        idx_p.reshape(B * T, Kp), ntiles, lse_p, dc_p,
+        idx_p.reshape(B * T, Kp), ntiles, lse_p, dc_p, *extra_in,
         kernel=kernel,
         out_shape=[jax.ShapeDtypeStruct((B * T * Hp, Dp), q.dtype),
-                   *[jax.ShapeDtypeStruct(s, q.dtype) for s in outs[1:]]],
+                   *[jax.ShapeDtypeStruct(s, q.dtype) for s in outs[1:]], *extra_out],
         grid=(B * T * nhb,), num_warps=warps, name=name, **consts)
     qdo_st = rest[0] if rest else None
+    if fuse_delta:              # dlse - delta as the kernel formed it, for dsink
+        dc = rest[1].reshape(B, T, Hp)[:, :, :H]
+    else:
+        dc = dlse - delta
     # dkv: the Pallas Triton impl's deterministic per-slot GEMM + inverse-map gather-reduce.
     ptc = pt_default_config(q.shape, kv.shape, idx.shape, q.dtype)
     if interm == "gluon":
@@ -511,5 +559,5 @@ def backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, block_k, stages, prod
                                   num_warps_reduce=reduce_warps or ptc.num_warps_reduce)
         dkv = _reduce_call(d, ptc, interpret_reduce, idx_p, per_slot, kv.dtype, narrow_keys)
     w = jnp.exp(sink[None, None, :] - lse)
-    dsink = jnp.sum(w * (dlse - delta), axis=(0, 1))
+    dsink = jnp.sum(w * dc, axis=(0, 1))
     return dq.reshape(B, T, Hp, Dp)[:, :, :H, :D], dkv[:, :, :D], dsink
