@@ -138,6 +138,48 @@ def test_dq_kernel_qdo_compiles():
     assert got[True][1] == got[False][1] + 32, got        # 128 rows x 1 KiB / (256 x 16 B)
 
 
+@pytest.mark.parametrize("qdo,fuse", [(False, False), (True, True)])
+def test_dq_kernel_pair_compiles(qdo, fuse):
+    """Config.bwd_pair: S and dP regrouped in registers (no f32 S / dP exchange: no ld.shared in
+    the tile loop beyond the default's [q; dO] copy-out), 16 KiB less shared memory, no spills,
+    the same wgmma shapes; with Config.bwd_fuse_delta the o / dO loads of delta (16-byte)."""
+    c, r = _compile_dq(pair=True, qdo=qdo, fuse_delta=fuse)
+    assert r["shared"] == 200_876, r
+    assert r["shared"] <= bwd.shared_bytes(512, 32, 2, pair=True) + 1024
+    ptx = c.asm["ptx"]
+    assert set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16", ptx)) == {"32", "256"}
+    base, _ = _compile_dq(qdo=qdo, fuse_delta=fuse)
+    # the exchange's loads are gone (4 of them), the [q; dO] copy-out's remain
+    assert ptx.count("ld.shared") == base.asm["ptx"].count("ld.shared") - 4
+    plain, _ = _compile_dq(pair=True, qdo=qdo)
+    # delta's 4 chunks x (o, dO, dlse) loads
+    assert (ptx.count("ld.global") >= plain.asm["ptx"].count("ld.global") + 8) == fuse
+
+
+@pytest.mark.parametrize("qdo,fuse,regs", [(False, False, 232), (True, True, 232),
+                                           (True, True, 224)])
+def test_dq_alt_kernel_compiles(qdo, fuse, regs):
+    """Config.bwd_schedule="alternate" (bwd_alt.py): 12 warps, the scores on M = 128 per
+    warpgroup (m64n32k16, twice per k-step) and the dq halves (m64n256k16), both dS buffers
+    inside the H200's shared memory, no spills at the default consumer registers."""
+    from csa_jax.kernels.gluon import bwd_alt
+    c = adapter.compile_kernel(
+        bwd_alt.csa_dq_alt_kernel, bwd.arg_types("bf16"),
+        bwd_alt.constexprs(T=64, N=300, NHB=2, D=512, K=192, BK=32, stages=2, scale=0.05,
+                           consumer_regs=regs, qdo=qdo, fuse_delta=fuse),
+        target="sm_90a", num_warps=bwd_alt.NUM_WARPS)
+    r = adapter.resources(c, "sm_90a")
+    assert r["launch_problem"] is None and r["num_warps"] == 12, r
+    assert r.get("spill_stores", 0) == 0 and r.get("stack", 0) == 0, r
+    est = bwd_alt.shared_bytes(512, 32, 2)
+    assert est <= r["shared"] <= est + 1024, (r, est)
+    ptx = c.asm["ptx"]
+    assert set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16", ptx)) == {"32", "256"}
+    assert ptx.count("setmaxnreg") >= 3
+    with pytest.raises(ValueError, match="even ring depth"):
+        bwd_alt.constexprs(T=64, N=300, NHB=2, D=512, K=192, BK=32, stages=3, scale=0.05)
+
+
 @pytest.mark.parametrize("D,R,warps,regs_max", [(512, 16, 4, 168), (512, 32, 8, 168),
                                                 (64, 16, 4, 64)])
 def test_dkv_reduce_kernel_compiles_sm90(D, R, warps, regs_max):
@@ -205,7 +247,9 @@ def test_config_switch():
                 dict(bwd_interm_pipeline=1),
                 dict(bwd_interm_pipeline=True, bwd_interm_operand="movmatrix"),
                 dict(bwd_pair=1), dict(bwd_pair=True, bwd_prefetch=True),
-                dict(bwd_pair=True, bwd_ablate=2)):
+                dict(bwd_pair=True, bwd_ablate=2), dict(bwd_fuse_delta=1),
+                dict(bwd_schedule="default"), dict(bwd_schedule="alternate", bwd_stages=3),
+                dict(bwd_schedule="alternate", bwd_dq_operand="desc_a"), dict(bwd_alt_regs=236)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             gluon.Config(**bad)
     for D in (64, 128, 256, 512):
@@ -240,9 +284,10 @@ def _emulated_dq_kernel(q, do, kv, idx, ntiles, lse, dc, o=None, *, kernel, out_
     """What csa_dq_kernel computes, in jnp (its contract; see the bwd.py docstring). FUSE
     (Config.bwd_fuse_delta): dc holds dlse, the kernel subtracts delta = sum(o * dO) and
     writes the result out."""
-    from csa_jax.kernels.gluon import amd_bwd
+    from csa_jax.kernels.gluon import amd_bwd, bwd_alt
     amd_warps = amd_bwd.DQ_DEFAULTS["gfx950"]["warps"]
     assert (kernel, num_warps) in ((bwd.csa_dq_kernel, bwd.CONSUMER_WARPS),
+                                   (bwd_alt.csa_dq_alt_kernel, bwd_alt.NUM_WARPS),
                                    (amd_bwd.csa_dq_amd_kernel, amd_warps))
     BT = idx.shape[0]
     Hp, B = NHB * bwd.HB, BT // T
@@ -262,7 +307,7 @@ def _emulated_dq_kernel(q, do, kv, idx, ntiles, lse, dc, o=None, *, kernel, out_
     dt = out_shape[0].dtype
     dq = SCALE * jnp.einsum("thk,tkd->thd", ds.astype(dt).astype(f32), rows)
     dsp = jnp.stack([ds * SCALE, p], axis=1)                                  # [BT, 2, Hp, K]
-    if kernel is not bwd.csa_dq_kernel:        # the AMD kernel: (dq, dsp), no [q; dO] copy
+    if kernel is amd_bwd.csa_dq_amd_kernel:    # the AMD kernel: (dq, dsp), no [q; dO] copy
         return dq.reshape(BT * Hp, D).astype(dt), dsp.astype(out_shape[1].dtype)
     qdo = jnp.zeros(out_shape[2].shape, dt)
     if QDO:     # head block first: [BT, NHB, 2, 64, .], and the kernel's copy of [q; dO]
@@ -321,7 +366,8 @@ def _emulated_call(*args, kernel, **kw):
     (70, 40, 75, 32, False, False, "pallas_triton", "xla", "gfx950", False),
     (130, 24, 40, 16, True, False, "gluon", "xla", None, True),
     (20, 24, 40, 16, False, False, "pallas_triton", "xla", None, True),
-    (70, 40, 75, 32, False, False, "pallas_triton", "xla", "gfx950", True)])
+    (70, 40, 75, 32, False, False, "pallas_triton", "xla", "gfx950", True),
+    (130, 24, 40, 16, True, False, "gluon", "xla", None, "alternate")])
 def test_wrapper_against_dense_oracle(rng, monkeypatch, H, D, K, bk, qdo, narrow, reduce,
                                       interm, amd, fuse):
     """qdo = Config.bwd_qdo (the dq kernel writes [q; dO] and dsp head block first; 3 head
@@ -330,7 +376,8 @@ def test_wrapper_against_dense_oracle(rng, monkeypatch, H, D, K, bk, qdo, narrow
     emulated: their launch plumbing, K padded to 128 for the interm GEMM, the CSR map);
     amd: the ROCm route (amd_bwd.csa_dq_amd_kernel, same contract; never run on a GPU), which
     ignores fuse = Config.bwd_fuse_delta (dlse in, delta formed by the kernel, dlse - delta
-    out for dsink; here with Config.bwd_pair, whose kernel has the same contract)."""
+    out for dsink; here with Config.bwd_pair, whose kernel has the same contract; fuse =
+    "alternate": both with Config.bwd_schedule="alternate", bwd_alt's kernel, same contract)."""
     from csa_jax.common import sanitize_indices
     monkeypatch.setattr(adapter, "gluon_call", _emulated_call)
     q, kv, idx, sink = random_problem(rng, T=10, H=H, D=D, K=K, dtype=jnp.float32, empty_rows=2)
@@ -343,8 +390,9 @@ def test_wrapper_against_dense_oracle(rng, monkeypatch, H, D, K, bk, qdo, narrow
     dq, dkv, dsink = bwd.backward(q, kv, idx, sink, o, lse, do, dlse, scale=scale, block_k=bk,
                                   stages=2, producer_regs=96, qdo=qdo, narrow_keys=narrow,
                                   reduce=reduce, interm=interm, block_r=16 if qdo else 0,
-                                  interpret_reduce=True, amd=amd, fuse_delta=fuse,
-                                  pair=fuse and amd is None)
+                                  interpret_reduce=True, amd=amd, fuse_delta=bool(fuse),
+                                  pair=bool(fuse) and amd is None,
+                                  schedule="alternate" if fuse == "alternate" else "lockstep")
     _, _, rdq, rdkv, rdsink = dense_oracle(q, kv, idx, sink, scale, do, dlse)
     for what, got, want in (("dq", dq, rdq), ("dkv", dkv, rdkv), ("dsink", dsink, rdsink)):
         assert got.shape == want.shape, (what, got.shape, want.shape)

@@ -123,6 +123,14 @@ class Config:
         chunks while the producer copies q and dO; dlse - delta written out for dsink) instead
         of an XLA reduction reading o and dO (4.3 GB at Pro T = 16384). NVIDIA only (the AMD
         route ignores it).
+    bwd_schedule: the dq kernel's schedule: "lockstep" (bwd.py: one 8-warp consumer partition,
+        both warpgroups on every tile) or "alternate" (bwd_alt.py, the forward's alternating
+        schedule: two 4-warp consumer warpgroups owning alternate tiles, each computing its
+        tile's scores and dS on M = 128 paired [q; dO] rows, publishing dS in shared memory,
+        each running its column half of every tile's dq product, the other's tile behind its
+        own scores on the tensor pipe; even bwd_stages; bwd_pair is implied);
+        bwd_alt_regs: its consumer registers per thread (232: no spills; the producer gets
+        the rest, 40).
     bwd_narrow_keys: the dkv inverse map sorts int16 keys when N < 2**15 (same map).
     bwd_reduce: the dkv gather-reduce kernel: "pallas_triton" (the Pallas Triton impl's) or
         "gluon" (kernels/gluon/dkv.py: 16-byte loads, two chunks of rows in flight, f32 [R, D]
@@ -164,6 +172,8 @@ class Config:
     bwd_qdo: bool = False
     bwd_pair: bool = False
     bwd_fuse_delta: bool = False
+    bwd_schedule: str = "lockstep"
+    bwd_alt_regs: int = 232
     bwd_narrow_keys: bool = False
     bwd_reduce: str = "pallas_triton"
     bwd_block_r: int = 0
@@ -187,6 +197,19 @@ class Config:
         if self.bwd_pair and (self.bwd_prefetch or self.bwd_ablate):
             raise ValueError(f"bwd_pair=True has no bwd_prefetch / bwd_ablate modes (got "
                              f"bwd_prefetch={self.bwd_prefetch}, bwd_ablate={self.bwd_ablate})")
+        if self.bwd_schedule not in ("lockstep", "alternate"):
+            raise ValueError(f"bwd_schedule={self.bwd_schedule!r} must be 'lockstep' or "
+                             f"'alternate'")
+        if self.bwd_schedule == "alternate":
+            if self.bwd_stages % 2:
+                raise ValueError(f"bwd_schedule='alternate' needs an even bwd_stages, got "
+                                 f"{self.bwd_stages}")
+            if self.bwd_prefetch or self.bwd_ablate or self.bwd_dq_operand != "desc":
+                raise ValueError("bwd_schedule='alternate' has no bwd_prefetch / bwd_ablate / "
+                                 "bwd_dq_operand modes")
+        r = self.bwd_alt_regs
+        if isinstance(r, bool) or not isinstance(r, int) or r % 8 or not 128 <= r <= 240:
+            raise ValueError(f"bwd_alt_regs={r!r} must be a multiple of 8 in 128..240")
         if self.bwd_dq_operand not in ("desc", "desc_a", "ldsm_trans", "movmatrix"):
             raise ValueError(f"bwd_dq_operand={self.bwd_dq_operand!r} must be 'desc', 'desc_a', "
                              f"'ldsm_trans' or 'movmatrix'")
@@ -478,7 +501,8 @@ def backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, interpret, config):
                              producer_regs=config.producer_regs, prefetch=config.bwd_prefetch,
                              ablate=config.bwd_ablate, qdo=config.bwd_qdo,
                              dq_operand=config.bwd_dq_operand, pair=config.bwd_pair,
-                             fuse_delta=config.bwd_fuse_delta,
+                             fuse_delta=config.bwd_fuse_delta, schedule=config.bwd_schedule,
+                             alt_regs=config.bwd_alt_regs,
                              interm=config.bwd_interm,
                              interm_operand=config.bwd_interm_operand,
                              interm_stages=config.bwd_interm_stages,

@@ -107,15 +107,16 @@ def _dq_pair_producer(q_ptr, do_ptr, kv_ptr, idx_ptr, qdo_smem, ring, full, cons
 
 @gluon.jit
 def _store_qdo(qdo_ptr, qdo_smem, row, D: gl.constexpr, HBC: gl.constexpr,
-               PAIR: gl.constexpr):
+               PAIR: gl.constexpr, J0: gl.constexpr, NJ: gl.constexpr):
     """Copy this program's resident [q; dO] [2*HBC, D] from shared memory to qdo[row] (the
     interm GEMM's operand, in place of XLA's stack; q's rows then dO's, whatever the buffer's
-    row order, _qdo_row), 32 rows at a time, 16-byte stores."""
+    row order, _qdo_row), 32 rows at a time (chunks J0 .. J0+NJ-1 of the buffer), 16-byte
+    stores."""
     blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
     r = gl.arange(0, 32, layout=gl.SliceLayout(1, blk))
     c = gl.arange(0, D, layout=gl.SliceLayout(0, blk))
     base = qdo_ptr + row.to(gl.int64) * (2 * HBC * D)
-    for j in gl.static_range(2 * HBC // 32):
+    for j in gl.static_range(J0, J0 + NJ):
         v = qdo_smem.slice(32 * j, 32).load(blk)
         plane, head = _qdo_row(32 * j + r, HBC, PAIR)
         gl.store(base + (plane * HBC + head)[:, None] * D + c[None, :], v)
@@ -255,7 +256,7 @@ def _dq_pair_consumer(idx_ptr, lse_ptr, dc_ptr, fz, dq_ptr, dsp_ptr, qdo_ptr, qd
     acc = _dq_acc_layout(D, HBC, DQ_OP)
     mbarrier.wait(q_bar, 0)
     if QDO:
-        _store_qdo(qdo_ptr, qdo_smem, row, D, HBC, True)
+        _store_qdo(qdo_ptr, qdo_smem, row, D, HBC, True, 0, 2 * HBC // 32)
     for i in range(ntiles):
         s = i % STAGES
         mbarrier.wait(full.index(s), (i // STAGES) & 1)
@@ -310,7 +311,7 @@ def _dq_consumer(idx_ptr, lse_ptr, dc_ptr, fz, dq_ptr, dsp_ptr, qdo_ptr, qdo_sme
     mbarrier.wait(q_bar, 0)
     mbarrier.wait(do_bar, 0)
     if QDO:
-        _store_qdo(qdo_ptr, qdo_smem, row, D, HBC, False)
+        _store_qdo(qdo_ptr, qdo_smem, row, D, HBC, False, 0, 2 * HBC // 32)
     for i in range(ntiles):
         s = i % STAGES
         mbarrier.wait(full.index(s), (i // STAGES) & 1)
@@ -431,7 +432,7 @@ def constexprs(*, T, N, NHB, D, K, BK, stages, scale, producer_regs, prefetch=Fa
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_k", "stages", "producer_regs",
                                              "prefetch", "ablate", "qdo", "dq_operand", "pair",
-                                             "fuse_delta",
+                                             "fuse_delta", "schedule", "alt_regs",
                                              "interm", "interm_operand", "interm_stages",
                                              "interm_pipeline",
                                              "narrow_keys",
@@ -439,7 +440,7 @@ def constexprs(*, T, N, NHB, D, K, BK, stages, scale, producer_regs, prefetch=Fa
                                              "interpret_reduce", "amd"))
 def backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, block_k, stages, producer_regs,
              prefetch=False, ablate=0, qdo=False, dq_operand="desc", pair=False,
-             fuse_delta=False, interm="xla",
+             fuse_delta=False, schedule="lockstep", alt_regs=232, interm="xla",
              interm_operand="desc", interm_stages=4, interm_pipeline=False, narrow_keys=False,
              reduce="pallas_triton", block_r=0, reduce_warps=0, interpret_reduce=False,
              amd=None):
@@ -448,7 +449,9 @@ def backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, block_k, stages, prod
     sanitized (-1 for every empty or out-of-range slot). interpret_reduce runs the reduce kernel
     in the Pallas interpreter (the CPU test of this wrapper, with the dq kernel emulated).
     pair: the dq kernel's paired [q; dO] rows (no S / dP exchange; Config.bwd_pair);
-    fuse_delta: the dq kernel forms delta = sum(o * dO) itself (Config.bwd_fuse_delta).
+    fuse_delta: the dq kernel forms delta = sum(o * dO) itself (Config.bwd_fuse_delta);
+    schedule, alt_regs: "alternate" runs bwd_alt.csa_dq_alt_kernel (two consumer warpgroups
+    taking turns, paired rows; consumer registers alt_regs) instead of csa_dq_kernel.
     qdo: the dq kernel also writes the GEMM's stacked [q; dO] operand per head block (and dsp in
     the matching head-block-major layout), so XLA's stack of q and dO goes away; dq_operand:
     how the dq product takes the kv tile (_dq_product, Config.bwd_dq_operand); interm,
@@ -474,7 +477,12 @@ def backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, block_k, stages, prod
     # The Gluon interm GEMM walks slots in 128-row tiles: pad K to that (the dq kernel writes
     # exact zeros for the padding; padded slots are -1, in no inverse-map row).
     Hp, Dp, Kp = padded_dims(H, D, K, 128 if interm == "gluon" else block_k)
-    need = shared_bytes(D, block_k, stages, pair=pair)
+    alt = schedule == "alternate" and amd is None
+    if alt:
+        from csa_jax.kernels.gluon import bwd_alt
+        need = bwd_alt.shared_bytes(padded_dims(H, D, K, block_k)[1], block_k, stages)
+    else:
+        need = shared_bytes(D, block_k, stages, pair=pair)
     if amd is None and need > SMEM_LIMIT:
         raise ValueError(f"dq kernel tiles bwd_block_k={block_k}, bwd_stages={stages} at D={D} "
                          f"need {need} B of shared memory; the H200 has {SMEM_LIMIT} per block")
@@ -496,20 +504,27 @@ def backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, block_k, stages, prod
     if amd is None:
         dsp_shape = (B * T, nhb, 2, HB, Kp) if qdo else (B * T, 2, Hp, Kp)
         qdo_shape = (B * T, nhb, 2, HB, Dp) if qdo else (8,)     # (8,): unused, never written
-        kernel, warps, name = csa_dq_kernel, CONSUMER_WARPS, "csa_gluon_dq"
-        consts = constexprs(T=T, N=N, NHB=nhb, D=Dp, K=Kp, BK=block_k, stages=stages,
-                            scale=scale, producer_regs=producer_regs, prefetch=prefetch,
-                            ablate=ablate, qdo=qdo, dq_operand=dq_operand, pair=pair,
-                            fuse_delta=fuse_delta)
+        if alt:
+            kernel, warps, name = bwd_alt.csa_dq_alt_kernel, bwd_alt.NUM_WARPS, "csa_gluon_dq_alt"
+            consts = bwd_alt.constexprs(T=T, N=N, NHB=nhb, D=Dp, K=Kp, BK=block_k,
+                                        stages=stages, scale=scale, consumer_regs=alt_regs,
+                                        qdo=qdo, fuse_delta=fuse_delta)
+        else:
+            kernel, warps, name = csa_dq_kernel, CONSUMER_WARPS, "csa_gluon_dq"
+            consts = constexprs(T=T, N=N, NHB=nhb, D=Dp, K=Kp, BK=block_k, stages=stages,
+                                scale=scale, producer_regs=producer_regs, prefetch=prefetch,
+                                ablate=ablate, qdo=qdo, dq_operand=dq_operand, pair=pair,
+                                fuse_delta=fuse_delta)
         outs = [(B * T * Hp, Dp), dsp_shape, qdo_shape]
         # o (read only with fuse_delta; else dO stands in, never read) and the dcout output
         extra_in = [(pad(pad(o, 3, Dp), 2, Hp) if fuse_delta else do_p).reshape(-1, Dp)]
         extra_out = [jax.ShapeDtypeStruct((B * T * Hp,) if fuse_delta else (8,), f32)]
     else:
-        if qdo or pair or interm == "gluon" or dq_operand != "desc":  # (fuse_delta: ignored)
+        # (fuse_delta: ignored)
+        if qdo or pair or interm == "gluon" or dq_operand != "desc" or schedule != "lockstep":
             raise ValueError(f"bwd_qdo={qdo}, bwd_pair={pair}, bwd_interm={interm!r}, "
-                             f"bwd_dq_operand={dq_operand!r}: NVIDIA-only options (not on "
-                             f"{amd})")
+                             f"bwd_dq_operand={dq_operand!r}, bwd_schedule={schedule!r}: "
+                             f"NVIDIA-only options (not on {amd})")
         from csa_jax.kernels.gluon import amd_bwd
         from csa_jax.kernels.gluon.dims import AMD_LDS, amd_lds_bytes
         a = amd_bwd.DQ_DEFAULTS[amd]
