@@ -2,7 +2,7 @@
 
     python -m benchmarks.gluon_bwd_check [--parts grad,det,time] [--out f.json]
         [--shapes pro:4:4096,pro:4:16384] [--variants 'bk16:bwd_block_k=16,bwd_stages=4']
-        [--grad-variants ...] [--grad-cases h64_d512_f16_sink,...] [--skip default,e2e,dq,step]
+        [--grad-variants ...] [--grad-cases h64_d512_f16_sink,...] [--skip default,e2e,dq,...]
 
 Parts:
   grad  the backward alone on fresh random inputs (-1 slots anywhere, out-of-range ids made
@@ -16,8 +16,10 @@ Parts:
         pallas_triton and gluon (+ variants) at V4 shapes, each checked against pallas_triton
         in the same call (except benchmark-only bwd_ablate variants); the step (value and grad
         of the loss) of both.
---skip (to fit a short GPU call): default = the grad part checks only the --grad-variants, not
-the default config; e2e = no jax.grad case; dq = no dq-only timing; step = no step timing.
+--skip (to fit a short GPU call): default = the grad part checks only the variants, not the
+default config; e2e = no jax.grad case; dq = no dq-only timing; step = no step timing;
+pallas, time_default = no pallas_triton / gluon default row in the time part (the first row
+timed is the reference of the others' error check).
 One JSON line per check (helpers from gluon_check.py); exits non-zero if any check fails.
 """
 from __future__ import annotations
@@ -144,8 +146,9 @@ def part_time(seed, shapes, variants, skip=()):
         o, lse = g.forward(pr.q, pr.kv, pr.idx, pr.sink, scale=c.scale, interpret=False,
                            config=gcfg)
         args = (pr.q, pr.kv, pr.idx, pr.sink, o, lse, pr.do, pr.dlse)
-        runs = [("pallas_triton", registry.get("pallas_triton"), None)]
-        runs += [("gluon:" + v, g, cfg) for v, cfg in variants(pr.q.shape)]
+        runs = [] if "pallas" in skip else [("pallas_triton", registry.get("pallas_triton"), None)]
+        runs += [("gluon:" + v, g, cfg) for v, cfg in variants(pr.q.shape)
+                 if not (v == "default" and "time_default" in skip)]
         ref = None
         for name, mod, cfg in runs:
             try:
@@ -167,9 +170,9 @@ def part_time(seed, shapes, variants, skip=()):
                 elif getattr(cfg, "bwd_ablate", 0):
                     row["ablated"] = cfg.bwd_ablate          # wrong results by design: no check
                 else:
-                    row["err_vs_pallas_triton"] = {
-                        n: rel(a, b) for n, a, b in zip(("dq", "dkv", "dsink"), out, ref)}
-                    row["ok"] = all(e <= 2e-2 for e in row["err_vs_pallas_triton"].values())
+                    key = "err_vs_" + runs[0][0].replace("gluon:", "")
+                    row[key] = {n: rel(a, b) for n, a, b in zip(("dq", "dkv", "dsink"), out, ref)}
+                    row["ok"] = all(e <= 2e-2 for e in row[key].values())
                 report(**row)
                 del out
             except Exception as e:  # noqa: BLE001
@@ -219,15 +222,17 @@ def main(argv=None):
     ap.add_argument("--variants", default="")
     ap.add_argument("--grad-variants", default="")
     ap.add_argument("--grad-cases", default="", help="comma list of CASES names (default all)")
-    ap.add_argument("--skip", default="", help="comma list of default,e2e,dq,step")
+    ap.add_argument("--skip", default="",
+                    help="comma list of default,e2e,dq,step,pallas,time_default")
     ap.add_argument("--seed", type=int, default=int(time.time()) % 100000)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     print(f"# device {jax.devices()[0].device_kind}, jax {jax.__version__}, seed {args.seed}",
           flush=True)
     skip = set(x for x in args.skip.split(",") if x)
-    if skip - {"default", "e2e", "dq", "step"}:
-        ap.error(f"--skip {args.skip!r}: only default, e2e, dq, step")
+    known = {"default", "e2e", "dq", "step", "pallas", "time_default"}
+    if skip - known:
+        ap.error(f"--skip {args.skip!r}: only {', '.join(sorted(known))}")
     names = {c[0] for c in CASES}
     if set(x for x in args.grad_cases.split(",") if x) - names:
         ap.error(f"--grad-cases {args.grad_cases!r}: cases are {sorted(names)}")
