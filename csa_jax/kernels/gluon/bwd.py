@@ -232,6 +232,50 @@ def _load_dc(dc_ptr, fz, row, hrows, D: gl.constexpr, HBC: gl.constexpr, FUSE: g
 
 
 @gluon.jit
+def _row_operands(lse_ptr, dc_ptr, fz, dsp_ptr, row, tok, hb, hrows, kcols, D: gl.constexpr,
+                  K: gl.constexpr, HP: gl.constexpr, HBC: gl.constexpr, QDO: gl.constexpr,
+                  FUSE: gl.constexpr):
+    """(lse * log2e, dlse - delta, scale*dS pointers, P pointers) of this program's heads at
+    (hrows, kcols), in their layout: what every dq kernel's tile loop reads per row."""
+    lse2 = gl.load(lse_ptr + row * HBC + hrows) * _LOG2E       # exp2 domain
+    dc = _load_dc(dc_ptr, fz, row, hrows, D, HBC, FUSE)        # dlse - delta
+    ds_ptrs, p_ptrs = _dsp_ptrs(dsp_ptr, tok, hb, hrows, kcols, HP, K, HBC, QDO)
+    return lse2, dc, ds_ptrs, p_ptrs
+
+
+@gluon.jit
+def _p_ds(sc, dp, ids, lse2, dc, QK_SCALE: gl.constexpr):
+    """p = exp(S * scale - lse) on valid slots (0 on empty ones), dS = p (dP + dlse - delta)."""
+    valid = (ids >= 0)[None, :]
+    p = gl.where(valid, gl.exp2(sc * QK_SCALE - lse2[:, None]), 0.0)
+    return p, p * (dp + dc[:, None])
+
+
+@gluon.jit
+def _store_dsp(ds_ptrs, p_ptrs, i, ds, p, BK: gl.constexpr, SCALE: gl.constexpr):
+    """Tile i's columns of dsp: scale * dS and P in dsp's dtype."""
+    dt: gl.constexpr = ds_ptrs.dtype.element_ty
+    gl.store(ds_ptrs + i * BK, (ds * SCALE).to(dt))
+    gl.store(p_ptrs + i * BK, p.to(dt))
+
+
+@gluon.jit
+def _pair_rows(sd_layout: gl.constexpr, lse_ptr, dc_ptr, fz, dsp_ptr, row, tok, hb,
+               D: gl.constexpr, K: gl.constexpr, HP: gl.constexpr, BK: gl.constexpr,
+               HBC: gl.constexpr, QDO: gl.constexpr, FUSE: gl.constexpr):
+    """The paired kernels' element-wise operands: (zero score accumulator [2*HBC, BK] in
+    sd_layout, slot columns, then _row_operands) in the layout _split_sd gives S and dP."""
+    sd_zero = gl.zeros([2 * HBC, BK], gl.float32, sd_layout)
+    sc0, dp0 = _split_sd(sd_zero, HBC, BK)
+    ew: gl.constexpr = sc0.type.layout
+    hrows = gl.arange(0, HBC, layout=gl.SliceLayout(1, ew))
+    kcols = gl.arange(0, BK, layout=gl.SliceLayout(0, ew))
+    lse2, dc, ds_ptrs, p_ptrs = _row_operands(lse_ptr, dc_ptr, fz, dsp_ptr, row, tok, hb, hrows,
+                                              kcols, D, K, HP, HBC, QDO, FUSE)
+    return sd_zero, kcols, lse2, dc, ds_ptrs, p_ptrs
+
+
+@gluon.jit
 def _dq_pair_consumer(idx_ptr, lse_ptr, dc_ptr, fz, dq_ptr, dsp_ptr, qdo_ptr, qdo_smem, ring,
                       full, consumed, q_bar, ds_smem, row, tok, hb, ntiles, D: gl.constexpr,
                       K: gl.constexpr, HP: gl.constexpr, BK: gl.constexpr,
@@ -245,14 +289,9 @@ def _dq_pair_consumer(idx_ptr, lse_ptr, dc_ptr, fz, dq_ptr, dsp_ptr, qdo_ptr, qd
     sd_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, BK, 16])
     dt: gl.constexpr = dsp_ptr.dtype.element_ty
-    sd_zero = gl.zeros([2 * HBC, BK], gl.float32, sd_layout)
-    sc0, dp0 = _split_sd(sd_zero, HBC, BK)
-    ew: gl.constexpr = sc0.type.layout
-    hrows = gl.arange(0, HBC, layout=gl.SliceLayout(1, ew))
-    kcols = gl.arange(0, BK, layout=gl.SliceLayout(0, ew))
-    lse2 = gl.load(lse_ptr + row * HBC + hrows) * _LOG2E       # exp2 domain
-    dc = _load_dc(dc_ptr, fz, row, hrows, D, HBC, FUSE)        # dlse - delta
-    ds_ptrs, p_ptrs = _dsp_ptrs(dsp_ptr, tok, hb, hrows, kcols, HP, K, HBC, QDO)
+    sd_zero, kcols, lse2, dc, ds_ptrs, p_ptrs = _pair_rows(
+        sd_layout, lse_ptr, dc_ptr, fz, dsp_ptr, row, tok, hb, D, K, HP, BK, HBC, QDO, FUSE)
+    ew: gl.constexpr = ds_ptrs.type.layout
     acc = _dq_acc_layout(D, HBC, DQ_OP)
     mbarrier.wait(q_bar, 0)
     if QDO:
@@ -265,11 +304,8 @@ def _dq_pair_consumer(idx_ptr, lse_ptr, dc_ptr, fz, dq_ptr, dsp_ptr, qdo_ptr, qd
         ids = gl.load(idx_ptr + i * BK + kcols)    # (under the score product's wait)
         sd = warpgroup_mma(qdo_smem, tile.permute((1, 0)), sd_zero, use_acc=False)
         sc, dp = _split_sd(sd, HBC, BK)
-        valid = (ids >= 0)[None, :]
-        p = gl.where(valid, gl.exp2(sc * QK_SCALE - lse2[:, None]), 0.0)
-        ds = p * (dp + dc[:, None])
-        gl.store(ds_ptrs + i * BK, (ds * SCALE).to(dt))
-        gl.store(p_ptrs + i * BK, p.to(dt))
+        p, ds = _p_ds(sc, dp, ids, lse2, dc, QK_SCALE)
+        _store_dsp(ds_ptrs, p_ptrs, i, ds, p, BK, SCALE)
         ds_smem.store(ds.to(dt))
         fence_async_shared()          # generic-proxy stores -> wgmma reads
         gl.thread_barrier()
@@ -302,9 +338,8 @@ def _dq_consumer(idx_ptr, lse_ptr, dc_ptr, fz, dq_ptr, dsp_ptr, qdo_ptr, qdo_sme
 
     hrows = gl.arange(0, HBC, layout=erow)
     kcols = gl.arange(0, BK, layout=ecol)
-    lse2 = gl.load(lse_ptr + row * HBC + hrows) * _LOG2E       # exp2 domain
-    dc = _load_dc(dc_ptr, fz, row, hrows, D, HBC, FUSE)        # dlse - delta
-    ds_ptrs, p_ptrs = _dsp_ptrs(dsp_ptr, tok, hb, hrows, kcols, HP, K, HBC, QDO)
+    lse2, dc, ds_ptrs, p_ptrs = _row_operands(lse_ptr, dc_ptr, fz, dsp_ptr, row, tok, hb, hrows,
+                                              kcols, D, K, HP, HBC, QDO, FUSE)
     sd_zero = gl.zeros([2 * HBC, BK], gl.float32, sd_layout)
     acc = _dq_acc_layout(D, HBC, DQ_OP)
     ids_next = gl.load(idx_ptr + kcols)                 # tile 0's ids (K >= BK), PREFETCH only
@@ -329,12 +364,9 @@ def _dq_consumer(idx_ptr, lse_ptr, dc_ptr, fz, dq_ptr, dsp_ptr, qdo_ptr, qdo_sme
             sc = sd_smem.slice(0, HBC).load(ew)
             dp = sd_smem.slice(HBC, HBC).load(ew)
             ids, ids_next = _next_ids(idx_ptr, ids_next, i, kcols, K, BK, PREFETCH)
-            valid = (ids >= 0)[None, :]
-            p = gl.where(valid, gl.exp2(sc * QK_SCALE - lse2[:, None]), 0.0)
-            ds = p * (dp + dc[:, None])
+            p, ds = _p_ds(sc, dp, ids, lse2, dc, QK_SCALE)
             if ABLATE != 1:
-                gl.store(ds_ptrs + i * BK, (ds * SCALE).to(dt))
-                gl.store(p_ptrs + i * BK, p.to(dt))
+                _store_dsp(ds_ptrs, p_ptrs, i, ds, p, BK, SCALE)
             ds_smem.store(ds.to(dt))
             fence_async_shared()      # generic-proxy stores -> wgmma reads
             gl.thread_barrier()

@@ -29,14 +29,13 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait)
 
-from csa_jax.kernels.gluon.bwd import (_dq_pair_producer, _dsp_ptrs, _load_dc, _split_sd,
-                                       _store_qdo)
+from csa_jax.kernels.gluon.bwd import (_dq_pair_producer, _p_ds, _pair_rows, _split_sd,
+                                       _store_dsp, _store_qdo)
 from csa_jax.kernels.gluon.fwd import LOG2E, PRODUCER_WARPS, _program
 from csa_jax.kernels.gluon.fwd_alt import REG_FILE, _opaque, _release
 
 WG_WARPS = gl.constexpr(4)   # each consumer partition is one warpgroup
 NUM_WARPS = 4                # the default partition (the producer); 12 warps in all
-_LOG2E = gl.constexpr(LOG2E)
 
 
 @gluon.jit
@@ -67,14 +66,9 @@ def _alt_dq_consumer(idx_ptr, lse_ptr, dc_ptr, fz, dq_ptr, dsp_ptr, qdo_ptr, qdo
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DH, 16])
     dt: gl.constexpr = dsp_ptr.dtype.element_ty
-    sd_zero = gl.zeros([2 * HBC, BK], gl.float32, sd_layout)
-    sc0, dp0 = _split_sd(sd_zero, HBC, BK)
-    ew: gl.constexpr = sc0.type.layout
-    hrows = gl.arange(0, HBC, layout=gl.SliceLayout(1, ew))
-    kcols = gl.arange(0, BK, layout=gl.SliceLayout(0, ew))
-    lse2 = gl.load(lse_ptr + row * HBC + hrows) * _LOG2E       # exp2 domain
-    dc = _load_dc(dc_ptr, fz, row, hrows, D, HBC, FUSE)        # dlse - delta
-    ds_ptrs, p_ptrs = _dsp_ptrs(dsp_ptr, tok, hb, hrows, kcols, HP, K, HBC, QDO)
+    sd_zero, kcols, lse2, dc, ds_ptrs, p_ptrs = _pair_rows(
+        sd_layout, lse_ptr, dc_ptr, fz, dsp_ptr, row, tok, hb, D, K, HP, BK, HBC, QDO, FUSE)
+    ew: gl.constexpr = ds_ptrs.type.layout
     acc = gl.zeros([HBC, DH], gl.float32, acc_layout)
     own_ds = ds_bufs.index(W)
     oth_ds = ds_bufs.index(OTHER)
@@ -103,11 +97,8 @@ def _alt_dq_consumer(idx_ptr, lse_ptr, dc_ptr, fz, dq_ptr, dsp_ptr, qdo_ptr, qdo
             acc = warpgroup_mma_init(warpgroup_mma_wait(0, deps=[acc]))
         sd = warpgroup_mma_wait(1, deps=[sd])
         sc, dp = _split_sd(sd, HBC, BK)
-        valid = (ids >= 0)[None, :]
-        p = gl.where(valid, gl.exp2(sc * QK_SCALE - lse2[:, None]), 0.0)
-        ds = p * (dp + dc[:, None])
-        gl.store(ds_ptrs + i * BK, (ds * SCALE).to(dt))
-        gl.store(p_ptrs + i * BK, p.to(dt))
+        p, ds = _p_ds(sc, dp, ids, lse2, dc, QK_SCALE)
+        _store_dsp(ds_ptrs, p_ptrs, i, ds, p, BK, SCALE)
         if i >= 2:
             mbarrier.wait(exfree.index(W), ((i // 2) - 1) & 1)   # the other read dS_{i-2}
         own_ds.store(ds.to(dt))
