@@ -349,10 +349,16 @@ def default_config(q_shape, kv_shape, idx_shape, dtype) -> Config:
 
 def _bwd_default(D, cfg):
     """The dq kernel's tiles: the largest (rows, stages) of 64x3, 64x2, 32x3, 32x2, 16x4 whose
-    buffers fit (32 x 2 at D = 512); dims.dq_shared_bytes counts every buffer and barrier."""
-    from csa_jax.kernels.gluon.dims import SMEM_LIMIT, dq_shared_bytes as bwd_bytes
+    buffers fit (32 x 2 at D = 512); dims.dq_shared_bytes counts every buffer and barrier
+    (dq_alt_shared_bytes and even stages only for bwd_schedule="alternate")."""
+    from csa_jax.kernels.gluon.dims import SMEM_LIMIT, dq_alt_shared_bytes, dq_shared_bytes
+    alt = cfg.bwd_schedule == "alternate"
     for bk, st in ((64, 3), (64, 2), (32, 3), (32, 2), (16, 4)):
-        if bwd_bytes(D, bk, st) <= SMEM_LIMIT - 8192:
+        if alt and st % 2:
+            continue
+        need = (dq_alt_shared_bytes(D, bk, st) if alt else
+                dq_shared_bytes(D, bk, st, pair=cfg.bwd_pair))
+        if need <= SMEM_LIMIT - 8192:
             return dataclasses.replace(cfg, bwd_block_k=bk, bwd_stages=st)
     return cfg
 

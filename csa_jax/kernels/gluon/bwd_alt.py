@@ -31,6 +31,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from csa_jax.kernels.gluon.bwd import (_dq_pair_producer, _p_ds, _pair_rows, _split_sd,
                                        _store_dsp, _store_qdo)
+from csa_jax.kernels.gluon.dims import dq_alt_shared_bytes
 from csa_jax.kernels.gluon.fwd import LOG2E, PRODUCER_WARPS, _program
 from csa_jax.kernels.gluon.fwd_alt import REG_FILE, _opaque, _release
 
@@ -174,9 +175,8 @@ def csa_dq_alt_kernel(q_ptr, do_ptr, kv_ptr, idx_ptr, ntiles_ptr, lse_ptr, dc_pt
 
 
 def shared_bytes(D, block_k, stages, itemsize=2):
-    """[q; dO], the ring, the two dS buffers, the barriers."""
-    return (128 + stages * block_k) * D * itemsize + 2 * 64 * block_k * itemsize + 8 * (
-        2 * stages + 5)
+    """[q; dO], the ring, the two dS buffers, the barriers (dims.dq_alt_shared_bytes)."""
+    return dq_alt_shared_bytes(D, block_k, stages, itemsize)
 
 
 def producer_regs(consumer_regs):

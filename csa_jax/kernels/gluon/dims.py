@@ -26,6 +26,14 @@ def dq_shared_bytes(D, block_k, stages, itemsize=2, pair=False):
             + HB * block_k * itemsize + 8 * (2 * stages + 2))
 
 
+def dq_alt_shared_bytes(D, block_k, stages, itemsize=2):
+    """Shared memory of the alternating dq kernel (bwd_alt.py): [q; dO], the ring, the two dS
+    buffers, the barriers."""
+    Dp = padded_dims(HB, D, block_k, block_k)[1]
+    return (2 * HB + stages * block_k) * Dp * itemsize + 2 * HB * block_k * itemsize + 8 * (
+        2 * stages + 5)
+
+
 # AMD targets of amd_fwd.py and their default tiles at D = 512 (block_k rows a tile, stages of
 # the LDS ring, warps a program), chosen from the CPU compile report (docs/perf/gpu_resources.md):
 # gfx942 (64 KiB LDS): one 32-row stage + the next tile in registers, 4 warps (8 warps spill:
