@@ -269,6 +269,20 @@ def test_default_config_backward_options(monkeypatch):
     assert (c.bwd_qdo, c.bwd_reduce) == (False, "pallas_triton"), c
 
 
+def test_dq_tiles_follow_the_schedule():
+    """_bwd_default: the alternating dq kernel gets an even ring depth inside the H200's shared
+    memory (dims.dq_alt_shared_bytes); bwd_pair's smaller buffers keep the lockstep tiles."""
+    from csa_jax.kernels.gluon.dims import SMEM_LIMIT, dq_alt_shared_bytes
+    for D in (64, 128, 256, 512):
+        alt = gluon._bwd_default(D, gluon.Config(bwd_schedule="alternate"))
+        assert alt.bwd_stages % 2 == 0 and dq_alt_shared_bytes(
+            D, alt.bwd_block_k, alt.bwd_stages) <= SMEM_LIMIT - 8192, (D, alt)
+        lock = gluon._bwd_default(D, gluon.Config())
+        pair = gluon._bwd_default(D, gluon.Config(bwd_pair=True))
+        assert (pair.bwd_block_k, pair.bwd_stages) == (lock.bwd_block_k, lock.bwd_stages)
+    assert (alt.bwd_block_k, alt.bwd_stages) == (32, 2)                  # D = 512
+
+
 def test_oversized_tiles_are_refused_by_name():
     q = jnp.zeros((1, 4, 64, 512), jnp.bfloat16)
     kv = jnp.zeros((1, 8, 512), jnp.bfloat16)
