@@ -468,3 +468,45 @@ def test_dkv_parts_benchmark_dry_run():
     assert timed == {"stack", "gemm", "gemm_qdo", "invmap", "invmap16", "reduce", "reduce_16_4",
                      "read", "dkv"}, timed
     assert [r["ok"] for r in rows if r["piece"] == "invmap16_same"] == [True]
+
+
+def test_bwd_check_selection_dry_run(monkeypatch):
+    """benchmarks/gluon_bwd_check.py's --grad-cases / --skip on a CPU, the gluon and
+    pallas_triton impls stood in for by xla (Gluon cannot run here) and the timed problem made
+    tiny: which rows each option leaves, and that every row still reports and passes."""
+    import csa_jax
+    from benchmarks import gluon_bwd_check as gb, gluon_check
+    from csa_jax import problems, registry
+    xla = registry.get("xla")
+
+    class Stand:                       # the gluon impl's Config, xla's numbers
+        Config = gluon.Config
+        default_config = staticmethod(gluon.default_config)
+
+        @staticmethod
+        def forward(q, kv, idx, s, *, scale, interpret, config):
+            return xla.forward(q, kv, idx, s, scale=scale, interpret=False, config=xla.Config())
+
+        @staticmethod
+        def backward(*a, scale, interpret, config):
+            return xla.backward(*a, scale=scale, interpret=False, config=xla.Config())
+
+    real_get, real_make = registry.get, problems.make_problem
+    monkeypatch.setattr(registry, "get",
+                        lambda n: Stand if n in ("gluon", "pallas_triton") else real_get(n))
+    monkeypatch.setattr(problems, "make_problem", lambda c, T, **kw: real_make(c, 32, **kw))
+    del csa_jax
+    v = "pf:bwd_pair=true,bwd_fuse_delta=true"
+    start = len(gluon_check.RESULTS)
+    assert gb.main(["--parts", "grad,time", "--grad-variants", v, "--variants", v,
+                    "--grad-cases", "h16_d64_bf16_sink_pad", "--shapes", "flash:0:64",
+                    "--skip", "default,e2e,dq,step,pallas"]) == 0
+    rows = gluon_check.RESULTS[start:]
+    assert [(r["part"], r.get("case"), r.get("variant")) for r in rows if r["part"] == "grad"] == [
+        ("grad", "h16_d64_bf16_sink_pad", "pf")]
+    timed = [r for r in rows if r["part"] == "time"]
+    assert [r["impl"] for r in timed] == ["gluon:default", "gluon:pf"]
+    assert timed[0]["dq_ms"] is None and "err_vs_default" in timed[1] and timed[1]["ok"]
+    assert not [r for r in rows if r["part"] == "step"]
+    with pytest.raises(SystemExit):
+        gb.main(["--parts", "grad", "--skip", "nothing"])
