@@ -89,7 +89,7 @@ class Config:
     alt_split: schedule="alternate" only: each ring stage in two column halves with their own
         barriers (the producer refills a half as soon as its readers are done; FlashMLA's
         half-D pipelining; measured no faster than without).
-    bwd: "gluon" (the dq kernel of bwd.py, dkv by the Pallas Triton GEMM + reduce) or
+    bwd: "gluon" (the dq kernel of bwd.py, dkv by the per-slot GEMM + inverse-map reduce) or
         "pallas_triton" (its whole backward); bwd_block_k (16, 32, 64) and bwd_stages: the dq
         kernel's ring tile rows and depth (32 x 2 at D = 512: [q; dO] 128 KiB + 2 x 32 KiB).
     bwd_prefetch: the dq kernel loads the next tile's row ids ahead (producer and consumers, as

@@ -19,13 +19,18 @@ dq kernel, one program (CTA) = 64 heads of one token (as the forward, fwd.py):
   5. the stage is released (fwd._release). Tiles past the token's last non-empty one are not
      walked; their dsp columns are written as zeros. dq = scale * acc in q's dtype.
 
+Config.bwd_pair (_dq_pair_producer / _dq_pair_consumer): q and dO rows interleaved by 8 in the
+resident buffer, so the score product's accumulator holds S and dP of a (head, slot) in one
+thread and the exchange of step 2 goes away (_split_sd); bwd_alt.py is the alternating schedule on
+the same layout. Config.bwd_fuse_delta: the consumers form delta from o and dO (_load_dc).
+
 dkv stays deterministic: interm[t] = [scale*dS; P]^T [q; dO], one batched GEMM per token in XLA,
 then a CSR inverse-map gather-reduce kernel (no atomics; empty slots have no inverse-map entry):
 the Pallas Triton impl's, or the Gluon one of dkv.py (Config.bwd_reduce). With Config.bwd_qdo the
 dq kernel also copies its resident [q; dO] out (the GEMM's operand, no XLA stack) and lays dsp
 out head block first to match. Config.bwd_dq_operand picks how the dq product takes the kv tile
-(the transposed-operand ablation, _dq_product). delta = sum(o * dO) and dsink = sum_t exp(sink -
-lse) (dlse - delta) are XLA reductions.
+(the transposed-operand ablation, _dq_product). dsink = sum_t exp(sink - lse) (dlse - delta) is
+an XLA reduction, delta = sum(o * dO) too unless fused.
 """
 from __future__ import annotations
 
@@ -476,25 +481,16 @@ def backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, block_k, stages, prod
              interm_operand="desc", interm_stages=4, interm_pipeline=False, narrow_keys=False,
              reduce="pallas_triton", block_r=0, reduce_warps=0, interpret_reduce=False,
              amd=None):
-    """(dq, dkv, dsink): dq by csa_dq_kernel, dkv by the deterministic interm GEMM + inverse-map
-    reduce of the Pallas Triton impl, dsink and delta in XLA (CUDA only). idx must already be
-    sanitized (-1 for every empty or out-of-range slot). interpret_reduce runs the reduce kernel
-    in the Pallas interpreter (the CPU test of this wrapper, with the dq kernel emulated).
-    pair: the dq kernel's paired [q; dO] rows (no S / dP exchange; Config.bwd_pair);
-    fuse_delta: the dq kernel forms delta = sum(o * dO) itself (Config.bwd_fuse_delta);
-    schedule, alt_regs: "alternate" runs bwd_alt.csa_dq_alt_kernel (two consumer warpgroups
-    taking turns, paired rows; consumer registers alt_regs) instead of csa_dq_kernel.
-    qdo: the dq kernel also writes the GEMM's stacked [q; dO] operand per head block (and dsp in
-    the matching head-block-major layout), so XLA's stack of q and dO goes away; dq_operand:
-    how the dq product takes the kv tile (_dq_product, Config.bwd_dq_operand); interm,
-    interm_operand, interm_stages, interm_pipeline: the interm GEMM in XLA or in Gluon
-    (interm.py); narrow_keys,
-    reduce, block_r, reduce_warps: the inverse map's int16 sort keys, which gather-reduce
-    kernel ("pallas_triton" or "gluon": dkv.py), its rows per step and warps (0 = its default;
-    Config.bwd_*).
-    amd: a gfx architecture (amd_bwd.DQ_DEFAULTS) -> amd_bwd.csa_dq_amd_kernel, same contract,
-    at block_k / stages (producer_regs, prefetch, ablate unused; qdo, dq_operand and the Gluon
-    interm GEMM are NVIDIA-only); NEVER RUN (no AMD GPU)."""
+    """(dq, dkv, dsink): dq by csa_dq_kernel (or bwd_alt's), dkv by the deterministic interm
+    GEMM + inverse-map reduce, dsink (and delta, unless fused) in XLA (CUDA only). idx must be
+    sanitized (-1 for every empty or out-of-range slot). The keywords are the Config.bwd_*
+    fields of the same names (block_k, stages, producer_regs, prefetch, ablate, qdo, dq_operand,
+    pair, fuse_delta, schedule, alt_regs, interm*, narrow_keys, reduce, block_r, reduce_warps;
+    see Config); interpret_reduce runs the Pallas reduce in its interpreter (the CPU test of
+    this wrapper, with the dq kernel emulated). amd: a gfx architecture (amd_bwd.DQ_DEFAULTS)
+    -> amd_bwd.csa_dq_amd_kernel, same contract, at block_k / stages (producer_regs, prefetch,
+    ablate, fuse_delta unused; qdo, pair, dq_operand, schedule and the Gluon interm GEMM are
+    NVIDIA-only); NEVER RUN (no AMD GPU)."""
     import jax.numpy as jnp
     from csa_jax.kernels.gluon.adapter import gluon_call
     # The Pallas Triton impl's padding helpers and its dkv path (kernels/triton: plan.py,
