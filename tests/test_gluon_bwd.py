@@ -416,14 +416,34 @@ def test_wrapper_against_dense_oracle(rng, monkeypatch, H, D, K, bk, qdo, narrow
 
 
 @pytest.mark.parametrize("target", ["gfx942", "gfx950", "gfx1250"])
-def test_dq_kernel_is_nvidia_only(target):
-    """wgmma, NVMMA layouts, cp.async and setmaxnreg: the AMD backends reject the kernel while
-    building it (a RuntimeError from Triton's parser or pass manager), not later at launch."""
+@pytest.mark.parametrize("kind", ["lockstep", "pair", "alternate"])
+def test_dq_kernel_is_nvidia_only(target, kind):
+    """wgmma, NVMMA layouts, cp.async and setmaxnreg: the AMD backends reject the kernels (the
+    lockstep one, with bwd_pair, the alternating one) while building them (a RuntimeError from
+    Triton's parser or pass manager), not later at launch; the wrapper refuses the NVIDIA-only
+    options by name on the AMD route (test_wrapper_against_dense_oracle's gfx950 rows)."""
+    from csa_jax.kernels.gluon import bwd_alt
+    dims = dict(T=64, N=300, NHB=2, D=512, K=192, BK=32, stages=2, scale=0.1)
+    if kind == "alternate":
+        fn, consts, warps = bwd_alt.csa_dq_alt_kernel, bwd_alt.constexprs(**dims), 4
+    else:
+        fn, warps = bwd.csa_dq_kernel, bwd.CONSUMER_WARPS
+        consts = bwd.constexprs(**dims, producer_regs=96, pair=kind == "pair")
     with pytest.raises(RuntimeError):
-        adapter.compile_kernel(
-            bwd.csa_dq_kernel, bwd.arg_types("bf16"),
-            bwd.constexprs(T=64, N=300, NHB=2, D=512, K=192, BK=32, stages=2, scale=0.1,
-                           producer_regs=96), target=target, num_warps=bwd.CONSUMER_WARPS)
+        adapter.compile_kernel(fn, bwd.arg_types("bf16"), consts, target=target,
+                               num_warps=warps)
+
+
+def test_amd_route_refuses_nvidia_only_options():
+    q = jnp.zeros((1, 4, 64, 512), jnp.bfloat16)
+    kv = jnp.zeros((1, 8, 512), jnp.bfloat16)
+    idx = jnp.zeros((1, 4, 64), jnp.int32)
+    f32 = jnp.zeros((1, 4, 64), jnp.float32)
+    for kw, name in ((dict(pair=True), "bwd_pair=True"),
+                     (dict(schedule="alternate"), "bwd_schedule='alternate'")):
+        with pytest.raises(ValueError, match=name):
+            bwd.backward(q, kv, idx, jnp.zeros(64), q, f32, q, f32, scale=0.1, block_k=32,
+                         stages=1, producer_regs=96, amd="gfx942", **kw)
 
 
 def test_transpose_probe_modes_compile_to_the_three_ways():
