@@ -258,15 +258,19 @@ def test_config_switch():
 
 
 def test_default_config_backward_options(monkeypatch):
-    """default_config: on NVIDIA (here: not an AMD device) the dq kernel writes [q; dO] and the
-    Gluon reduce sums dkv (gluon.NVIDIA_BWD, checked against xla on the H200); the AMD route,
-    which refuses bwd_qdo, keeps the Pallas Triton reduce."""
+    """default_config: on NVIDIA (here: not an AMD device) the dq kernel writes [q; dO], pairs
+    the q / dO rows and forms delta, and the Gluon reduce sums dkv (gluon.NVIDIA_BWD, checked
+    against xla on the H200); the AMD route, which refuses bwd_qdo / bwd_pair, keeps the Pallas
+    Triton reduce."""
     c = gluon.default_config((1, 8, 128, 512), None, None, jnp.bfloat16)
-    assert (c.bwd_qdo, c.bwd_reduce) == (True, "gluon"), c
-    assert gluon.NVIDIA_BWD == dict(bwd_qdo=True, bwd_reduce="gluon")
+    assert (c.bwd_qdo, c.bwd_reduce, c.bwd_pair, c.bwd_fuse_delta) == (True, "gluon", True,
+                                                                         True), c
+    assert c.bwd_schedule == "lockstep" and (c.bwd_block_k, c.bwd_stages) == (32, 2), c
+    assert gluon.NVIDIA_BWD == dict(bwd_qdo=True, bwd_reduce="gluon", bwd_pair=True,
+                                    bwd_fuse_delta=True)
     monkeypatch.setattr(gluon, "_amd", lambda: "gfx950")
     c = gluon.default_config((1, 8, 128, 512), None, None, jnp.bfloat16)
-    assert (c.bwd_qdo, c.bwd_reduce) == (False, "pallas_triton"), c
+    assert (c.bwd_qdo, c.bwd_reduce, c.bwd_pair) == (False, "pallas_triton", False), c
 
 
 def test_dq_tiles_follow_the_schedule():

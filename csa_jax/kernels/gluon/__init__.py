@@ -321,17 +321,20 @@ def shared_bytes(D, config, itemsize=2):
 _SMEM_BUDGET = 232_448 - 16_384      # the H200's per-block limit minus compiler scratch
 
 
-# The backward's dkv options default_config turns on for NVIDIA (measured at Pro cr4 T=16384:
-# backward 36.25 vs 41.51 ms; every gradient case against xla passed on the H200, empty and
-# out-of-range slots and both cotangents included: docs/perf/gluon_bwd_h200.md). The AMD route
-# refuses bwd_qdo and keeps the Pallas Triton reduce.
-NVIDIA_BWD = dict(bwd_qdo=True, bwd_reduce="gluon")
+# The backward options default_config turns on for NVIDIA (docs/perf/gluon_bwd_h200.md, part 3):
+# bwd_qdo + the Gluon reduce (measured at Pro cr4 T=16384: backward 36.25 vs 41.51 ms), and the
+# dq kernel's paired rows (no S / dP exchange) with delta formed in the kernel (not timed before
+# the freeze: chosen from the byte / barrier counts). Every gradient case against xla passed on
+# the H200 for both steps (empty and out-of-range slots, both cotangents, sink, f16, D = 64).
+# The AMD route refuses bwd_qdo / bwd_pair and keeps the Pallas Triton reduce.
+NVIDIA_BWD = dict(bwd_qdo=True, bwd_reduce="gluon", bwd_pair=True, bwd_fuse_delta=True)
 
 
 def default_config(q_shape, kv_shape, idx_shape, dtype) -> Config:
     """block_k 64, 2 stages at D = 512 (the most that fits the H200's 227 KiB), more stages for
     smaller D while they fit; block_k 32 if even 2 stages of 64 rows would not fit. On NVIDIA
-    the backward also takes NVIDIA_BWD (the dq kernel writes [q; dO], the Gluon reduce)."""
+    the backward also takes NVIDIA_BWD (the dq kernel writes [q; dO], pairs q / dO rows and
+    forms delta; the Gluon reduce)."""
     del kv_shape, idx_shape
     D = q_shape[3]
     arch = _amd()
