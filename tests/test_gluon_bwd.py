@@ -156,9 +156,11 @@ def test_dq_kernel_pair_compiles(qdo, fuse):
     assert (ptx.count("ld.global") >= plain.asm["ptx"].count("ld.global") + 8) == fuse
 
 
-@pytest.mark.parametrize("qdo,fuse,regs", [(False, False, 232), (True, True, 232),
-                                           (True, True, 224)])
-def test_dq_alt_kernel_compiles(qdo, fuse, regs):
+@pytest.mark.parametrize("qdo,fuse,regs,order", [(False, False, 232, "s_first"),
+                                                 (True, True, 232, "s_first"),
+                                                 (True, True, 224, "s_first"),
+                                                 (True, True, 232, "dq_first")])
+def test_dq_alt_kernel_compiles(qdo, fuse, regs, order):
     """Config.bwd_schedule="alternate" (bwd_alt.py): 12 warps, the scores on M = 128 per
     warpgroup (m64n32k16, twice per k-step) and the dq halves (m64n256k16), both dS buffers
     inside the H200's shared memory, no spills at the default consumer registers."""
@@ -166,7 +168,7 @@ def test_dq_alt_kernel_compiles(qdo, fuse, regs):
     c = adapter.compile_kernel(
         bwd_alt.csa_dq_alt_kernel, bwd.arg_types("bf16"),
         bwd_alt.constexprs(T=64, N=300, NHB=2, D=512, K=192, BK=32, stages=2, scale=0.05,
-                           consumer_regs=regs, qdo=qdo, fuse_delta=fuse),
+                           consumer_regs=regs, qdo=qdo, fuse_delta=fuse, order=order),
         target="sm_90a", num_warps=bwd_alt.NUM_WARPS)
     r = adapter.resources(c, "sm_90a")
     assert r["launch_problem"] is None and r["num_warps"] == 12, r
@@ -249,7 +251,8 @@ def test_config_switch():
                 dict(bwd_pair=1), dict(bwd_pair=True, bwd_prefetch=True),
                 dict(bwd_pair=True, bwd_ablate=2), dict(bwd_fuse_delta=1),
                 dict(bwd_schedule="default"), dict(bwd_schedule="alternate", bwd_stages=3),
-                dict(bwd_schedule="alternate", bwd_dq_operand="desc_a"), dict(bwd_alt_regs=236)):
+                dict(bwd_schedule="alternate", bwd_dq_operand="desc_a"), dict(bwd_alt_regs=236),
+                dict(bwd_alt_order="pv_first")):
         with pytest.raises(ValueError, match=next(iter(bad))):
             gluon.Config(**bad)
     for D in (64, 128, 256, 512):
@@ -385,7 +388,8 @@ def _emulated_call(*args, kernel, **kw):
     (130, 24, 40, 16, True, False, "gluon", "xla", None, True),
     (20, 24, 40, 16, False, False, "pallas_triton", "xla", None, True),
     (70, 40, 75, 32, False, False, "pallas_triton", "xla", "gfx950", True),
-    (130, 24, 40, 16, True, False, "gluon", "xla", None, "alternate")])
+    (130, 24, 40, 16, True, False, "gluon", "xla", None, "alternate"),
+    (64, 64, 70, 32, True, False, "gluon", "xla", None, "dq_first")])
 def test_wrapper_against_dense_oracle(rng, monkeypatch, H, D, K, bk, qdo, narrow, reduce,
                                       interm, amd, fuse):
     """qdo = Config.bwd_qdo (the dq kernel writes [q; dO] and dsp head block first; 3 head
@@ -395,7 +399,8 @@ def test_wrapper_against_dense_oracle(rng, monkeypatch, H, D, K, bk, qdo, narrow
     amd: the ROCm route (amd_bwd.csa_dq_amd_kernel, same contract; never run on a GPU), which
     ignores fuse = Config.bwd_fuse_delta (dlse in, delta formed by the kernel, dlse - delta
     out for dsink; here with Config.bwd_pair, whose kernel has the same contract; fuse =
-    "alternate": both with Config.bwd_schedule="alternate", bwd_alt's kernel, same contract)."""
+    "alternate" / "dq_first": both with Config.bwd_schedule="alternate" (bwd_alt's kernel, same
+    contract), in its two step orders)."""
     from csa_jax.common import sanitize_indices
     monkeypatch.setattr(adapter, "gluon_call", _emulated_call)
     q, kv, idx, sink = random_problem(rng, T=10, H=H, D=D, K=K, dtype=jnp.float32, empty_rows=2)
@@ -410,7 +415,8 @@ def test_wrapper_against_dense_oracle(rng, monkeypatch, H, D, K, bk, qdo, narrow
                                   reduce=reduce, interm=interm, block_r=16 if qdo else 0,
                                   interpret_reduce=True, amd=amd, fuse_delta=bool(fuse),
                                   pair=bool(fuse) and amd is None,
-                                  schedule="alternate" if fuse == "alternate" else "lockstep")
+                                  schedule="lockstep" if fuse in (True, False) else "alternate",
+                                  alt_order="dq_first" if fuse == "dq_first" else "s_first")
     _, _, rdq, rdkv, rdsink = dense_oracle(q, kv, idx, sink, scale, do, dlse)
     for what, got, want in (("dq", dq, rdq), ("dkv", dkv, rdkv), ("dsink", dsink, rdsink)):
         assert got.shape == want.shape, (what, got.shape, want.shape)

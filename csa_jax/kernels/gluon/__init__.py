@@ -130,7 +130,10 @@ class Config:
         each running its column half of every tile's dq product, the other's tile behind its
         own scores on the tensor pipe; even bwd_stages; bwd_pair is implied);
         bwd_alt_regs: its consumer registers per thread (232: no spills; the producer gets
-        the rest, 40).
+        the rest, 40); bwd_alt_order: its steps per own tile, "s_first" (the tile's scores,
+        then the other's tile's dq product behind them) or "dq_first" (the other's dq product
+        first, both waited and the other's stage released before the element-wise work:
+        fwd_alt's pv_first; bwd_alt.py).
     bwd_narrow_keys: the dkv inverse map sorts int16 keys when N < 2**15 (same map).
     bwd_reduce: the dkv gather-reduce kernel: "pallas_triton" (the Pallas Triton impl's) or
         "gluon" (kernels/gluon/dkv.py: 16-byte loads, two chunks of rows in flight, f32 [R, D]
@@ -174,6 +177,7 @@ class Config:
     bwd_fuse_delta: bool = False
     bwd_schedule: str = "lockstep"
     bwd_alt_regs: int = 232
+    bwd_alt_order: str = "s_first"
     bwd_narrow_keys: bool = False
     bwd_reduce: str = "pallas_triton"
     bwd_block_r: int = 0
@@ -207,6 +211,9 @@ class Config:
             if self.bwd_prefetch or self.bwd_ablate or self.bwd_dq_operand != "desc":
                 raise ValueError("bwd_schedule='alternate' has no bwd_prefetch / bwd_ablate / "
                                  "bwd_dq_operand modes")
+        if self.bwd_alt_order not in ("s_first", "dq_first"):
+            raise ValueError(f"bwd_alt_order={self.bwd_alt_order!r} must be 's_first' or "
+                             f"'dq_first'")
         r = self.bwd_alt_regs
         if isinstance(r, bool) or not isinstance(r, int) or r % 8 or not 128 <= r <= 240:
             raise ValueError(f"bwd_alt_regs={r!r} must be a multiple of 8 in 128..240")
@@ -511,7 +518,7 @@ def backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, interpret, config):
                              ablate=config.bwd_ablate, qdo=config.bwd_qdo,
                              dq_operand=config.bwd_dq_operand, pair=config.bwd_pair,
                              fuse_delta=config.bwd_fuse_delta, schedule=config.bwd_schedule,
-                             alt_regs=config.bwd_alt_regs,
+                             alt_regs=config.bwd_alt_regs, alt_order=config.bwd_alt_order,
                              interm=config.bwd_interm,
                              interm_operand=config.bwd_interm_operand,
                              interm_stages=config.bwd_interm_stages,

@@ -470,6 +470,7 @@ def constexprs(*, T, N, NHB, D, K, BK, stages, scale, producer_regs, prefetch=Fa
 @functools.partial(jax.jit, static_argnames=("scale", "block_k", "stages", "producer_regs",
                                              "prefetch", "ablate", "qdo", "dq_operand", "pair",
                                              "fuse_delta", "schedule", "alt_regs",
+                                             "alt_order",
                                              "interm", "interm_operand", "interm_stages",
                                              "interm_pipeline",
                                              "narrow_keys",
@@ -477,7 +478,8 @@ def constexprs(*, T, N, NHB, D, K, BK, stages, scale, producer_regs, prefetch=Fa
                                              "interpret_reduce", "amd"))
 def backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, block_k, stages, producer_regs,
              prefetch=False, ablate=0, qdo=False, dq_operand="desc", pair=False,
-             fuse_delta=False, schedule="lockstep", alt_regs=232, interm="xla",
+             fuse_delta=False, schedule="lockstep", alt_regs=232, alt_order="s_first",
+             interm="xla",
              interm_operand="desc", interm_stages=4, interm_pipeline=False, narrow_keys=False,
              reduce="pallas_triton", block_r=0, reduce_warps=0, interpret_reduce=False,
              amd=None):
@@ -485,7 +487,8 @@ def backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, block_k, stages, prod
     GEMM + inverse-map reduce, dsink (and delta, unless fused) in XLA (CUDA only). idx must be
     sanitized (-1 for every empty or out-of-range slot). The keywords are the Config.bwd_*
     fields of the same names (block_k, stages, producer_regs, prefetch, ablate, qdo, dq_operand,
-    pair, fuse_delta, schedule, alt_regs, interm*, narrow_keys, reduce, block_r, reduce_warps;
+    pair, fuse_delta, schedule, alt_regs, alt_order, interm*, narrow_keys, reduce, block_r,
+    reduce_warps;
     see Config); interpret_reduce runs the Pallas reduce in its interpreter (the CPU test of
     this wrapper, with the dq kernel emulated). amd: a gfx architecture (amd_bwd.DQ_DEFAULTS)
     -> amd_bwd.csa_dq_amd_kernel, same contract, at block_k / stages (producer_regs, prefetch,
@@ -536,7 +539,7 @@ def backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, block_k, stages, prod
             kernel, warps, name = bwd_alt.csa_dq_alt_kernel, bwd_alt.NUM_WARPS, "csa_gluon_dq_alt"
             consts = bwd_alt.constexprs(T=T, N=N, NHB=nhb, D=Dp, K=Kp, BK=block_k,
                                         stages=stages, scale=scale, consumer_regs=alt_regs,
-                                        qdo=qdo, fuse_delta=fuse_delta)
+                                        qdo=qdo, fuse_delta=fuse_delta, order=alt_order)
         else:
             kernel, warps, name = csa_dq_kernel, CONSUMER_WARPS, "csa_gluon_dq"
             consts = constexprs(T=T, N=N, NHB=nhb, D=Dp, K=Kp, BK=block_k, stages=stages,

@@ -13,10 +13,13 @@ partitions of 4 warps each (384 threads), one program = 64 heads of one token, a
   publishes dS (bf16, its own shared buffer, its `ex` barrier), then runs dq += dS kv on its
   column half. For the other's tile it waits on the other's `ex` and runs its column half of
   that tile's dq product with dS from shared memory, then hands the buffer back (`exfree`).
-  Order per own tile i: issue [q; dO] kv_i^T; the other's tile i-1 dq product (async, so the
-  two share the tensor pipe while the other warpgroup runs its element-wise work); wait for
-  the scores; p, dS, dsp stores; publish dS_i; wait for dq_{i-1}, release its stage; dq_i;
-  release stage i.
+  Order per own tile i (`Config.bwd_alt_order`): "s_first" (default): issue [q; dO] kv_i^T;
+  the other's tile i-1 dq product (async, so the two share the tensor pipe while the other
+  warpgroup runs its element-wise work); wait for the scores; p, dS, dsp stores; publish dS_i;
+  wait for dq_{i-1}, release its stage; dq_i; release stage i. "dq_first" (fwd_alt.py's
+  pv_first, measured faster in the forward): the other's dq_{i-1} first (it waits only for
+  the other's dS), then the scores; both waited, stage i-1 and the other's dS buffer released
+  before the element-wise work; then as s_first.
 
 Numerics are bwd.py's (exp2 domain, p = 0 on empty slots, dS = p (dP + dlse - delta), dq and
 dsp in q's dtype, scale * dS in plane 0 of dsp); the tile loop stops at the token's last
@@ -59,7 +62,7 @@ def _alt_dq_consumer(idx_ptr, lse_ptr, dc_ptr, fz, dq_ptr, dsp_ptr, qdo_ptr, qdo
                      W: gl.constexpr, D: gl.constexpr, K: gl.constexpr, HP: gl.constexpr,
                      BK: gl.constexpr, STAGES: gl.constexpr, HBC: gl.constexpr,
                      QK_SCALE: gl.constexpr, SCALE: gl.constexpr, QDO: gl.constexpr,
-                     FUSE: gl.constexpr):
+                     FUSE: gl.constexpr, DQ_FIRST: gl.constexpr):
     DH: gl.constexpr = D // 2
     OTHER: gl.constexpr = 1 - W
     sd_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -83,20 +86,38 @@ def _alt_dq_consumer(idx_ptr, lse_ptr, dc_ptr, fz, dq_ptr, dsp_ptr, qdo_ptr, qdo
         tile = ring.index(s)
         qdo = qdo_bufs.index(_opaque(i * 0))
         ids = gl.load(idx_ptr + i * BK + kcols)
-        mbarrier.wait(full.index(s), (i // STAGES) & 1)
-        fence_async_shared()          # cp.async (generic proxy) -> wgmma (async proxy)
-        sd = warpgroup_mma(qdo, tile.permute((1, 0)), sd_zero, use_acc=False, is_async=True)
-        acc = warpgroup_mma_init(acc)
-        if i >= 1:
-            # The other's tile i-1 (its dS published once its element-wise work is done) runs
-            # on the tensor cores behind this tile's scores.
-            acc = _other_dq_issue(oth_ds, ring, full, ex.index(OTHER), acc, i - 1, W, STAGES,
-                                  DH)
+        if DQ_FIRST:
+            # The other's tile i-1 first (it waits only for the other's dS, not for tile i's
+            # copies), then this tile's scores; both complete before the element-wise work,
+            # so stage i-1 and the other's dS buffer go back before it (fwd_alt's pv_first).
+            acc = warpgroup_mma_init(acc)
+            if i >= 1:
+                acc = _other_dq_issue(oth_ds, ring, full, ex.index(OTHER), acc, i - 1, W,
+                                      STAGES, DH)
+            mbarrier.wait(full.index(s), (i // STAGES) & 1)
+            fence_async_shared()
+            sd = warpgroup_mma(qdo, tile.permute((1, 0)), sd_zero, use_acc=False,
+                               is_async=True)
+            sd, acc = warpgroup_mma_wait(0, deps=[sd, acc])
+            if i >= 1:
+                _release(consumed.index((i - 1) % STAGES))
+                mbarrier.arrive(exfree.index(OTHER))
         else:
-            # Tile 0: the scores are all that is in flight (the wait count must be an
-            # immediate, so the wait below is the same in both branches).
-            acc = warpgroup_mma_init(warpgroup_mma_wait(0, deps=[acc]))
-        sd = warpgroup_mma_wait(1, deps=[sd])
+            mbarrier.wait(full.index(s), (i // STAGES) & 1)
+            fence_async_shared()      # cp.async (generic proxy) -> wgmma (async proxy)
+            sd = warpgroup_mma(qdo, tile.permute((1, 0)), sd_zero, use_acc=False,
+                               is_async=True)
+            acc = warpgroup_mma_init(acc)
+            if i >= 1:
+                # The other's tile i-1 (its dS published once its element-wise work is done)
+                # runs on the tensor cores behind this tile's scores.
+                acc = _other_dq_issue(oth_ds, ring, full, ex.index(OTHER), acc, i - 1, W,
+                                      STAGES, DH)
+            else:
+                # Tile 0: the scores are all that is in flight (the wait count must be an
+                # immediate, so the wait below is the same in both branches).
+                acc = warpgroup_mma_init(warpgroup_mma_wait(0, deps=[acc]))
+            sd = warpgroup_mma_wait(1, deps=[sd])
         sc, dp = _split_sd(sd, HBC, BK)
         p, ds = _p_ds(sc, dp, ids, lse2, dc, QK_SCALE)
         _store_dsp(ds_ptrs, p_ptrs, i, ds, p, BK, SCALE)
@@ -106,10 +127,11 @@ def _alt_dq_consumer(idx_ptr, lse_ptr, dc_ptr, fz, dq_ptr, dsp_ptr, qdo_ptr, qdo
         fence_async_shared()          # generic-proxy stores -> wgmma reads (both warpgroups)
         gl.thread_barrier()
         mbarrier.arrive(ex.index(W))
-        acc = warpgroup_mma_wait(0, deps=[acc])
-        if i >= 1:
-            _release(consumed.index((i - 1) % STAGES))
-            mbarrier.arrive(exfree.index(OTHER))
+        if not DQ_FIRST:
+            acc = warpgroup_mma_wait(0, deps=[acc])
+            if i >= 1:
+                _release(consumed.index((i - 1) % STAGES))
+                mbarrier.arrive(exfree.index(OTHER))
         acc = warpgroup_mma(own_ds, tile.slice(W * DH, DH, dim=1), acc)
         _release(consumed.index(s))
     # The other's last tile, if the list ends on one.
@@ -136,7 +158,8 @@ def csa_dq_alt_kernel(q_ptr, do_ptr, kv_ptr, idx_ptr, ntiles_ptr, lse_ptr, dc_pt
                       dsp_ptr, qdo_ptr, dcout_ptr, T: gl.constexpr, N: gl.constexpr,
                       NHB: gl.constexpr, D: gl.constexpr, K: gl.constexpr, BK: gl.constexpr,
                       STAGES: gl.constexpr, QK_SCALE: gl.constexpr, SCALE: gl.constexpr,
-                      CONSUMER_REGS: gl.constexpr, QDO: gl.constexpr, FUSE: gl.constexpr):
+                      CONSUMER_REGS: gl.constexpr, QDO: gl.constexpr, FUSE: gl.constexpr,
+                      DQ_FIRST: gl.constexpr):
     row, tok, hb, b, ntiles, idx_tok = _program(ntiles_ptr, idx_ptr, T, NHB, K)
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     HBC: gl.constexpr = 64
@@ -166,11 +189,11 @@ def csa_dq_alt_kernel(q_ptr, do_ptr, kv_ptr, idx_ptr, ntiles_ptr, lse_ptr, dc_pt
         (_alt_dq_consumer, (idx_tok, lse_ptr, dc_ptr, fz, dq_ptr, dsp_ptr, qdo_ptr, qdo_bufs,
                             ring, full, consumed, q_bar, ds_bufs, ex, exfree, row, tok, hb,
                             ntiles, 0, D, K, NHB * HBC, BK, STAGES, HBC, QK_SCALE, SCALE, QDO,
-                            FUSE)),
+                            FUSE, DQ_FIRST)),
         (_alt_dq_consumer, (idx_tok, lse_ptr, dc_ptr, fz, dq_ptr, dsp_ptr, qdo_ptr, qdo_bufs,
                             ring, full, consumed, q_bar, ds_bufs, ex, exfree, row, tok, hb,
                             ntiles, 1, D, K, NHB * HBC, BK, STAGES, HBC, QK_SCALE, SCALE, QDO,
-                            FUSE)),
+                            FUSE, DQ_FIRST)),
     ], [WG_WARPS, WG_WARPS], [CONSUMER_REGS, CONSUMER_REGS])
 
 
@@ -184,8 +207,11 @@ def producer_regs(consumer_regs):
     return (REG_FILE - 256 * int(consumer_regs)) // 128
 
 
+ORDERS = ("s_first", "dq_first")       # Config.bwd_alt_order
+
+
 def constexprs(*, T, N, NHB, D, K, BK, stages, scale, consumer_regs=216, qdo=False,
-               fuse_delta=False):
+               fuse_delta=False, order="s_first"):
     """The alternating dq kernel's compile-time parameters (also used by the CPU compile
     checks)."""
     if stages % 2:
@@ -193,4 +219,5 @@ def constexprs(*, T, N, NHB, D, K, BK, stages, scale, consumer_regs=216, qdo=Fal
                          f"bwd_stages={stages}")
     return dict(T=T, N=N, NHB=NHB, D=D, K=K, BK=BK, STAGES=stages,
                 QK_SCALE=float(scale) * LOG2E, SCALE=float(scale),
-                CONSUMER_REGS=int(consumer_regs), QDO=bool(qdo), FUSE=bool(fuse_delta))
+                CONSUMER_REGS=int(consumer_regs), QDO=bool(qdo), FUSE=bool(fuse_delta),
+                DQ_FIRST=ORDERS.index(order) == 1)
