@@ -2,6 +2,7 @@
 
     python -m benchmarks.gluon_bwd_check [--parts grad,det,time] [--out f.json]
         [--shapes pro:4:4096,pro:4:16384] [--variants 'bk16:bwd_block_k=16,bwd_stages=4']
+        [--grad-variants ...] [--grad-cases h64_d512_f16_sink,...] [--skip default,e2e,dq,...]
 
 Parts:
   grad  the backward alone on fresh random inputs (-1 slots anywhere, out-of-range ids made
@@ -15,6 +16,10 @@ Parts:
         pallas_triton and gluon (+ variants) at V4 shapes, each checked against pallas_triton
         in the same call (except benchmark-only bwd_ablate variants); the step (value and grad
         of the loss) of both.
+--skip (to fit a short GPU call): default = the grad part checks only the variants, not the
+default config; e2e = no jax.grad case; dq = no dq-only timing; step = no step timing;
+pallas, time_default = no pallas_triton / gluon default row in the time part (the first row
+timed is the reference of the others' error check).
 One JSON line per check (helpers from gluon_check.py); exits non-zero if any check fails.
 """
 from __future__ import annotations
@@ -69,18 +74,22 @@ CASES = [
 ]
 
 
-def part_grad(seed, variants):
+def part_grad(seed, variants, cases=None, skip=()):
     import csa_jax
     from csa_jax import problems
     g, x = _mods()
     key = jax.random.PRNGKey(seed + 11)
     for name, B, T, H, D, N, K, dt, sink in CASES:
         key, k = jax.random.split(key)
+        if cases and name not in cases:
+            continue
         q, kv, idx, s, do, dlse = _bwd_inputs(k, B, T, H, D, N, K, dt, sink)
         scale = D ** -0.5
         o, lse = x.forward(q, kv, idx, s, scale=scale, interpret=False, config=x.Config())
         ref = _run_bwd(x, x.Config(), (q, kv, idx, s, o, lse, do, dlse), scale)
         for vname, cfg in variants(q.shape):
+            if vname == "default" and "default" in skip:
+                continue
             try:
                 got = _run_bwd(g, cfg, (q, kv, idx, s, o, lse, do, dlse), scale)
             except Exception as e:  # noqa: BLE001
@@ -95,6 +104,8 @@ def part_grad(seed, variants):
             report(part="grad", case=name, variant=vname, shape=[B, T, H, D], K=K,
                    dtype=jnp.dtype(dt).name, sink=sink, errs=errs,
                    ok=all(e <= tol for e in errs.values()))
+    if "e2e" in skip:
+        return
     # End to end: jax.grad through sparse_attention, forward and backward Gluon.
     q, kv, idx, s, do, dlse = _bwd_inputs(key, 1, 128, 64, 512, 256, 160, jnp.bfloat16, True)
     grads = {}
@@ -119,7 +130,7 @@ def part_det(seed):
     report(part="det", bit_identical=same, ok=same["dkv"] and same["dq"])
 
 
-def part_time(seed, shapes, variants):
+def part_time(seed, shapes, variants, skip=()):
     from csa_jax import problems
     import csa_jax
     from csa_jax import registry
@@ -135,8 +146,9 @@ def part_time(seed, shapes, variants):
         o, lse = g.forward(pr.q, pr.kv, pr.idx, pr.sink, scale=c.scale, interpret=False,
                            config=gcfg)
         args = (pr.q, pr.kv, pr.idx, pr.sink, o, lse, pr.do, pr.dlse)
-        runs = [("pallas_triton", registry.get("pallas_triton"), None)]
-        runs += [("gluon:" + v, g, cfg) for v, cfg in variants(pr.q.shape)]
+        runs = [] if "pallas" in skip else [("pallas_triton", registry.get("pallas_triton"), None)]
+        runs += [("gluon:" + v, g, cfg) for v, cfg in variants(pr.q.shape)
+                 if not (v == "default" and "time_default" in skip)]
         ref = None
         for name, mod, cfg in runs:
             try:
@@ -148,7 +160,7 @@ def part_time(seed, shapes, variants):
                     *a, scale=c.scale, interpret=False, config=cfg)[0])
                 reps = 5 if T > 8192 else 10
                 ms = time_ms(f, args, reps=reps)
-                dq_ms = time_ms(fdq, args, reps=reps)
+                dq_ms = None if "dq" in skip else time_ms(fdq, args, reps=reps)
                 out = f(*args)
                 row = dict(part="time", family=family, ratio=ratio, T=T, impl=name, bwd_ms=ms,
                            dq_ms=dq_ms, bwd_tflops_nominal=bwd_flops / ms / 1e9,
@@ -158,9 +170,9 @@ def part_time(seed, shapes, variants):
                 elif getattr(cfg, "bwd_ablate", 0):
                     row["ablated"] = cfg.bwd_ablate          # wrong results by design: no check
                 else:
-                    row["err_vs_pallas_triton"] = {
-                        n: rel(a, b) for n, a, b in zip(("dq", "dkv", "dsink"), out, ref)}
-                    row["ok"] = all(e <= 2e-2 for e in row["err_vs_pallas_triton"].values())
+                    key = "err_vs_" + runs[0][0].replace("gluon:", "")
+                    row[key] = {n: rel(a, b) for n, a, b in zip(("dq", "dkv", "dsink"), out, ref)}
+                    row["ok"] = all(e <= 2e-2 for e in row[key].values())
                 report(**row)
                 del out
             except Exception as e:  # noqa: BLE001
@@ -168,7 +180,7 @@ def part_time(seed, shapes, variants):
                 report(part="time", family=family, ratio=ratio, T=T, impl=name, ok=False,
                        error=f"{type(e).__name__}: {e}"[:400])
         del ref, args, o, lse
-        for impl in ("pallas_triton", "gluon"):
+        for impl in () if "step" in skip else ("pallas_triton", "gluon"):
             try:
                 loss = problems.loss_fn(lambda q, kv, idx, s, impl=impl: csa_jax.sparse_attention(
                     q, kv, idx, s, scale=c.scale, impl=impl))
@@ -209,16 +221,27 @@ def main(argv=None):
     ap.add_argument("--shapes", default="pro:4:4096,pro:4:16384")
     ap.add_argument("--variants", default="")
     ap.add_argument("--grad-variants", default="")
+    ap.add_argument("--grad-cases", default="", help="comma list of CASES names (default all)")
+    ap.add_argument("--skip", default="",
+                    help="comma list of default,e2e,dq,step,pallas,time_default")
     ap.add_argument("--seed", type=int, default=int(time.time()) % 100000)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     print(f"# device {jax.devices()[0].device_kind}, jax {jax.__version__}, seed {args.seed}",
           flush=True)
+    skip = set(x for x in args.skip.split(",") if x)
+    known = {"default", "e2e", "dq", "step", "pallas", "time_default"}
+    if skip - known:
+        ap.error(f"--skip {args.skip!r}: only {', '.join(sorted(known))}")
+    names = {c[0] for c in CASES}
+    if set(x for x in args.grad_cases.split(",") if x) - names:
+        ap.error(f"--grad-cases {args.grad_cases!r}: cases are {sorted(names)}")
     return run_parts(args.parts.split(","), {
-        "grad": lambda: part_grad(args.seed, make_variants(args.grad_variants)),
+        "grad": lambda: part_grad(args.seed, make_variants(args.grad_variants),
+                                  [c for c in args.grad_cases.split(",") if c], skip),
         "det": lambda: part_det(args.seed),
         "time": lambda: part_time(args.seed, parse_shapes(args.shapes),
-                                  make_variants(args.variants)),
+                                  make_variants(args.variants), skip),
     }, seed=args.seed, out=args.out)
 
 

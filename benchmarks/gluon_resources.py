@@ -105,11 +105,23 @@ def gluon_nv_kernels(variants):
                                 smem_epilogue=cfg.smem_epilogue, ablate=cfg.ablate)
         yield (f"csa_fwd[{name}]", name == "default", None,
                _gluon(fwd.csa_fwd_kernel, fwd.arg_types(), consts, fwd.CONSUMER_WARPS))
-    consts = bwd.constexprs(T=4096, N=5120, NHB=2, D=512, K=1152, BK=base.bwd_block_k,
-                            stages=base.bwd_stages, scale=512 ** -0.5,
-                            producer_regs=base.producer_regs, prefetch=base.bwd_prefetch)
-    yield ("csa_dq[default]", True, None,
-           _gluon(bwd.csa_dq_kernel, bwd.arg_types(), consts, bwd.CONSUMER_WARPS))
+    # the dq kernel at the default Config and with the other value of Config.bwd_pair
+    for pair in (base.bwd_pair, not base.bwd_pair):
+        consts = bwd.constexprs(T=4096, N=5120, NHB=2, D=512, K=1152, BK=base.bwd_block_k,
+                                stages=base.bwd_stages, scale=512 ** -0.5,
+                                producer_regs=base.producer_regs, prefetch=base.bwd_prefetch,
+                                qdo=base.bwd_qdo, dq_operand=base.bwd_dq_operand, pair=pair,
+                                fuse_delta=base.bwd_fuse_delta)
+        yield ("csa_dq[default]" if pair == base.bwd_pair else f"csa_dq[bwd_pair={pair}]",
+               pair == base.bwd_pair, None,
+               _gluon(bwd.csa_dq_kernel, bwd.arg_types(), consts, bwd.CONSUMER_WARPS))
+    # the alternating dq kernel (Config.bwd_schedule="alternate"; reported, not the default)
+    from csa_jax.kernels.gluon import bwd_alt
+    consts = bwd_alt.constexprs(T=4096, N=5120, NHB=2, D=512, K=1152, BK=32, stages=2,
+                                scale=512 ** -0.5, consumer_regs=base.bwd_alt_regs,
+                                qdo=base.bwd_qdo, fuse_delta=base.bwd_fuse_delta)
+    yield ("csa_dq[bwd_schedule=alternate]", False, None,
+           _gluon(bwd_alt.csa_dq_alt_kernel, bwd.arg_types(), consts, bwd_alt.NUM_WARPS))
     from csa_jax.kernels.gluon import window
     for layout, ratio in (("cr0", 0), ("cr128", 128)):
         # the window-reuse kernel at Pro T = 4096 (reported, not gating: a few loop scalars

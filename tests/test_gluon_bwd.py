@@ -138,6 +138,50 @@ def test_dq_kernel_qdo_compiles():
     assert got[True][1] == got[False][1] + 32, got        # 128 rows x 1 KiB / (256 x 16 B)
 
 
+@pytest.mark.parametrize("qdo,fuse", [(False, False), (True, True)])
+def test_dq_kernel_pair_compiles(qdo, fuse):
+    """Config.bwd_pair: S and dP regrouped in registers (no f32 S / dP exchange: no ld.shared in
+    the tile loop beyond the default's [q; dO] copy-out), 16 KiB less shared memory, no spills,
+    the same wgmma shapes; with Config.bwd_fuse_delta the o / dO loads of delta (16-byte)."""
+    c, r = _compile_dq(pair=True, qdo=qdo, fuse_delta=fuse)
+    assert r["shared"] == 200_876, r
+    assert r["shared"] <= bwd.shared_bytes(512, 32, 2, pair=True) + 1024
+    ptx = c.asm["ptx"]
+    assert set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16", ptx)) == {"32", "256"}
+    base, _ = _compile_dq(qdo=qdo, fuse_delta=fuse)
+    # the exchange's loads are gone (4 of them), the [q; dO] copy-out's remain
+    assert ptx.count("ld.shared") == base.asm["ptx"].count("ld.shared") - 4
+    plain, _ = _compile_dq(pair=True, qdo=qdo)
+    # delta's 4 chunks x (o, dO, dlse) loads
+    assert (ptx.count("ld.global") >= plain.asm["ptx"].count("ld.global") + 8) == fuse
+
+
+@pytest.mark.parametrize("qdo,fuse,regs,order", [(False, False, 232, "s_first"),
+                                                 (True, True, 232, "s_first"),
+                                                 (True, True, 224, "s_first"),
+                                                 (True, True, 232, "dq_first")])
+def test_dq_alt_kernel_compiles(qdo, fuse, regs, order):
+    """Config.bwd_schedule="alternate" (bwd_alt.py): 12 warps, the scores on M = 128 per
+    warpgroup (m64n32k16, twice per k-step) and the dq halves (m64n256k16), both dS buffers
+    inside the H200's shared memory, no spills at the default consumer registers."""
+    from csa_jax.kernels.gluon import bwd_alt
+    c = adapter.compile_kernel(
+        bwd_alt.csa_dq_alt_kernel, bwd.arg_types("bf16"),
+        bwd_alt.constexprs(T=64, N=300, NHB=2, D=512, K=192, BK=32, stages=2, scale=0.05,
+                           consumer_regs=regs, qdo=qdo, fuse_delta=fuse, order=order),
+        target="sm_90a", num_warps=bwd_alt.NUM_WARPS)
+    r = adapter.resources(c, "sm_90a")
+    assert r["launch_problem"] is None and r["num_warps"] == 12, r
+    assert r.get("spill_stores", 0) == 0 and r.get("stack", 0) == 0, r
+    est = bwd_alt.shared_bytes(512, 32, 2)
+    assert est <= r["shared"] <= est + 1024, (r, est)
+    ptx = c.asm["ptx"]
+    assert set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16", ptx)) == {"32", "256"}
+    assert ptx.count("setmaxnreg") >= 3
+    with pytest.raises(ValueError, match="even ring depth"):
+        bwd_alt.constexprs(T=64, N=300, NHB=2, D=512, K=192, BK=32, stages=3, scale=0.05)
+
+
 @pytest.mark.parametrize("D,R,warps,regs_max", [(512, 16, 4, 168), (512, 32, 8, 168),
                                                 (64, 16, 4, 64)])
 def test_dkv_reduce_kernel_compiles_sm90(D, R, warps, regs_max):
@@ -203,12 +247,47 @@ def test_config_switch():
                 dict(bwd_dq_operand="strided"), dict(bwd_interm="cublas"),
                 dict(bwd_interm_operand="strided"), dict(bwd_interm_stages=5),
                 dict(bwd_interm_pipeline=1),
-                dict(bwd_interm_pipeline=True, bwd_interm_operand="movmatrix")):
+                dict(bwd_interm_pipeline=True, bwd_interm_operand="movmatrix"),
+                dict(bwd_pair=1), dict(bwd_pair=True, bwd_prefetch=True),
+                dict(bwd_pair=True, bwd_ablate=2), dict(bwd_fuse_delta=1),
+                dict(bwd_schedule="default"), dict(bwd_schedule="alternate", bwd_stages=3),
+                dict(bwd_schedule="alternate", bwd_dq_operand="desc_a"), dict(bwd_alt_regs=236),
+                dict(bwd_alt_order="pv_first")):
         with pytest.raises(ValueError, match=next(iter(bad))):
             gluon.Config(**bad)
     for D in (64, 128, 256, 512):
         c = gluon.default_config((1, 8, 64, D), None, None, jnp.bfloat16)
         assert bwd.shared_bytes(D, c.bwd_block_k, c.bwd_stages) <= bwd.SMEM_LIMIT - 8192
+
+
+def test_default_config_backward_options(monkeypatch):
+    """default_config: on NVIDIA (here: not an AMD device) the dq kernel writes [q; dO], pairs
+    the q / dO rows and forms delta, and the Gluon reduce sums dkv (gluon.NVIDIA_BWD, checked
+    against xla on the H200); the AMD route, which refuses bwd_qdo / bwd_pair, keeps the Pallas
+    Triton reduce."""
+    c = gluon.default_config((1, 8, 128, 512), None, None, jnp.bfloat16)
+    assert (c.bwd_qdo, c.bwd_reduce, c.bwd_pair, c.bwd_fuse_delta) == (True, "gluon", True,
+                                                                         True), c
+    assert c.bwd_schedule == "lockstep" and (c.bwd_block_k, c.bwd_stages) == (32, 2), c
+    assert gluon.NVIDIA_BWD == dict(bwd_qdo=True, bwd_reduce="gluon", bwd_pair=True,
+                                    bwd_fuse_delta=True)
+    monkeypatch.setattr(gluon, "_amd", lambda: "gfx950")
+    c = gluon.default_config((1, 8, 128, 512), None, None, jnp.bfloat16)
+    assert (c.bwd_qdo, c.bwd_reduce, c.bwd_pair) == (False, "pallas_triton", False), c
+
+
+def test_dq_tiles_follow_the_schedule():
+    """_bwd_default: the alternating dq kernel gets an even ring depth inside the H200's shared
+    memory (dims.dq_alt_shared_bytes); bwd_pair's smaller buffers keep the lockstep tiles."""
+    from csa_jax.kernels.gluon.dims import SMEM_LIMIT, dq_alt_shared_bytes
+    for D in (64, 128, 256, 512):
+        alt = gluon._bwd_default(D, gluon.Config(bwd_schedule="alternate"))
+        assert alt.bwd_stages % 2 == 0 and dq_alt_shared_bytes(
+            D, alt.bwd_block_k, alt.bwd_stages) <= SMEM_LIMIT - 8192, (D, alt)
+        lock = gluon._bwd_default(D, gluon.Config())
+        pair = gluon._bwd_default(D, gluon.Config(bwd_pair=True))
+        assert (pair.bwd_block_k, pair.bwd_stages) == (lock.bwd_block_k, lock.bwd_stages)
+    assert (alt.bwd_block_k, alt.bwd_stages) == (32, 2)                  # D = 512
 
 
 def test_oversized_tiles_are_refused_by_name():
@@ -221,12 +300,15 @@ def test_oversized_tiles_are_refused_by_name():
                      stages=2, producer_regs=96)
 
 
-def _emulated_dq_kernel(q, do, kv, idx, ntiles, lse, dc, *, kernel, out_shape, grid, num_warps,
-                        name, T, N, NHB, D, K, BK, SCALE, QDO, **_):
-    """What csa_dq_kernel computes, in jnp (its contract; see the bwd.py docstring)."""
-    from csa_jax.kernels.gluon import amd_bwd
+def _emulated_dq_kernel(q, do, kv, idx, ntiles, lse, dc, o=None, *, kernel, out_shape, grid,
+                        num_warps, name, T, N, NHB, D, K, BK, SCALE, QDO, FUSE=False, **_):
+    """What csa_dq_kernel computes, in jnp (its contract; see the bwd.py docstring). FUSE
+    (Config.bwd_fuse_delta): dc holds dlse, the kernel subtracts delta = sum(o * dO) and
+    writes the result out."""
+    from csa_jax.kernels.gluon import amd_bwd, bwd_alt
     amd_warps = amd_bwd.DQ_DEFAULTS["gfx950"]["warps"]
     assert (kernel, num_warps) in ((bwd.csa_dq_kernel, bwd.CONSUMER_WARPS),
+                                   (bwd_alt.csa_dq_alt_kernel, bwd_alt.NUM_WARPS),
                                    (amd_bwd.csa_dq_amd_kernel, amd_warps))
     BT = idx.shape[0]
     Hp, B = NHB * bwd.HB, BT // T
@@ -238,13 +320,15 @@ def _emulated_dq_kernel(q, do, kv, idx, ntiles, lse, dc, *, kernel, out_shape, g
     walked = jnp.arange(K)[None, :] < (ntiles * BK)[:, None]
     valid = ((idx >= 0) & walked)[:, None, :]                                   # [BT, 1, K]
     s = jnp.einsum("thd,tkd->thk", qf, rows)
+    if FUSE:
+        dc = dc - jnp.sum(o.astype(f32) * do.astype(f32), axis=-1)
     lse2, dc2 = lse.reshape(BT, Hp, 1), dc.reshape(BT, Hp, 1)
     p = jnp.where(valid, jnp.exp(jnp.where(valid, s * SCALE - lse2, 0.0)), 0.0)
     ds = p * (jnp.einsum("thd,tkd->thk", dof, rows) + dc2)
     dt = out_shape[0].dtype
     dq = SCALE * jnp.einsum("thk,tkd->thd", ds.astype(dt).astype(f32), rows)
     dsp = jnp.stack([ds * SCALE, p], axis=1)                                  # [BT, 2, Hp, K]
-    if kernel is not bwd.csa_dq_kernel:        # the AMD kernel: (dq, dsp), no [q; dO] copy
+    if kernel is amd_bwd.csa_dq_amd_kernel:    # the AMD kernel: (dq, dsp), no [q; dO] copy
         return dq.reshape(BT * Hp, D).astype(dt), dsp.astype(out_shape[1].dtype)
     qdo = jnp.zeros(out_shape[2].shape, dt)
     if QDO:     # head block first: [BT, NHB, 2, 64, .], and the kernel's copy of [q; dO]
@@ -252,7 +336,9 @@ def _emulated_dq_kernel(q, do, kv, idx, ntiles, lse, dc, *, kernel, out_shape, g
         dsp = hb(dsp)
         qdo = hb(jnp.stack([q.reshape(BT, Hp, D), do.reshape(BT, Hp, D)], axis=1)).astype(dt)
     assert dsp.shape == out_shape[1].shape and qdo.shape == out_shape[2].shape
-    return dq.reshape(BT * Hp, D).astype(dt), dsp.astype(out_shape[1].dtype), qdo
+    dcout = dc if FUSE else jnp.zeros((8,), f32)
+    assert dcout.shape == out_shape[3].shape and o.shape == q.shape
+    return dq.reshape(BT * Hp, D).astype(dt), dsp.astype(out_shape[1].dtype), qdo, dcout
 
 
 def _emulated_reduce_kernel(offsets, perm, interm, *, kernel, out_shape, grid, num_warps, name,
@@ -291,21 +377,30 @@ def _emulated_call(*args, kernel, **kw):
     return f(*args, kernel=kernel, **kw)
 
 
-@pytest.mark.parametrize("H,D,K,bk,qdo,narrow,reduce,interm,amd", [
-    (20, 24, 40, 16, False, False, "pallas_triton", "xla", None),
-    (64, 64, 70, 32, False, False, "gluon", "xla", None),
-    (130, 24, 40, 16, True, True, "pallas_triton", "xla", None),
-    (130, 24, 40, 16, True, True, "gluon", "xla", None),
-    (130, 24, 140, 32, False, True, "gluon", "gluon", None),
-    (64, 64, 40, 16, False, False, "pallas_triton", "gluon", None),
-    (70, 40, 75, 32, False, False, "pallas_triton", "xla", "gfx950")])
+@pytest.mark.parametrize("H,D,K,bk,qdo,narrow,reduce,interm,amd,fuse", [
+    (20, 24, 40, 16, False, False, "pallas_triton", "xla", None, False),
+    (64, 64, 70, 32, False, False, "gluon", "xla", None, False),
+    (130, 24, 40, 16, True, True, "pallas_triton", "xla", None, False),
+    (130, 24, 40, 16, True, True, "gluon", "xla", None, False),
+    (130, 24, 140, 32, False, True, "gluon", "gluon", None, False),
+    (64, 64, 40, 16, False, False, "pallas_triton", "gluon", None, False),
+    (70, 40, 75, 32, False, False, "pallas_triton", "xla", "gfx950", False),
+    (130, 24, 40, 16, True, False, "gluon", "xla", None, True),
+    (20, 24, 40, 16, False, False, "pallas_triton", "xla", None, True),
+    (70, 40, 75, 32, False, False, "pallas_triton", "xla", "gfx950", True),
+    (130, 24, 40, 16, True, False, "gluon", "xla", None, "alternate"),
+    (64, 64, 70, 32, True, False, "gluon", "xla", None, "dq_first")])
 def test_wrapper_against_dense_oracle(rng, monkeypatch, H, D, K, bk, qdo, narrow, reduce,
-                                      interm, amd):
+                                      interm, amd, fuse):
     """qdo = Config.bwd_qdo (the dq kernel writes [q; dO] and dsp head block first; 3 head
     blocks at H = 130), narrow = Config.bwd_narrow_keys (int16 inverse-map keys), reduce =
     Config.bwd_reduce, interm = Config.bwd_interm (the Gluon reduce and interm kernels
     emulated: their launch plumbing, K padded to 128 for the interm GEMM, the CSR map);
-    amd: the ROCm route (amd_bwd.csa_dq_amd_kernel, same contract; never run on a GPU)."""
+    amd: the ROCm route (amd_bwd.csa_dq_amd_kernel, same contract; never run on a GPU), which
+    ignores fuse = Config.bwd_fuse_delta (dlse in, delta formed by the kernel, dlse - delta
+    out for dsink; here with Config.bwd_pair, whose kernel has the same contract; fuse =
+    "alternate" / "dq_first": both with Config.bwd_schedule="alternate" (bwd_alt's kernel, same
+    contract), in its two step orders)."""
     from csa_jax.common import sanitize_indices
     monkeypatch.setattr(adapter, "gluon_call", _emulated_call)
     q, kv, idx, sink = random_problem(rng, T=10, H=H, D=D, K=K, dtype=jnp.float32, empty_rows=2)
@@ -318,7 +413,10 @@ def test_wrapper_against_dense_oracle(rng, monkeypatch, H, D, K, bk, qdo, narrow
     dq, dkv, dsink = bwd.backward(q, kv, idx, sink, o, lse, do, dlse, scale=scale, block_k=bk,
                                   stages=2, producer_regs=96, qdo=qdo, narrow_keys=narrow,
                                   reduce=reduce, interm=interm, block_r=16 if qdo else 0,
-                                  interpret_reduce=True, amd=amd)
+                                  interpret_reduce=True, amd=amd, fuse_delta=bool(fuse),
+                                  pair=bool(fuse) and amd is None,
+                                  schedule="lockstep" if fuse in (True, False) else "alternate",
+                                  alt_order="dq_first" if fuse == "dq_first" else "s_first")
     _, _, rdq, rdkv, rdsink = dense_oracle(q, kv, idx, sink, scale, do, dlse)
     for what, got, want in (("dq", dq, rdq), ("dkv", dkv, rdkv), ("dsink", dsink, rdsink)):
         assert got.shape == want.shape, (what, got.shape, want.shape)
@@ -328,14 +426,34 @@ def test_wrapper_against_dense_oracle(rng, monkeypatch, H, D, K, bk, qdo, narrow
 
 
 @pytest.mark.parametrize("target", ["gfx942", "gfx950", "gfx1250"])
-def test_dq_kernel_is_nvidia_only(target):
-    """wgmma, NVMMA layouts, cp.async and setmaxnreg: the AMD backends reject the kernel while
-    building it (a RuntimeError from Triton's parser or pass manager), not later at launch."""
+@pytest.mark.parametrize("kind", ["lockstep", "pair", "alternate"])
+def test_dq_kernel_is_nvidia_only(target, kind):
+    """wgmma, NVMMA layouts, cp.async and setmaxnreg: the AMD backends reject the kernels (the
+    lockstep one, with bwd_pair, the alternating one) while building them (a RuntimeError from
+    Triton's parser or pass manager), not later at launch; the wrapper refuses the NVIDIA-only
+    options by name on the AMD route (test_wrapper_against_dense_oracle's gfx950 rows)."""
+    from csa_jax.kernels.gluon import bwd_alt
+    dims = dict(T=64, N=300, NHB=2, D=512, K=192, BK=32, stages=2, scale=0.1)
+    if kind == "alternate":
+        fn, consts, warps = bwd_alt.csa_dq_alt_kernel, bwd_alt.constexprs(**dims), 4
+    else:
+        fn, warps = bwd.csa_dq_kernel, bwd.CONSUMER_WARPS
+        consts = bwd.constexprs(**dims, producer_regs=96, pair=kind == "pair")
     with pytest.raises(RuntimeError):
-        adapter.compile_kernel(
-            bwd.csa_dq_kernel, bwd.arg_types("bf16"),
-            bwd.constexprs(T=64, N=300, NHB=2, D=512, K=192, BK=32, stages=2, scale=0.1,
-                           producer_regs=96), target=target, num_warps=bwd.CONSUMER_WARPS)
+        adapter.compile_kernel(fn, bwd.arg_types("bf16"), consts, target=target,
+                               num_warps=warps)
+
+
+def test_amd_route_refuses_nvidia_only_options():
+    q = jnp.zeros((1, 4, 64, 512), jnp.bfloat16)
+    kv = jnp.zeros((1, 8, 512), jnp.bfloat16)
+    idx = jnp.zeros((1, 4, 64), jnp.int32)
+    f32 = jnp.zeros((1, 4, 64), jnp.float32)
+    for kw, name in ((dict(pair=True), "bwd_pair=True"),
+                     (dict(schedule="alternate"), "bwd_schedule='alternate'")):
+        with pytest.raises(ValueError, match=name):
+            bwd.backward(q, kv, idx, jnp.zeros(64), q, f32, q, f32, scale=0.1, block_k=32,
+                         stages=1, producer_regs=96, amd="gfx942", **kw)
 
 
 def test_transpose_probe_modes_compile_to_the_three_ways():
@@ -380,3 +498,45 @@ def test_dkv_parts_benchmark_dry_run():
     assert timed == {"stack", "gemm", "gemm_qdo", "invmap", "invmap16", "reduce", "reduce_16_4",
                      "read", "dkv"}, timed
     assert [r["ok"] for r in rows if r["piece"] == "invmap16_same"] == [True]
+
+
+def test_bwd_check_selection_dry_run(monkeypatch):
+    """benchmarks/gluon_bwd_check.py's --grad-cases / --skip on a CPU, the gluon and
+    pallas_triton impls stood in for by xla (Gluon cannot run here) and the timed problem made
+    tiny: which rows each option leaves, and that every row still reports and passes."""
+    import csa_jax
+    from benchmarks import gluon_bwd_check as gb, gluon_check
+    from csa_jax import problems, registry
+    xla = registry.get("xla")
+
+    class Stand:                       # the gluon impl's Config, xla's numbers
+        Config = gluon.Config
+        default_config = staticmethod(gluon.default_config)
+
+        @staticmethod
+        def forward(q, kv, idx, s, *, scale, interpret, config):
+            return xla.forward(q, kv, idx, s, scale=scale, interpret=False, config=xla.Config())
+
+        @staticmethod
+        def backward(*a, scale, interpret, config):
+            return xla.backward(*a, scale=scale, interpret=False, config=xla.Config())
+
+    real_get, real_make = registry.get, problems.make_problem
+    monkeypatch.setattr(registry, "get",
+                        lambda n: Stand if n in ("gluon", "pallas_triton") else real_get(n))
+    monkeypatch.setattr(problems, "make_problem", lambda c, T, **kw: real_make(c, 32, **kw))
+    del csa_jax
+    v = "pf:bwd_pair=true,bwd_fuse_delta=true"
+    start = len(gluon_check.RESULTS)
+    assert gb.main(["--parts", "grad,time", "--grad-variants", v, "--variants", v,
+                    "--grad-cases", "h16_d64_bf16_sink_pad", "--shapes", "flash:0:64",
+                    "--skip", "default,e2e,dq,step,pallas"]) == 0
+    rows = gluon_check.RESULTS[start:]
+    assert [(r["part"], r.get("case"), r.get("variant")) for r in rows if r["part"] == "grad"] == [
+        ("grad", "h16_d64_bf16_sink_pad", "pf")]
+    timed = [r for r in rows if r["part"] == "time"]
+    assert [r["impl"] for r in timed] == ["gluon:default", "gluon:pf"]
+    assert timed[0]["dq_ms"] is None and "err_vs_default" in timed[1] and timed[1]["ok"]
+    assert not [r for r in rows if r["part"] == "step"]
+    with pytest.raises(SystemExit):
+        gb.main(["--parts", "grad", "--skip", "nothing"])

@@ -113,7 +113,7 @@ class Config:
     alt_ablate: BENCHMARK ONLY, wrong results, schedule="alternate": 1 = no wgmma products (S
         taken as 0, no PV; softmax, P and max / sum exchange, every barrier and the gather
         kept): the alternating kernel's pace without the tensor cores.
-    bwd: "gluon" (the dq kernel of bwd.py, dkv by the Pallas Triton GEMM + reduce) or
+    bwd: "gluon" (the dq kernel of bwd.py, dkv by the per-slot GEMM + inverse-map reduce) or
         "pallas_triton" (its whole backward); bwd_block_k (16, 32, 64) and bwd_stages: the dq
         kernel's ring tile rows and depth (32 x 2 at D = 512: [q; dO] 128 KiB + 2 x 32 KiB).
     bwd_prefetch: the dq kernel loads the next tile's row ids ahead (producer and consumers, as
@@ -135,11 +135,34 @@ class Config:
     bwd_qdo (with bwd_interm="xla"; the Gluon interm GEMM reads q and dO in place and ignores
         it): the dq kernel also writes the interm GEMM's stacked [q; dO] operand from its shared
         memory (4.3 GB of writes at Pro cr4 T = 16384 in place of XLA's stack: 4.3 GB read +
-        4.3 GB written); dsp is then laid out head block first to match.
+        4.3 GB written); dsp is then laid out head block first to match. On by default_config
+        on NVIDIA (NVIDIA_BWD), off on AMD (the AMD dq kernel has no such copy).
+    bwd_pair: the dq kernel keeps q and dO rows interleaved in 8-row groups in its resident
+        [q; dO] buffer (bwd.py _qdo_row), so the score product's accumulator holds S and dP of
+        one (head, slot) in the same thread: p and dS are formed in registers, without the f32
+        S / dP exchange through shared memory (16 KiB stored and loaded per 32-row tile) and
+        one of the tile's three partition barriers; dsp leaves in 4-byte stores. 16 KiB less
+        shared memory. No bwd_prefetch / bwd_ablate modes.
+    bwd_fuse_delta: the dq kernel forms delta = sum(o * dO) per head itself (o read in 16-row
+        chunks while the producer copies q and dO; dlse - delta written out for dsink) instead
+        of an XLA reduction reading o and dO (4.3 GB at Pro T = 16384). NVIDIA only (the AMD
+        route ignores it).
+    bwd_schedule: the dq kernel's schedule: "lockstep" (bwd.py: one 8-warp consumer partition,
+        both warpgroups on every tile) or "alternate" (bwd_alt.py, the forward's alternating
+        schedule: two 4-warp consumer warpgroups owning alternate tiles, each computing its
+        tile's scores and dS on M = 128 paired [q; dO] rows, publishing dS in shared memory,
+        each running its column half of every tile's dq product, the other's tile behind its
+        own scores on the tensor pipe; even bwd_stages; bwd_pair is implied);
+        bwd_alt_regs: its consumer registers per thread (232: no spills; the producer gets
+        the rest, 40); bwd_alt_order: its steps per own tile, "s_first" (the tile's scores,
+        then the other's tile's dq product behind them) or "dq_first" (the other's dq product
+        first, both waited and the other's stage released before the element-wise work:
+        fwd_alt's pv_first; bwd_alt.py).
     bwd_narrow_keys: the dkv inverse map sorts int16 keys when N < 2**15 (same map).
     bwd_reduce: the dkv gather-reduce kernel: "pallas_triton" (the Pallas Triton impl's) or
         "gluon" (kernels/gluon/dkv.py: 16-byte loads, two chunks of rows in flight, f32 [R, D]
         partials summed once); both deterministic, with different (fixed) summation orders.
+        default_config picks "gluon" on NVIDIA (NVIDIA_BWD), "pallas_triton" on AMD.
     bwd_block_r, bwd_reduce_warps: that kernel's inverse-map entries per step and warps
         (0 = its default: 32 x 4 warps for pallas_triton, 16 x 4 for gluon).
     """
@@ -179,6 +202,11 @@ class Config:
     bwd_interm_stages: int = 4
     bwd_interm_pipeline: bool = False
     bwd_qdo: bool = False
+    bwd_pair: bool = False
+    bwd_fuse_delta: bool = False
+    bwd_schedule: str = "lockstep"
+    bwd_alt_regs: int = 232
+    bwd_alt_order: str = "s_first"
     bwd_narrow_keys: bool = False
     bwd_reduce: str = "pallas_triton"
     bwd_block_r: int = 0
@@ -196,9 +224,28 @@ class Config:
         if isinstance(self.bwd_ablate, bool) or self.bwd_ablate not in (0, 1, 2, 3, 4):
             raise ValueError(f"bwd_ablate={self.bwd_ablate!r} must be 0 (off) or 1..4 "
                              f"(benchmark only)")
-        for name in ("bwd_qdo", "bwd_narrow_keys"):
+        for name in ("bwd_qdo", "bwd_narrow_keys", "bwd_pair", "bwd_fuse_delta"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
+        if self.bwd_pair and (self.bwd_prefetch or self.bwd_ablate):
+            raise ValueError(f"bwd_pair=True has no bwd_prefetch / bwd_ablate modes (got "
+                             f"bwd_prefetch={self.bwd_prefetch}, bwd_ablate={self.bwd_ablate})")
+        if self.bwd_schedule not in ("lockstep", "alternate"):
+            raise ValueError(f"bwd_schedule={self.bwd_schedule!r} must be 'lockstep' or "
+                             f"'alternate'")
+        if self.bwd_schedule == "alternate":
+            if self.bwd_stages % 2:
+                raise ValueError(f"bwd_schedule='alternate' needs an even bwd_stages, got "
+                                 f"{self.bwd_stages}")
+            if self.bwd_prefetch or self.bwd_ablate or self.bwd_dq_operand != "desc":
+                raise ValueError("bwd_schedule='alternate' has no bwd_prefetch / bwd_ablate / "
+                                 "bwd_dq_operand modes")
+        if self.bwd_alt_order not in ("s_first", "dq_first"):
+            raise ValueError(f"bwd_alt_order={self.bwd_alt_order!r} must be 's_first' or "
+                             f"'dq_first'")
+        r = self.bwd_alt_regs
+        if isinstance(r, bool) or not isinstance(r, int) or r % 8 or not 128 <= r <= 240:
+            raise ValueError(f"bwd_alt_regs={r!r} must be a multiple of 8 in 128..240")
         if self.bwd_dq_operand not in ("desc", "desc_a", "ldsm_trans", "movmatrix"):
             raise ValueError(f"bwd_dq_operand={self.bwd_dq_operand!r} must be 'desc', 'desc_a', "
                              f"'ldsm_trans' or 'movmatrix'")
@@ -356,9 +403,20 @@ def shared_bytes(D, config, itemsize=2):
 _SMEM_BUDGET = 232_448 - 16_384      # the H200's per-block limit minus compiler scratch
 
 
+# The backward options default_config turns on for NVIDIA (docs/perf/gluon_bwd_h200.md, part 3):
+# bwd_qdo + the Gluon reduce (measured at Pro cr4 T=16384: backward 36.25 vs 41.51 ms), and the
+# dq kernel's paired rows (no S / dP exchange) with delta formed in the kernel (not timed before
+# the freeze: chosen from the byte / barrier counts). Every gradient case against xla passed on
+# the H200 for both steps (empty and out-of-range slots, both cotangents, sink, f16, D = 64).
+# The AMD route refuses bwd_qdo / bwd_pair and keeps the Pallas Triton reduce.
+NVIDIA_BWD = dict(bwd_qdo=True, bwd_reduce="gluon", bwd_pair=True, bwd_fuse_delta=True)
+
+
 def default_config(q_shape, kv_shape, idx_shape, dtype) -> Config:
     """block_k 64, 2 stages at D = 512 (the most that fits the H200's 227 KiB), more stages for
-    smaller D while they fit; block_k 32 if even 2 stages of 64 rows would not fit."""
+    smaller D while they fit; block_k 32 if even 2 stages of 64 rows would not fit. On NVIDIA
+    the backward also takes NVIDIA_BWD (the dq kernel writes [q; dO], pairs q / dO rows and
+    forms delta; the Gluon reduce)."""
     del kv_shape, idx_shape
     D = q_shape[3]
     arch = _amd()
@@ -366,7 +424,7 @@ def default_config(q_shape, kv_shape, idx_shape, dtype) -> Config:
         d, b = AMD_DEFAULTS[arch], AMD_DQ_DEFAULTS[arch]
         return Config(block_k=d["block_k"], stages=d["stages"], bwd_block_k=b["block_k"],
                       bwd_stages=b["stages"])
-    cfg = _bwd_default(D, Config())
+    cfg = _bwd_default(D, Config(**NVIDIA_BWD))
     for stages in (4, 3, 2):
         c = dataclasses.replace(cfg, stages=stages)
         if shared_bytes(D, c) <= _SMEM_BUDGET:
@@ -376,10 +434,16 @@ def default_config(q_shape, kv_shape, idx_shape, dtype) -> Config:
 
 def _bwd_default(D, cfg):
     """The dq kernel's tiles: the largest (rows, stages) of 64x3, 64x2, 32x3, 32x2, 16x4 whose
-    buffers fit (32 x 2 at D = 512); dims.dq_shared_bytes counts every buffer and barrier."""
-    from csa_jax.kernels.gluon.dims import SMEM_LIMIT, dq_shared_bytes as bwd_bytes
+    buffers fit (32 x 2 at D = 512); dims.dq_shared_bytes counts every buffer and barrier
+    (dq_alt_shared_bytes and even stages only for bwd_schedule="alternate")."""
+    from csa_jax.kernels.gluon.dims import SMEM_LIMIT, dq_alt_shared_bytes, dq_shared_bytes
+    alt = cfg.bwd_schedule == "alternate"
     for bk, st in ((64, 3), (64, 2), (32, 3), (32, 2), (16, 4)):
-        if bwd_bytes(D, bk, st) <= SMEM_LIMIT - 8192:
+        if alt and st % 2:
+            continue
+        need = (dq_alt_shared_bytes(D, bk, st) if alt else
+                dq_shared_bytes(D, bk, st, pair=cfg.bwd_pair))
+        if need <= SMEM_LIMIT - 8192:
             return dataclasses.replace(cfg, bwd_block_k=bk, bwd_stages=st)
     return cfg
 
@@ -527,7 +591,10 @@ def backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, interpret, config):
                              block_k=config.bwd_block_k, stages=config.bwd_stages,
                              producer_regs=config.producer_regs, prefetch=config.bwd_prefetch,
                              ablate=config.bwd_ablate, qdo=config.bwd_qdo,
-                             dq_operand=config.bwd_dq_operand, interm=config.bwd_interm,
+                             dq_operand=config.bwd_dq_operand, pair=config.bwd_pair,
+                             fuse_delta=config.bwd_fuse_delta, schedule=config.bwd_schedule,
+                             alt_regs=config.bwd_alt_regs, alt_order=config.bwd_alt_order,
+                             interm=config.bwd_interm,
                              interm_operand=config.bwd_interm_operand,
                              interm_stages=config.bwd_interm_stages,
                              interm_pipeline=config.bwd_interm_pipeline,

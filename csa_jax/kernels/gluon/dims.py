@@ -15,12 +15,23 @@ def padded_dims(H, D, K, block_k):
     return round_up(H, HB), Dp, round_up(K, block_k)
 
 
-def dq_shared_bytes(D, block_k, stages, itemsize=2):
-    """Shared memory of the dq kernel's buffers (bwd.py): [q; dO], the ring, the S/dP exchange,
-    dS, the barriers."""
+def dq_shared_bytes(D, block_k, stages, itemsize=2, pair=False):
+    """Shared memory of the dq kernel's buffers (bwd.py): [q; dO], the ring, the S/dP exchange
+    (none with pair: Config.bwd_pair), dS, the barriers."""
     Dp = padded_dims(HB, D, block_k, block_k)[1]
+    if pair:
+        return (2 * HB + stages * block_k) * Dp * itemsize + HB * block_k * itemsize + 8 * (
+            2 * stages + 1)
     return ((2 * HB + stages * block_k) * Dp * itemsize + 2 * HB * block_k * 4
             + HB * block_k * itemsize + 8 * (2 * stages + 2))
+
+
+def dq_alt_shared_bytes(D, block_k, stages, itemsize=2):
+    """Shared memory of the alternating dq kernel (bwd_alt.py): [q; dO], the ring, the two dS
+    buffers, the barriers."""
+    Dp = padded_dims(HB, D, block_k, block_k)[1]
+    return (2 * HB + stages * block_k) * Dp * itemsize + 2 * HB * block_k * itemsize + 8 * (
+        2 * stages + 5)
 
 
 # AMD targets of amd_fwd.py and their default tiles at D = 512 (block_k rows a tile, stages of
