@@ -150,7 +150,8 @@ def _backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, interpret, config,
             interm = _interm_call(d, config, scale, interpret, prec, used, idx_p, q_p, do_p,
                                   lse_p, delta_p, dlse_p, kv_p, idt)
         if "reduce" in parts:
-            dkv = _reduce_call(d, config, interpret, idx_p, interm, kv.dtype)
+            dkv = _reduce_call(d, config, interpret, idx_p, interm, kv.dtype,
+                               config.narrow_keys)
         else:   # keep the kernel alive for timing
             dkv = dkv.at[:, 0].set(interm[:, 0, 0].astype(dkv.dtype))
 
@@ -248,24 +249,67 @@ def _reduce_call(d, config, interpret, idx_p, interm, dtype, narrow_keys=False):
 
 
 def _reduce_rows(d, config, interpret, offsets, perm, interm, dtype):
-    """The gather-reduce kernel alone, on a ready inverse map (offsets, perm)."""
+    """The gather-reduce kernel alone, on a ready inverse map (offsets, perm).
+
+    config.reduce_split = C > 0: two passes of the same kernel. Pass 1 sums chunks of at most C
+    consecutive entries of a row's list (one program per chunk: a hot row, such as a cr128 pool
+    row that every later token sees, is spread over up to T / C programs instead of walking up
+    to T entries alone), into f32 partials; pass 2 sums each row's partials in chunk order. Both
+    orders are fixed: deterministic, bit for bit, from run to run."""
     E = d.T * d.Kp
+    interm = interm.reshape(d.B, E, d.Dp)
+    C = config.reduce_split
+    if not C:
+        return _reduce_launch(config, interpret, offsets, perm, interm, dtype)
+    chunks, row_chunks = _split_rows(offsets, C, E // C)
+    part = _reduce_launch(config, interpret, chunks, perm, interm, jnp.float32)   # [B, G, Dp]
+    ident = jnp.broadcast_to(jnp.arange(part.shape[1], dtype=jnp.int32), part.shape[:2])
+    return _reduce_launch(config, interpret, row_chunks, ident, part, dtype)
+
+
+def _split_rows(offsets, chunk, extra):
+    """Chunks of at most `chunk` entries of every row's CSR range [start, end).
+
+    offsets [B, N, 2] -> (chunks [B, N + extra, 2]: the entry range of each chunk, rows in order
+    and each row's chunks in entry order, [0, 0) past the last; row_chunks [B, N, 2]: each row's
+    range of chunks). Every row has >= 1 chunk (an empty row one empty chunk), and the rows
+    together have at most N + E / chunk chunks for E entries, so extra = E // chunk bounds them."""
+    start, end = offsets[..., 0], offsets[..., 1]
+    N = start.shape[1]
+    nch = jnp.maximum(1, (end - start + chunk - 1) // chunk)                    # [B, N]
+    last = jnp.cumsum(nch, axis=1, dtype=jnp.int32)
+    first = last - nch
+    w = jnp.arange(N + extra, dtype=jnp.int32)
+    row = jax.vmap(lambda l: jnp.searchsorted(l, w, side="right", method="scan_unrolled"))(last)
+    live = row < N
+    row = jnp.minimum(row, N - 1).astype(jnp.int32)
+    take = lambda x: jnp.take_along_axis(x, row, axis=1)
+    cs = take(start) + (w[None] - take(first)) * chunk
+    ce = jnp.minimum(cs + chunk, take(end))
+    chunks = jnp.stack([jnp.where(live, cs, 0), jnp.where(live, ce, 0)], axis=-1)
+    return chunks.astype(jnp.int32), jnp.stack([first, last], axis=-1)
+
+
+def _reduce_launch(config, interpret, offsets, perm, values, dtype):
+    """out [B, R, Dp]: out[b, r] = sum of values[b, perm[b, i]] for i in offsets[b, r]'s range."""
+    B, R = offsets.shape[:2]
+    E, Dp = values.shape[1:]
     br = config.block_r
     perm = _pad_to(perm, 1, E + br)          # a masked tail read never leaves the array
     return pl.pallas_call(
         functools.partial(_reduce_kernel, br=br),
-        grid=(d.B * d.N,),
+        grid=(B * R,),
         in_specs=[
-            pl.BlockSpec((None, None, 2), lambda i: (i // d.N, i % d.N, 0)),
-            pl.BlockSpec((None, E + br), lambda i: (i // d.N, 0)),
-            pl.BlockSpec((None, E, d.Dp), lambda i: (i // d.N, 0, 0)),
+            pl.BlockSpec((None, None, 2), lambda i: (i // R, i % R, 0)),
+            pl.BlockSpec((None, E + br), lambda i: (i // R, 0)),
+            pl.BlockSpec((None, E, Dp), lambda i: (i // R, 0, 0)),
         ],
-        out_specs=pl.BlockSpec((None, 1, d.Dp), lambda i: (i // d.N, i % d.N, 0)),
-        out_shape=jax.ShapeDtypeStruct((d.B, d.N, d.Dp), dtype),
+        out_specs=pl.BlockSpec((None, 1, Dp), lambda i: (i // R, i % R, 0)),
+        out_shape=jax.ShapeDtypeStruct((B, R, Dp), dtype),
         compiler_params=_params(config.num_warps_reduce, 2),
         interpret=interpret,
         name="csa_triton_dkv_reduce",
-    )(offsets, perm, interm.reshape(d.B, E, d.Dp))
+    )(offsets, perm, values)
 
 
 def backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, interpret, config):

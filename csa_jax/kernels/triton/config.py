@@ -53,7 +53,14 @@ class Config:
               so the kernel does (2 * split + 2) / 4 times the products, with a smaller
               accumulator. Never timed: with the default interm tiles it asked for 262,528 B
               of shared memory on the H200 and did not compile (docs/perf/triton_h200.md).
-    reduce:   block_r inverse-map entries summed per step, num_warps_reduce (memory bound).
+    reduce:   block_r inverse-map entries summed per step, num_warps_reduce (memory bound);
+              reduce_split = C > 0 sums every row's entry list in chunks of at most C entries
+              (one program each, f32 partials), then each row's partials in chunk order: a
+              hot row (a cr128 pool row gets an entry from every later token, up to T) no
+              longer walks its whole list in one program while the other rows' programs have
+              finished. 0: one program per row.
+    narrow_keys: sort the reduce's inverse map on int16 kv-row keys where N < 2**15
+              (csa_jax.blockmath.inverse_map(narrow=True): the same map, half the radix passes).
     interm_f32: keep the per-slot intermediate in f32 even for bf16 inputs (2x its bytes).
     slot_major (forward), slot_major_dq (dq kernel): form the scores as (rows q^T)^T instead of
               q rows^T. The resident q (and dO) [heads, D] then feed the MMA as its second
@@ -87,6 +94,8 @@ class Config:
     dkv_split_d: int = 1
     block_r: int = 32
     num_warps_reduce: int = 4
+    reduce_split: int = 0
+    narrow_keys: bool = False
     interm_f32: bool = False
     interm: str = "gemm"
     slot_major: bool = False
@@ -102,6 +111,10 @@ class Config:
             raise ValueError(f"dkv_split_d={self.dkv_split_d!r} must be a power of two")
         if not _is_pow2(self.block_r):
             raise ValueError(f"block_r={self.block_r!r} must be a power of two")
+        if self.reduce_split != 0 and not (_is_pow2(self.reduce_split)
+                                           and self.reduce_split >= self.block_r):
+            raise ValueError(f"reduce_split={self.reduce_split!r} must be 0 (off) or a power of "
+                             f"two >= block_r={self.block_r}")
         for name in ("num_warps", "num_warps_dq", "num_warps_dkv", "num_warps_reduce"):
             v = getattr(self, name)
             if v not in (1, 2, 4, 8, 16):
@@ -112,7 +125,7 @@ class Config:
                 raise ValueError(f"{name}={v!r} must be an int >= 1")
         if self.interm not in ("gemm", "kernel"):
             raise ValueError(f"interm={self.interm!r} must be 'gemm' or 'kernel'")
-        for name in ("interm_f32", "slot_major", "slot_major_dq"):
+        for name in ("interm_f32", "slot_major", "slot_major_dq", "narrow_keys"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
 
