@@ -18,17 +18,21 @@ from csa_jax.kernels.triton.plan import (_dims, _gather_rows, _gather_tile, _hea
 
 
 def _dq_kernel(ntiles_ref, idx_ref, q_ref, do_ref, lse_ref, delta_ref, dlse_ref, kv_ref,  # in
-               dq_ref, *dsp_ref,                                                          # out
-               scale, bk, precision, slot_major):
-    # q_ref, do_ref [hb, D]; lse/delta/dlse [hb, 1]; dsp_ref (interm="gemm" only) [2, hb, Kp]:
-    # this head block's scale * dS and P over all slots, in the dtype of the interm products.
+               dq_ref, *extra_refs,                                                       # out
+               scale, bk, precision, slot_major, qdo):
+    # q_ref, do_ref [hb, D]; lse/delta/dlse [hb, 1]; extra_refs (interm="gemm" only): dsp
+    # [2, hb, Kp], this head block's scale * dS and P over all slots, in the dtype of the interm
+    # products; with qdo also [2, hb, D], the block's q and dO (the per-slot GEMM's operand).
     q = q_ref[...]
     do = do_ref[...]
     lse = lse_ref[...]
     delta = delta_ref[...]
     dlse = dlse_ref[...]
     ntiles = ntiles_ref[...]
-    dsp = dsp_ref[0] if dsp_ref else None
+    dsp = extra_refs[0] if extra_refs else None
+    if qdo:
+        extra_refs[1][0] = q
+        extra_refs[1][1] = do
 
     def store(i, ds_scaled, p):
         cols = pl.ds(i * bk, bk)
@@ -141,11 +145,13 @@ def _backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, interpret, config,
     idt = f32 if (config.interm_f32 or q_p.dtype == f32) else q_p.dtype
     gemm = config.interm == "gemm"
     if "dq" in parts or (gemm and "interm" in parts):
+        qdo = gemm and config.qdo
         dq, *dsp = _dq_call(d, config, scale, interpret, prec, used, idx_p, q_p, do_p, lse_p,
-                            delta_p, dlse_p, kv_p, dsp_dtype=q_p.dtype if gemm else None)
+                            delta_p, dlse_p, kv_p, dsp_dtype=q_p.dtype if gemm else None,
+                            qdo=qdo)
     if "interm" in parts:
         if gemm:
-            interm = _interm_gemm(dsp[0], q_p, do_p, prec, idt)
+            interm = _interm_gemm(dsp[0], q_p, do_p, prec, idt, qdo=dsp[1] if qdo else None)
         else:
             interm = _interm_call(d, config, scale, interpret, prec, used, idx_p, q_p, do_p,
                                   lse_p, delta_p, dlse_p, kv_p, idt)
@@ -162,9 +168,10 @@ def _backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, interpret, config,
 
 
 def _dq_call(d, config, scale, interpret, prec, used, idx_p, q_p, do_p, lse_p, delta_p, dlse_p,
-             kv_p, dsp_dtype=None):
+             kv_p, dsp_dtype=None, qdo=False):
     """dq [B, T, Hp, Dp]: programs over (b, t, head block). With dsp_dtype also returns
-    dsp [B, T, 2, Hp, Kp] = (scale * dS, P) of every slot (zeros past a token's last tile)."""
+    dsp [B, T, 2, Hp, Kp] = (scale * dS, P) of every slot (zeros past a token's last tile), and
+    with qdo (needs dsp_dtype) [q; dO] [B, T, 2, Hp, Dp], copied from the tiles it read."""
     bk = config.block_k_dq
     hb = _head_block(d, config.block_h_dq)
     n, coords = _token_head_grid(d, hb)
@@ -178,9 +185,15 @@ def _dq_call(d, config, scale, interpret, prec, used, idx_p, q_p, do_p, lse_p, d
         out_specs.append(pl.BlockSpec((None, None, 2, hb, d.Kp),
                                       lambda i: (*tok(i), 0, coords(i)[2], 0)))
         out_shape.append(jax.ShapeDtypeStruct((d.B, d.T, 2, d.Hp, d.Kp), dsp_dtype))
+    if qdo:
+        if dsp_dtype is None:
+            raise ValueError("qdo=True needs dsp_dtype (the GEMM interm path)")
+        out_specs.append(pl.BlockSpec((None, None, 2, hb, d.Dp),
+                                      lambda i: (*tok(i), 0, coords(i)[2], 0)))
+        out_shape.append(jax.ShapeDtypeStruct((d.B, d.T, 2, d.Hp, d.Dp), q_p.dtype))
     return pl.pallas_call(
         functools.partial(_dq_kernel, scale=scale, bk=bk, precision=prec,
-                          slot_major=config.slot_major_dq),
+                          slot_major=config.slot_major_dq, qdo=qdo),
         grid=(n,),
         in_specs=[
             pl.BlockSpec((None, None), tok),
@@ -196,11 +209,13 @@ def _dq_call(d, config, scale, interpret, prec, used, idx_p, q_p, do_p, lse_p, d
     )(_ntiles(used, bk), idx_p, q_p, do_p, lse_p, delta_p, dlse_p, kv_p)
 
 
-def _interm_gemm(dsp, q_p, do_p, prec, idt):
+def _interm_gemm(dsp, q_p, do_p, prec, idt, qdo=None):
     """interm[b, t, j] = sum_h scale * dS[h, j] q[h] + P[h, j] dO[h]: one batched GEMM per token
     (M = slots, N = D, contraction over 2 * heads) in XLA (cuBLAS on GPU, which accumulates bf16
-    products in f32), written straight in the interm dtype: no f32 [B, T, K, D] temporary."""
-    qdo = jnp.stack([q_p, do_p], axis=2)                                       # [B, T, 2, Hp, Dp]
+    products in f32), written straight in the interm dtype: no f32 [B, T, K, D] temporary.
+    qdo: the stacked [q; dO] operand if the dq kernel wrote it (else XLA stacks them here)."""
+    if qdo is None:
+        qdo = jnp.stack([q_p, do_p], axis=2)                                   # [B, T, 2, Hp, Dp]
     dims = (((2, 3), (2, 3)), ((0, 1), (0, 1)))
     return lax.dot_general(dsp, qdo, dims, precision=prec, preferred_element_type=idt)
 
