@@ -3,11 +3,13 @@
 # One python process (one start-up):
 #  1. bench_train small T=8192 B=1 pallas_triton, variant "fast" only (the default at this code is
 #     small's 44.5 ms of acb8f3f = f74fe53: no change to it since): indexer_scores=kernel,
-#     config.reduce_split=256, config.narrow_keys=true; 6 timed steps, then a 3-step profile;
+#     config.reduce_split=256, config.narrow_keys=true, config.qdo=true (and, at this commit, the
+#     inverse map's unrolled offsets search on GPUs); 6 timed steps, then a 3-step profile;
 #     trace_breakdown of it in a background process (CPU)
 #  2. train_ops_probe (budget = what is left): indexer scores kernel vs XLA (time + max rel err +
-#     same -inf), top-k ids with kernel scores vs XLA scores, attention backward cr128 / cr4
-#     default vs the reduce split (cr128) / split + int16 keys (cr4), rel err vs default
+#     same -inf), top-k ids with kernel scores vs XLA scores, attention backward (fwd + bwd) cr128:
+#     default vs reduce_split 256; cr4: default vs int16 keys + qdo, vs those + split 256; the
+#     inverse map's unrolled vs loop search; cr128 split 128 (rel err vs default for each)
 set -u
 OUT=${OUT:-/tmp/t3_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 T3_OUT="$OUT" T3_END_S=${END_S:-88}
@@ -39,7 +41,8 @@ def bench(variant, over, profile):
     log(f"bench {variant}: {r['step_ms']:.2f} ms/step, {r['tokens_per_sec']:.0f} tok/s, "
         f"MFU {100 * r['mfu']:.2f}% (valid {100 * r['mfu_valid']:.2f}%), compile {r['compile_s']:.1f} s, loss {r['loss']:.4f}")
 
-fast = {"indexer_scores": "kernel", "config.reduce_split": 256, "config.narrow_keys": True}
+fast = {"indexer_scores": "kernel", "config.reduce_split": 256, "config.narrow_keys": True,
+        "config.qdo": True}
 bench("fast", fast, "/tmp/t3p")
 proc = None
 dirs = glob.glob("/tmp/t3p/pallas_triton-fast")
@@ -52,12 +55,13 @@ left = end - (time.time() - t0)
 if left > 8:
     log(f"probe (budget {left - 6:.0f} s)")
     names = ("scores_full,scores_kernel,topk_prefix,topk_prefix_kernel,attn_cr128_default_bwd,"
-             "attn_cr128_s256_bwd,attn_cr4_default_bwd,attn_cr4_s256n_bwd")
+             "attn_cr128_s256_bwd,attn_cr4_default_bwd,attn_cr4_nq_bwd,attn_cr4_s256nq_bwd,"
+             "inverse_map_s16,inverse_map_s16_scan,attn_cr128_s128_bwd")
     try:
         train_ops_probe.main(["--preset", preset, "--seq-len", str(T), "--reps", "10",
                               "--time-cap", "0.3", "--budget-s", f"{left - 6:.0f}", "--only", names,
                               "--attn-impl", "pallas_triton", "--attn-ratios", "128,4",
-                              "--attn-variants", "s256:reduce_split=256; s256n:reduce_split=256,narrow_keys=true",
+                              "--attn-variants", "s256:reduce_split=256; nq:narrow_keys=true,qdo=true; s256nq:reduce_split=256,narrow_keys=true,qdo=true; s128:reduce_split=128",
                               "--out", f"{out}/probe.json"])
     except Exception as e:
         log(f"probe failed: {type(e).__name__}: {str(e)[:400]}")
