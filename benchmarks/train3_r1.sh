@@ -77,7 +77,7 @@ if proc is not None:
 log("all done")
 PY
 echo "python rc=$? at +$(( $(date +%s) - t0 )) s" >> "$OUT/log.txt"
-(cd /tmp/t3p 2>/dev/null && tar czf "$OUT/profile_fast.tgz" --exclude='*.trace.json.gz' .) 2>/dev/null
+(cd /tmp/t3p 2>/dev/null && tar czf "$OUT/profile_fast.tgz" --exclude='*trace.json.gz' .) 2>/dev/null
 [ -f "$OUT/profile_fast.tgz" ] && [ "$(stat -c %s "$OUT/profile_fast.tgz")" -gt 15000000 ] && rm -f "$OUT/profile_fast.tgz"
 grep -h "^== \|^| \|vs scores_full\|vs topk" "$OUT/log.txt" | cut -c1-240
 head -24 "$OUT/breakdown_fast.txt" 2>/dev/null
