@@ -8,7 +8,8 @@
 #     trace_breakdown of it in a background process (CPU)
 #  2. train_ops_probe (budget = what is left): indexer scores kernel vs XLA (time + max rel err +
 #     same -inf), top-k ids with kernel scores vs XLA scores, attention backward (fwd + bwd) cr128:
-#     default vs reduce_split 256; cr4: default vs int16 keys + qdo, vs those + split 256; the
+#     default vs reduce_split 256; cr4: default vs int16 keys + qdo (+ dq_delta), vs those +
+#     split 256; the
 #     inverse map's unrolled vs loop search; cr128 split 128 (rel err vs default for each); at
 #     small's H = 16 (the defaults were tuned at V4 widths): cr4 forward with 4 warps instead of
 #     8, cr4 backward with 64-slot dq tiles instead of 32
@@ -58,13 +59,13 @@ if left > 8:
     log(f"probe (budget {left - 6:.0f} s)")
     names = ("scores_full,scores_kernel,topk_prefix,topk_prefix_kernel,attn_cr128_default_bwd,"
              "attn_cr128_s256_bwd,attn_cr4_default_fwd,attn_cr4_w4_fwd,attn_cr4_default_bwd,"
-             "attn_cr4_nq_bwd,attn_cr4_dk64_bwd,inverse_map_s16,inverse_map_s16_scan,"
+             "attn_cr4_nq_bwd,attn_cr4_nqd_bwd,attn_cr4_dk64_bwd,inverse_map_s16,inverse_map_s16_scan,"
              "attn_cr4_s256nq_bwd,attn_cr128_s128_bwd")
     try:
         train_ops_probe.main(["--preset", preset, "--seq-len", str(T), "--reps", "10",
                               "--time-cap", "0.3", "--budget-s", f"{left - 6:.0f}", "--only", names,
                               "--attn-impl", "pallas_triton", "--attn-ratios", "128,4",
-                              "--attn-variants", "s256:reduce_split=256; nq:narrow_keys=true,qdo=true; s256nq:reduce_split=256,narrow_keys=true,qdo=true; s128:reduce_split=128; w4:num_warps=4; dk64:block_k_dq=64",
+                              "--attn-variants", "s256:reduce_split=256; nq:narrow_keys=true,qdo=true; nqd:narrow_keys=true,qdo=true,dq_delta=true; s256nq:reduce_split=256,narrow_keys=true,qdo=true; s128:reduce_split=128; w4:num_warps=4; dk64:block_k_dq=64",
                               "--out", f"{out}/probe.json"])
     except Exception as e:
         log(f"probe failed: {type(e).__name__}: {str(e)[:400]}")

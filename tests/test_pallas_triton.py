@@ -231,11 +231,13 @@ def test_reduce_split_sums_hot_rows_exactly_once(rng, split):
     assert (np.asarray(offsets)[0, 3, 1] - np.asarray(offsets)[0, 3, 0]) > 2 * split
 
 
-@pytest.mark.parametrize("split,narrow,qdo", [(8, False, False), (0, True, True), (8, True, True)])
-def test_reduce_split_gradients_match_reference(rng, split, narrow, qdo):
-    """The whole op with reduce_split, the int16-key inverse map and/or the dq kernel's [q; dO]
-    output (qdo) on a window + HCA list (pool row 0 seen by every later token): gradients as the
-    XLA impl's."""
+@pytest.mark.parametrize("split,narrow,qdo,own_delta", [(8, False, False, False),
+                                                     (0, True, True, True),
+                                                     (8, True, True, False)])
+def test_reduce_split_gradients_match_reference(rng, split, narrow, qdo, own_delta):
+    """The whole op with reduce_split, the int16-key inverse map, the dq kernel's [q; dO] output
+    (qdo) and/or its own delta (dq_delta) on a window + HCA list (pool row 0 seen by every later
+    token), both outputs' cotangents: gradients as the XLA impl's."""
     T, P, H, D = 64, 4, 16, 32
     idx = csa_jax.build_indices(T, 16, window=16)
     idx = jnp.broadcast_to(idx, (1,) + idx.shape[-2:])
@@ -243,9 +245,11 @@ def test_reduce_split_gradients_match_reference(rng, split, narrow, qdo):
     kv = jnp.asarray(rng.standard_normal((1, T + P, D)), jnp.float32)
     sink = jnp.asarray(rng.standard_normal(H), jnp.float32)
     do = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
-    cfg = dataclasses.replace(SMALL, reduce_split=split, narrow_keys=narrow, qdo=qdo)
-    _, _, grads = value_and_grads(q, kv, idx, sink, do, None, scale=D ** -0.5,
+    dlse = jnp.asarray(rng.standard_normal(q.shape[:3]), jnp.float32)
+    cfg = dataclasses.replace(SMALL, reduce_split=split, narrow_keys=narrow, qdo=qdo,
+                              dq_delta=own_delta)
+    _, _, grads = value_and_grads(q, kv, idx, sink, do, dlse, scale=D ** -0.5,
                                   impl="pallas_triton", interpret=True, config=cfg)
-    _, _, ref = value_and_grads(q, kv, idx, sink, do, None, scale=D ** -0.5, impl="xla")
+    _, _, ref = value_and_grads(q, kv, idx, sink, do, dlse, scale=D ** -0.5, impl="xla")
     for name, got, want in zip(("dq", "dkv", "dsink"), grads, ref):
         assert_close(got, want, jnp.float32, what=name)

@@ -19,17 +19,24 @@ from csa_jax.kernels.triton.plan import (_dims, _gather_rows, _gather_tile, _hea
 
 def _dq_kernel(ntiles_ref, idx_ref, q_ref, do_ref, lse_ref, delta_ref, dlse_ref, kv_ref,  # in
                dq_ref, *extra_refs,                                                       # out
-               scale, bk, precision, slot_major, qdo):
-    # q_ref, do_ref [hb, D]; lse/delta/dlse [hb, 1]; extra_refs (interm="gemm" only): dsp
-    # [2, hb, Kp], this head block's scale * dS and P over all slots, in the dtype of the interm
-    # products; with qdo also [2, hb, D], the block's q and dO (the per-slot GEMM's operand).
+               scale, bk, precision, slot_major, dsp, qdo, own_delta):
+    # q_ref, do_ref [hb, D]; lse/delta/dlse [hb, 1] (own_delta: delta_ref is o's [hb, D] block,
+    # and delta = rowsum(o * dO) is formed here and written out, [hb, 1] f32); extra_refs: dsp
+    # (interm="gemm" only) [2, hb, Kp], this head block's scale * dS and P over all slots, in the
+    # dtype of the interm products; with qdo [2, hb, D], the block's q and dO (the per-slot
+    # GEMM's operand); with own_delta the delta block.
     q = q_ref[...]
     do = do_ref[...]
     lse = lse_ref[...]
-    delta = delta_ref[...]
+    if own_delta:
+        delta = jnp.sum(delta_ref[...].astype(jnp.float32) * do.astype(jnp.float32), axis=-1,
+                        keepdims=True)
+        extra_refs[-1][...] = delta
+    else:
+        delta = delta_ref[...]
     dlse = dlse_ref[...]
     ntiles = ntiles_ref[...]
-    dsp = extra_refs[0] if extra_refs else None
+    dsp = extra_refs[0] if dsp else None
     if qdo:
         extra_refs[1][0] = q
         extra_refs[1][1] = do
@@ -132,23 +139,31 @@ def _backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, interpret, config,
     prec = blockmath.precision(q.dtype)
     f32 = jnp.float32
     idx_p, used = _prep_idx(idx, d)
-    delta = jnp.sum(o.astype(f32) * do.astype(f32), axis=-1)                  # [B, T, H]
+    gemm = config.interm == "gemm"
+    run_dq = "dq" in parts or (gemm and "interm" in parts)
+    own_delta = config.dq_delta and gemm and run_dq    # the interm kernel path needs it first
     # Padded heads: q = dO = 0, lse = delta = dlse = 0, so p = 1 but ds = 0 and p * dO = 0.
     q_p = _pad_to(_pad_to(q, 3, d.Dp), 2, d.Hp)
     do_p = _pad_to(_pad_to(do, 3, d.Dp), 2, d.Hp)
     kv_p = _pad_to(kv, 2, d.Dp)
     col = lambda x: _pad_to(x.astype(f32), 2, d.Hp)[..., None]                 # [B, T, Hp, 1]
-    lse_p, delta_p, dlse_p = col(lse), col(delta), col(dlse)
+    lse_p, dlse_p = col(lse), col(dlse)
+    if own_delta:   # the dq kernel reads o's block in delta's place and forms delta itself
+        delta_p = _pad_to(_pad_to(o, 3, d.Dp), 2, d.Hp)
+    else:
+        delta = jnp.sum(o.astype(f32) * do.astype(f32), axis=-1)              # [B, T, H]
+        delta_p = col(delta)
 
     dq = jnp.zeros_like(q_p)
     dkv = jnp.zeros_like(kv_p)
     idt = f32 if (config.interm_f32 or q_p.dtype == f32) else q_p.dtype
-    gemm = config.interm == "gemm"
-    if "dq" in parts or (gemm and "interm" in parts):
+    if run_dq:
         qdo = gemm and config.qdo
         dq, *dsp = _dq_call(d, config, scale, interpret, prec, used, idx_p, q_p, do_p, lse_p,
                             delta_p, dlse_p, kv_p, dsp_dtype=q_p.dtype if gemm else None,
-                            qdo=qdo)
+                            qdo=qdo, own_delta=own_delta)
+        if own_delta:
+            delta = dsp.pop()[:, :, :d.H, 0]                                   # [B, T, H]
     if "interm" in parts:
         if gemm:
             interm = _interm_gemm(dsp[0], q_p, do_p, prec, idt, qdo=dsp[1] if qdo else None)
@@ -168,10 +183,11 @@ def _backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, interpret, config,
 
 
 def _dq_call(d, config, scale, interpret, prec, used, idx_p, q_p, do_p, lse_p, delta_p, dlse_p,
-             kv_p, dsp_dtype=None, qdo=False):
+             kv_p, dsp_dtype=None, qdo=False, own_delta=False):
     """dq [B, T, Hp, Dp]: programs over (b, t, head block). With dsp_dtype also returns
     dsp [B, T, 2, Hp, Kp] = (scale * dS, P) of every slot (zeros past a token's last tile), and
-    with qdo (needs dsp_dtype) [q; dO] [B, T, 2, Hp, Dp], copied from the tiles it read."""
+    with qdo (needs dsp_dtype) [q; dO] [B, T, 2, Hp, Dp], copied from the tiles it read. With
+    own_delta, delta_p is o padded [B, T, Hp, Dp] and delta [B, T, Hp, 1] f32 is returned last."""
     bk = config.block_k_dq
     hb = _head_block(d, config.block_h_dq)
     n, coords = _token_head_grid(d, hb)
@@ -191,14 +207,18 @@ def _dq_call(d, config, scale, interpret, prec, used, idx_p, q_p, do_p, lse_p, d
         out_specs.append(pl.BlockSpec((None, None, 2, hb, d.Dp),
                                       lambda i: (*tok(i), 0, coords(i)[2], 0)))
         out_shape.append(jax.ShapeDtypeStruct((d.B, d.T, 2, d.Hp, d.Dp), q_p.dtype))
+    if own_delta:
+        out_specs.append(col_spec)
+        out_shape.append(jax.ShapeDtypeStruct((d.B, d.T, d.Hp, 1), jnp.float32))
     return pl.pallas_call(
         functools.partial(_dq_kernel, scale=scale, bk=bk, precision=prec,
-                          slot_major=config.slot_major_dq, qdo=qdo),
+                          slot_major=config.slot_major_dq, dsp=dsp_dtype is not None, qdo=qdo,
+                          own_delta=own_delta),
         grid=(n,),
         in_specs=[
             pl.BlockSpec((None, None), tok),
             pl.BlockSpec((None, None, d.Kp), lambda i: (*tok(i), 0)),
-            head_spec, head_spec, col_spec, col_spec, col_spec,
+            head_spec, head_spec, col_spec, head_spec if own_delta else col_spec, col_spec,
             pl.BlockSpec((None, d.N, d.Dp), lambda i: (coords(i)[0], 0, 0)),
         ],
         out_specs=out_specs,

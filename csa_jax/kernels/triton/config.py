@@ -62,6 +62,8 @@ class Config:
     qdo:      (interm="gemm") the dq kernel also writes the per-slot GEMM's [q; dO] operand
               [B, T, 2, H, D] from the tiles it reads, in place of XLA's stack of the two (which
               reads both and writes them again).
+    dq_delta: (interm="gemm") the dq kernel forms delta = rowsum(o * dO) from o's block itself
+              (and returns it for dsink), instead of an XLA reduction over o and dO before it.
     narrow_keys: sort the reduce's inverse map on int16 kv-row keys where N < 2**15
               (csa_jax.blockmath.inverse_map(narrow=True): the same map, half the radix passes).
     interm_f32: keep the per-slot intermediate in f32 even for bf16 inputs (2x its bytes).
@@ -100,6 +102,7 @@ class Config:
     reduce_split: int = 0
     narrow_keys: bool = False
     qdo: bool = False
+    dq_delta: bool = False
     interm_f32: bool = False
     interm: str = "gemm"
     slot_major: bool = False
@@ -129,7 +132,8 @@ class Config:
                 raise ValueError(f"{name}={v!r} must be an int >= 1")
         if self.interm not in ("gemm", "kernel"):
             raise ValueError(f"interm={self.interm!r} must be 'gemm' or 'kernel'")
-        for name in ("interm_f32", "slot_major", "slot_major_dq", "narrow_keys", "qdo"):
+        for name in ("interm_f32", "slot_major", "slot_major_dq", "narrow_keys", "qdo",
+                     "dq_delta"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
 
