@@ -3,7 +3,7 @@
 # One python process (one start-up):
 #  1. bench_train small T=8192 B=1 pallas_triton, variant "fast" only (the default at this code is
 #     small's 44.5 ms of acb8f3f = f74fe53: no change to it since): indexer_scores=kernel,
-#     config.reduce_split=256, config.narrow_keys=true, config.qdo=true (and, at this commit, the
+#     config.reduce_split=256, config.narrow_keys=true, config.qdo=true, config.dq_delta=true (and, at this commit, the
 #     inverse map's unrolled offsets search on GPUs); 6 timed steps, then a 3-step profile;
 #     trace_breakdown of it in a background process (CPU)
 #  2. train_ops_probe (budget = what is left): indexer scores kernel vs XLA (time + max rel err +
@@ -45,7 +45,7 @@ def bench(variant, over, profile):
         f"MFU {100 * r['mfu']:.2f}% (valid {100 * r['mfu_valid']:.2f}%), compile {r['compile_s']:.1f} s, loss {r['loss']:.4f}")
 
 fast = {"indexer_scores": "kernel", "config.reduce_split": 256, "config.narrow_keys": True,
-        "config.qdo": True}
+        "config.qdo": True, "config.dq_delta": True}
 bench("fast", fast, "/tmp/t3p")
 proc = None
 dirs = glob.glob("/tmp/t3p/pallas_triton-fast")
