@@ -87,6 +87,17 @@ def test_config_validation_and_defaults():
     assert cfg.block_k <= 64 and cfg.num_stages >= 2 and cfg.block_h <= 64
     tiny = pallas_triton.default_config((2, 40, 4, 128), (2, 50, 128), (2, 40, 20), jnp.float32)
     assert tiny.block_k == 32 and tiny.block_h == 16      # K = 20 -> one tile of 32 slots
+    # small's layers (H = 16): 4 forward warps, 64-slot dq tiles; the reduce split only where
+    # every pool row is in every list (cr128: P = 64 <= K = 192; cr4: P = 2048 > K = 640)
+    bf = jnp.bfloat16
+    cr128 = pallas_triton.default_config((1, 8192, 16, 128), (1, 8256, 128), (1, 8192, 192), bf)
+    cr4 = pallas_triton.default_config((1, 8192, 16, 128), (1, 10240, 128), (1, 8192, 640), bf)
+    cr0 = pallas_triton.default_config((1, 8192, 16, 128), (1, 8192, 128), (1, 8192, 128), bf)
+    assert (cr128.num_warps, cr128.block_k_dq, cr128.reduce_split) == (4, 64, 128)
+    assert (cr4.num_warps, cr4.block_k_dq, cr4.reduce_split) == (4, 64, 0)
+    assert cr0.reduce_split == 0
+    # Pro cr4 at T = 4096 (H = 128): the V4 defaults; P = 1024 <= K = 1152, so hot rows too
+    assert (cfg.num_warps, cfg.block_k_dq, cfg.reduce_split) == (8, 32, 128)
 
 
 # ----------------------------------------------------------------------------- lowering

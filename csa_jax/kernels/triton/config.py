@@ -184,15 +184,27 @@ def default_config(q_shape, kv_shape, idx_shape, dtype) -> Config:
     was available. f32 inputs halve
     the tile rows (twice the bytes per row). Tiles never exceed the padded slot count, head
     blocks never the padded heads.
+
+    Narrow heads (H <= 16, the `small` training preset's 16 x 128; NVIDIA): the forward with 4
+    warps (a cr4 layer at T = 8192: 0.465 ms against 0.629 ms with 8) and 64-slot dq tiles (the
+    cr4 backward 2.51 ms against 2.74 ms with 32). Hot kv rows (every pool row in every list:
+    0 < N - T <= K, as in HCA layers, where a pool row gets an entry from each later token): the
+    dkv reduce split into chunks of 128 entries (the cr128 backward 1.16 ms against 1.48 ms);
+    H200, docs/perf/train_h200.md.
     """
-    del kv_shape
     platform, kind = _device_kind()
-    H, K = q_shape[2], idx_shape[2]
+    T, H, K = q_shape[1], q_shape[2], idx_shape[2]
+    pool = kv_shape[1] - T
     cfg = Config()
-    if _is_amd(platform, kind):
+    amd = _is_amd(platform, kind)
+    if amd:
         cfg = dataclasses.replace(cfg, block_k=16, block_k_dkv=32, block_h_dq=32, block_k_dq=16,
                                   num_stages_dq=2, block_h_dkv=16, num_stages=2,
                                   slot_major_dq=False)
+    elif max(16, _next_pow2(H)) <= 16:
+        cfg = dataclasses.replace(cfg, num_warps=4, block_k_dq=64)
+    if 0 < pool <= K:
+        cfg = dataclasses.replace(cfg, reduce_split=128)
     if jnp.dtype(dtype) == jnp.float32:
         cfg = dataclasses.replace(cfg, block_k=cfg.block_k // 2, block_k_dkv=cfg.block_k_dkv // 2,
                                   block_h_dq=cfg.block_h_dq // 2, num_stages=2)
