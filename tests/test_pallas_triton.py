@@ -80,8 +80,8 @@ def test_config_validation_and_defaults():
         pallas_triton.Config(slot_major_dq=1)
     with pytest.raises(ValueError, match="reduce_split=24"):
         pallas_triton.Config(reduce_split=24)
-    with pytest.raises(ValueError, match="reduce_split=16"):
-        pallas_triton.Config(reduce_split=16, block_r=32)
+    with pytest.raises(ValueError, match="reduce_split=-4"):
+        pallas_triton.Config(reduce_split=-4)
     cfg = pallas_triton.default_config((1, 4096, 128, 512), (1, 5120, 512), (1, 4096, 1152),
                                        jnp.bfloat16)
     assert cfg.block_k <= 64 and cfg.num_stages >= 2 and cfg.block_h <= 64

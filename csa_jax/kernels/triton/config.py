@@ -118,10 +118,9 @@ class Config:
             raise ValueError(f"dkv_split_d={self.dkv_split_d!r} must be a power of two")
         if not _is_pow2(self.block_r):
             raise ValueError(f"block_r={self.block_r!r} must be a power of two")
-        if self.reduce_split != 0 and not (_is_pow2(self.reduce_split)
-                                           and self.reduce_split >= self.block_r):
+        if self.reduce_split != 0 and not _is_pow2(self.reduce_split):
             raise ValueError(f"reduce_split={self.reduce_split!r} must be 0 (off) or a power of "
-                             f"two >= block_r={self.block_r}")
+                             f"two")
         for name in ("num_warps", "num_warps_dq", "num_warps_dkv", "num_warps_reduce"):
             v = getattr(self, name)
             if v not in (1, 2, 4, 8, 16):
