@@ -96,8 +96,9 @@ def test_config_validation_and_defaults():
     assert (cr128.num_warps, cr128.block_k_dq, cr128.reduce_split) == (4, 64, 128)
     assert (cr4.num_warps, cr4.block_k_dq, cr4.reduce_split) == (4, 64, 0)
     assert cr0.reduce_split == 0
-    # Pro cr4 at T = 4096 (H = 128): the V4 defaults; P = 1024 <= K = 1152, so hot rows too
-    assert (cfg.num_warps, cfg.block_k_dq, cfg.reduce_split) == (8, 32, 128)
+    # Pro cr4 at T = 4096 (H = 128, D = 512): the V4 defaults; hot rows (P = 1024 <= K = 1152)
+    # but D = 512, where the split is not measured
+    assert (cfg.num_warps, cfg.block_k_dq, cfg.reduce_split) == (8, 32, 0)
 
 
 # ----------------------------------------------------------------------------- lowering

@@ -187,12 +187,13 @@ def default_config(q_shape, kv_shape, idx_shape, dtype) -> Config:
     Narrow heads (H <= 16, the `small` training preset's 16 x 128; NVIDIA): the forward with 4
     warps (a cr4 layer at T = 8192: 0.465 ms against 0.629 ms with 8) and 64-slot dq tiles (the
     cr4 backward 2.51 ms against 2.74 ms with 32). Hot kv rows (every pool row in every list:
-    0 < N - T <= K, as in HCA layers, where a pool row gets an entry from each later token): the
-    dkv reduce split into chunks of 128 entries (the cr128 backward 1.16 ms against 1.48 ms);
-    H200, docs/perf/train_h200.md.
+    0 < N - T <= K, as in HCA layers, where a pool row gets an entry from each later token) and
+    D <= 128 (where it was measured): the dkv reduce split into chunks of 128 entries (the cr128
+    backward 1.16 ms against 1.48 ms); H200, docs/perf/train_h200.md. (V4's D = 512 layers have
+    the same hot rows, with 4x the bytes per entry; not measured yet, so not split.)
     """
     platform, kind = _device_kind()
-    T, H, K = q_shape[1], q_shape[2], idx_shape[2]
+    T, H, D, K = *q_shape[1:4], idx_shape[2]
     pool = kv_shape[1] - T
     cfg = Config()
     amd = _is_amd(platform, kind)
@@ -202,7 +203,7 @@ def default_config(q_shape, kv_shape, idx_shape, dtype) -> Config:
                                   slot_major_dq=False)
     elif max(16, _next_pow2(H)) <= 16:
         cfg = dataclasses.replace(cfg, num_warps=4, block_k_dq=64)
-    if 0 < pool <= K:
+    if 0 < pool <= K and D <= 128:
         cfg = dataclasses.replace(cfg, reduce_split=128)
     if jnp.dtype(dtype) == jnp.float32:
         cfg = dataclasses.replace(cfg, block_k=cfg.block_k // 2, block_k_dkv=cfg.block_k_dkv // 2,
