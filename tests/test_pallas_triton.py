@@ -93,12 +93,12 @@ def test_config_validation_and_defaults():
     cr128 = pallas_triton.default_config((1, 8192, 16, 128), (1, 8256, 128), (1, 8192, 192), bf)
     cr4 = pallas_triton.default_config((1, 8192, 16, 128), (1, 10240, 128), (1, 8192, 640), bf)
     cr0 = pallas_triton.default_config((1, 8192, 16, 128), (1, 8192, 128), (1, 8192, 128), bf)
-    assert (cr128.num_warps, cr128.block_k_dq, cr128.reduce_split) == (4, 64, 128)
-    assert (cr4.num_warps, cr4.block_k_dq, cr4.reduce_split) == (4, 64, 0)
+    knobs = lambda c: (c.num_warps, c.block_k_dq, c.reduce_split, c.qdo)  # noqa: E731
+    assert knobs(cr128) == (4, 64, 128, True) and knobs(cr4) == (4, 64, 0, True)
     assert cr0.reduce_split == 0
     # Pro cr4 at T = 4096 (H = 128, D = 512): the V4 defaults; hot rows (P = 1024 <= K = 1152)
     # but D = 512, where the split is not measured
-    assert (cfg.num_warps, cfg.block_k_dq, cfg.reduce_split) == (8, 32, 0)
+    assert knobs(cfg) == (8, 32, 0, False)
 
 
 # ----------------------------------------------------------------------------- lowering
