@@ -8,7 +8,8 @@ Each probe is one jitted function on random inputs of the preset's cr4 layer at 
 today, on the same inputs:
 
     inverse_map_s32 / _s16   the dkv inverse map of a cr4 index list (stable argsort of T*K kv
-                             row ids: int32 keys, or int16 keys = csa_jax.blockmath narrow=True)
+                             row ids: int32 keys, or int16 keys = csa_jax.blockmath narrow=True;
+                             _s16_scan: the offsets' binary search as a while loop, not unrolled)
     topk_prefix / topk_full  csa_jax.indexer_topk, select="prefix" (default) / "top_k": the
                              indexer scores and the selection of one cr4 layer
     scores_full              csa_jax.indexer_scores alone (all P rows)
@@ -84,6 +85,8 @@ def probes(preset, T):
                             (flat,)),
         "inverse_map_s16": (jax.jit(lambda i: blockmath.inverse_map(i, N, N, narrow=True)),
                             (flat,)),
+        "inverse_map_s16_scan": (jax.jit(lambda i: blockmath.inverse_map(
+            i, N, N, narrow=True, search="scan")), (flat,)),
         "topk_full": (select_fn("xla", "top_k"), (q, k, w)),
         "scores_kernel_noskip": (jax.jit(lambda q, k, w: tki.indexer_scores(
             q, k, w, ratio=4, skip=False)), (q, k, w)),
@@ -134,7 +137,8 @@ def main(argv=None):
     p.add_argument("--seq-len", type=int, default=8192)
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--time-cap", type=float, default=2.0, help="seconds of timed runs per probe")
-    p.add_argument("--only", default="", help="comma list of probe names (default: all)")
+    p.add_argument("--only", default="",
+                   help="comma list of probe names, run in that order (default: all)")
     p.add_argument("--no-ops", action="store_true", help="only the attention probes")
     p.add_argument("--optimizer", action="store_true", help="also time the optimizer update")
     p.add_argument("--attn-impl", default="", help="e.g. pallas_triton (default: none)")
@@ -153,6 +157,8 @@ def main(argv=None):
         todo.update(attention_probes(args.preset, args.seq_len, args.attn_impl, ratios,
                                      args.attn_variants))
     names = list(todo) + (["optimizer"] if args.optimizer else [])
+    if only:   # in the order given (a time budget stops the tail of the list)
+        names = [n for n in args.only.split(",") if n in names]
     rows, refs = [], {}
     meta = dict(device=str(jax.devices()[0].device_kind), preset=args.preset,
                 seq_len=args.seq_len, jax=jax.__version__, attn_impl=args.attn_impl,

@@ -151,7 +151,7 @@ def resolve_interpret(interpret, platforms):
     return interpret
 
 
-def inverse_map(idx, num_kv, num_rows, *, narrow=False):
+def inverse_map(idx, num_kv, num_rows, *, narrow=False, search=None):
     """CSR inverse of idx [B, E] (flat slots): (perm [B, E], key [B, E], offsets [B, R+1]).
 
     perm lists the slots sorted by kv row (stable, so the slots of one row stay in slot order;
@@ -162,7 +162,12 @@ def inverse_map(idx, num_kv, num_rows, *, narrow=False):
     (empty, like -1). A GPU sorts with a radix sort whose passes scale with the key's bits: 2
     passes instead of 4. perm and offsets of every row are the same; only the order of the
     empty / out-of-range slots after offsets[num_kv] may differ. Off by default: measured alone
-    on the H200 (benchmarks/train_ops_probe.py, docs/perf/train_h200.md), not yet in a step."""
+    on the H200 (benchmarks/train_ops_probe.py, docs/perf/train_h200.md), not yet in a step.
+
+    search: jnp.searchsorted's method for the offsets; None = "scan_unrolled" on GPUs (the
+    binary search as one fused chain of gathers: "scan" is a while loop of ~log2(E) steps,
+    each step its own kernels), "scan" elsewhere (the CPU run's program as it was). The same
+    offsets either way."""
     narrow = narrow and num_kv < 2 ** 15
     key = jnp.where(idx >= 0, idx, num_kv).astype(jnp.int32)
     if narrow:
@@ -173,5 +178,8 @@ def inverse_map(idx, num_kv, num_rows, *, narrow=False):
     skey = jnp.take_along_axis(key, perm, axis=-1)
     # rows past num_kv are empty: clamp so the empty slots (key num_kv) belong to no row
     rows = jnp.minimum(jnp.arange(num_rows + 1, dtype=jnp.int32), num_kv)
-    offs = jax.vmap(lambda k: jnp.searchsorted(k, rows, side="left"))(skey).astype(jnp.int32)
+    if search is None:
+        search = "scan_unrolled" if jax.default_backend() in ("gpu", "cuda", "rocm") else "scan"
+    offs = jax.vmap(lambda k: jnp.searchsorted(k, rows, side="left", method=search))(skey)
+    offs = offs.astype(jnp.int32)
     return perm, skey, offs

@@ -199,9 +199,13 @@ _PREFIX_MIN_SCORES = 2 ** 22
 
 SCORE_IMPLS = ("auto", "xla", "kernel")
 # scores="auto" in indexer_topk runs the fused Triton kernel (csa_jax/kernels/triton/indexer.py)
-# where it applies: NVIDIA GPUs, bf16 / f16 inputs, its block multiples, and B*T*P <= 2**26
-# scores held at once. False: auto always runs the XLA products.
-_AUTO_KERNEL_SCORES = False
+# where it applies: NVIDIA GPUs, bf16 / f16 inputs, its block multiples, B*T*P <= 2**26 scores
+# held at once, and at most _AUTO_MAX_INDEX_HEADS indexer heads: where it was measured faster
+# (H200, `small`'s 16 x 64 indexer at T = 8192: scores 0.22 ms against 1.04 ms per cr4 layer,
+# the same top-k ids; docs/perf/train_h200.md). Wider indexers (V4's 64 x 128) are not measured
+# yet and keep the XLA products. False: auto always runs the XLA products.
+_AUTO_KERNEL_SCORES = True
+_AUTO_MAX_INDEX_HEADS = 16
 
 
 def _kernel_scores(scores, q_idx, k_idx):
@@ -219,7 +223,7 @@ def _kernel_scores(scores, q_idx, k_idx):
             raise ValueError(f"scores='kernel': {why}")
         return True
     B, T, Hi, Di = q_idx.shape
-    return (why is None and B * T * k_idx.shape[1] <= 2 ** 26
+    return (why is None and B * T * k_idx.shape[1] <= 2 ** 26 and Hi <= _AUTO_MAX_INDEX_HEADS
             and tk.unsupported(q_idx.shape, k_idx.shape, (B, T, 1), q_idx.dtype) is None)
 
 

@@ -52,14 +52,14 @@ def test_blockmath_ring_arithmetic():
         bm.lookahead(1)
 
 
-@pytest.mark.parametrize("narrow", [False, True])
-def test_inverse_map(rng, narrow):
+@pytest.mark.parametrize("narrow,search", [(False, None), (True, None), (False, "scan_unrolled")])
+def test_inverse_map(rng, narrow, search):
     """Stable CSR of a [B, E] index list: row r's entries are its slots in slot order; empty
-    (-1) slots, out-of-range ids and rows past num_kv belong to no row. narrow (int16 sort keys,
-    the GPU default) gives the same rows."""
+    (-1) slots, out-of-range ids and rows past num_kv belong to no row. narrow (int16 sort keys)
+    and the unrolled search of the offsets (the GPU default) give the same rows."""
     idx = jnp.asarray(rng.integers(-1, 7, size=(2, 30)), jnp.int32)  # 5, 6: out of range
     idx = idx.at[1, :20].set(2)                                     # a hot row
-    perm, key, offs = bm.inverse_map(idx, 5, 8, narrow=narrow)
+    perm, key, offs = bm.inverse_map(idx, 5, 8, narrow=narrow, search=search)
     idx = jnp.where(idx < 5, idx, -1)
     for b in range(2):
         for r in range(8):

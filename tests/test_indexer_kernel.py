@@ -75,3 +75,19 @@ def test_layer_runs_the_kernel_scores_from_its_config():
     np.testing.assert_array_equal(outs[0], outs[1])
     with pytest.raises(ValueError, match="indexer_scores='fused' must be one of auto"):
         csa_jax.CSAConfig(indexer_scores="fused")
+
+
+def test_auto_picks_the_kernel_where_measured(monkeypatch):
+    """scores="auto" on an NVIDIA GPU (simulated: the Triton impl's own refusal lifted): the
+    kernel for bf16 indexers of <= 16 heads (the measured shape), the XLA products for wider
+    ones, f32 inputs and more than 2**26 scores."""
+    from csa_jax.kernels import triton as tk
+    monkeypatch.setattr(tk, "unsupported", lambda *a: None)
+    z = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16)
+    assert compressor._kernel_scores("auto", z(1, 8192, 16, 64), z(1, 2048, 64))
+    assert not compressor._kernel_scores("auto", z(1, 8192, 64, 128), z(1, 2048, 128))
+    assert not compressor._kernel_scores("auto", z(1, 65536, 16, 64), z(1, 16384, 64))
+    f = jax.ShapeDtypeStruct((1, 8192, 16, 64), jnp.float32)
+    assert not compressor._kernel_scores("auto", f, jax.ShapeDtypeStruct((1, 2048, 64),
+                                                                         jnp.float32))
+    assert not compressor._kernel_scores("xla", z(1, 8192, 16, 64), z(1, 2048, 64))

@@ -78,11 +78,27 @@ def test_config_validation_and_defaults():
         pallas_triton.Config(interm="scatter")
     with pytest.raises(ValueError, match="slot_major_dq=1"):
         pallas_triton.Config(slot_major_dq=1)
+    with pytest.raises(ValueError, match="reduce_split=24"):
+        pallas_triton.Config(reduce_split=24)
+    with pytest.raises(ValueError, match="reduce_split=-4"):
+        pallas_triton.Config(reduce_split=-4)
     cfg = pallas_triton.default_config((1, 4096, 128, 512), (1, 5120, 512), (1, 4096, 1152),
                                        jnp.bfloat16)
     assert cfg.block_k <= 64 and cfg.num_stages >= 2 and cfg.block_h <= 64
     tiny = pallas_triton.default_config((2, 40, 4, 128), (2, 50, 128), (2, 40, 20), jnp.float32)
     assert tiny.block_k == 32 and tiny.block_h == 16      # K = 20 -> one tile of 32 slots
+    # small's layers (H = 16): 4 forward warps, 64-slot dq tiles; the reduce split only where
+    # every pool row is in every list (cr128: P = 64 <= K = 192; cr4: P = 2048 > K = 640)
+    bf = jnp.bfloat16
+    cr128 = pallas_triton.default_config((1, 8192, 16, 128), (1, 8256, 128), (1, 8192, 192), bf)
+    cr4 = pallas_triton.default_config((1, 8192, 16, 128), (1, 10240, 128), (1, 8192, 640), bf)
+    cr0 = pallas_triton.default_config((1, 8192, 16, 128), (1, 8192, 128), (1, 8192, 128), bf)
+    knobs = lambda c: (c.num_warps, c.block_k_dq, c.reduce_split, c.qdo)  # noqa: E731
+    assert knobs(cr128) == (4, 64, 128, True) and knobs(cr4) == (4, 64, 0, True)
+    assert cr0.reduce_split == 0
+    # Pro cr4 at T = 4096 (H = 128, D = 512): the V4 defaults; hot rows (P = 1024 <= K = 1152)
+    # but D = 512, where the split is not measured
+    assert knobs(cfg) == (8, 32, 0, False)
 
 
 # ----------------------------------------------------------------------------- lowering
@@ -193,3 +209,59 @@ def test_gemm_path_buffer_is_exact_zero_past_last_tile(rng):
     assert vals.size and np.all(vals == 0.0), "non-zero or NaN entries at empty slots"
     live = np.asarray(dsp).transpose(0, 1, 4, 2, 3)[~empty]
     assert np.isfinite(live).all() and np.abs(live[:, 1]).max() > 0      # P is not all zero
+
+
+@pytest.mark.parametrize("split", [8, 16])
+def test_reduce_split_sums_hot_rows_exactly_once(rng, split):
+    """config.reduce_split: a hot row (every token's slot 0, as a cr128 pool row) is summed over
+    several chunk programs and then its partials: the same dkv as the f64 sum of each row's
+    entries, as one program per row (to f32 rounding), bit-identical run to run; a row with no
+    entry is exactly 0."""
+    T, K, N, D = 40, 6, 40, 16
+    idx = rng.integers(-1, N - 2, (1, T, K)).astype(np.int32)     # rows N-2, N-1 get nothing
+    idx[0, :, 0] = 3                                                # hot row: T entries
+    idx[0, ::2, 1] = 5                                              # warm row: T / 2 entries
+    cfg = dataclasses.replace(SMALL, reduce_split=split)
+    q = jnp.zeros((1, T, 16, D), jnp.float32)
+    d = tt.dims(q, jnp.zeros((1, N, D), jnp.float32), jnp.asarray(idx), cfg)
+    idx_p, _ = tt.prep_idx(jnp.asarray(idx), d)
+    interm = rng.standard_normal((1, T, d.Kp, d.Dp)).astype(np.float32)
+    offsets, perm = tt.inverse_map(idx_p, N)
+    want = np.zeros((N, d.Dp))
+    ip = np.asarray(idx_p)[0]
+    for t in range(T):
+        for j in range(d.Kp):
+            if ip[t, j] >= 0:
+                want[ip[t, j]] += interm[0, t, j]
+    run = lambda c: np.asarray(jax.jit(lambda o, p, x: tt.reduce_rows(
+        d, c, True, o, p, x, jnp.float32))(offsets, perm, jnp.asarray(interm)))[0]
+    got, again, one = run(cfg), run(cfg), run(SMALL)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got, one, rtol=1e-5, atol=1e-5)
+    assert np.array_equal(got, again)
+    assert np.all(got[N - 2:] == 0.0)
+    assert (np.asarray(offsets)[0, 3, 1] - np.asarray(offsets)[0, 3, 0]) > 2 * split
+
+
+@pytest.mark.parametrize("split,narrow,qdo,own_delta", [(8, False, False, False),
+                                                     (0, True, True, True),
+                                                     (8, True, True, False)])
+def test_reduce_split_gradients_match_reference(rng, split, narrow, qdo, own_delta):
+    """The whole op with reduce_split, the int16-key inverse map, the dq kernel's [q; dO] output
+    (qdo) and/or its own delta (dq_delta) on a window + HCA list (pool row 0 seen by every later
+    token), both outputs' cotangents: gradients as the XLA impl's."""
+    T, P, H, D = 64, 4, 16, 32
+    idx = csa_jax.build_indices(T, 16, window=16)
+    idx = jnp.broadcast_to(idx, (1,) + idx.shape[-2:])
+    q = jnp.asarray(rng.standard_normal((1, T, H, D)), jnp.float32)
+    kv = jnp.asarray(rng.standard_normal((1, T + P, D)), jnp.float32)
+    sink = jnp.asarray(rng.standard_normal(H), jnp.float32)
+    do = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
+    dlse = jnp.asarray(rng.standard_normal(q.shape[:3]), jnp.float32)
+    cfg = dataclasses.replace(SMALL, reduce_split=split, narrow_keys=narrow, qdo=qdo,
+                              dq_delta=own_delta)
+    _, _, grads = value_and_grads(q, kv, idx, sink, do, dlse, scale=D ** -0.5,
+                                  impl="pallas_triton", interpret=True, config=cfg)
+    _, _, ref = value_and_grads(q, kv, idx, sink, do, dlse, scale=D ** -0.5, impl="xla")
+    for name, got, want in zip(("dq", "dkv", "dsink"), grads, ref):
+        assert_close(got, want, jnp.float32, what=name)

@@ -18,17 +18,28 @@ from csa_jax.kernels.triton.plan import (_dims, _gather_rows, _gather_tile, _hea
 
 
 def _dq_kernel(ntiles_ref, idx_ref, q_ref, do_ref, lse_ref, delta_ref, dlse_ref, kv_ref,  # in
-               dq_ref, *dsp_ref,                                                          # out
-               scale, bk, precision, slot_major):
-    # q_ref, do_ref [hb, D]; lse/delta/dlse [hb, 1]; dsp_ref (interm="gemm" only) [2, hb, Kp]:
-    # this head block's scale * dS and P over all slots, in the dtype of the interm products.
+               dq_ref, *extra_refs,                                                       # out
+               scale, bk, precision, slot_major, dsp, qdo, own_delta):
+    # q_ref, do_ref [hb, D]; lse/delta/dlse [hb, 1] (own_delta: delta_ref is o's [hb, D] block,
+    # and delta = rowsum(o * dO) is formed here and written out, [hb, 1] f32); extra_refs: dsp
+    # (interm="gemm" only) [2, hb, Kp], this head block's scale * dS and P over all slots, in the
+    # dtype of the interm products; with qdo [2, hb, D], the block's q and dO (the per-slot
+    # GEMM's operand); with own_delta the delta block.
     q = q_ref[...]
     do = do_ref[...]
     lse = lse_ref[...]
-    delta = delta_ref[...]
+    if own_delta:
+        delta = jnp.sum(delta_ref[...].astype(jnp.float32) * do.astype(jnp.float32), axis=-1,
+                        keepdims=True)
+        extra_refs[-1][...] = delta
+    else:
+        delta = delta_ref[...]
     dlse = dlse_ref[...]
     ntiles = ntiles_ref[...]
-    dsp = dsp_ref[0] if dsp_ref else None
+    dsp = extra_refs[0] if dsp else None
+    if qdo:
+        extra_refs[1][0] = q
+        extra_refs[1][1] = do
 
     def store(i, ds_scaled, p):
         cols = pl.ds(i * bk, bk)
@@ -128,29 +139,40 @@ def _backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, interpret, config,
     prec = blockmath.precision(q.dtype)
     f32 = jnp.float32
     idx_p, used = _prep_idx(idx, d)
-    delta = jnp.sum(o.astype(f32) * do.astype(f32), axis=-1)                  # [B, T, H]
+    gemm = config.interm == "gemm"
+    run_dq = "dq" in parts or (gemm and "interm" in parts)
+    own_delta = config.dq_delta and gemm and run_dq    # the interm kernel path needs it first
     # Padded heads: q = dO = 0, lse = delta = dlse = 0, so p = 1 but ds = 0 and p * dO = 0.
     q_p = _pad_to(_pad_to(q, 3, d.Dp), 2, d.Hp)
     do_p = _pad_to(_pad_to(do, 3, d.Dp), 2, d.Hp)
     kv_p = _pad_to(kv, 2, d.Dp)
     col = lambda x: _pad_to(x.astype(f32), 2, d.Hp)[..., None]                 # [B, T, Hp, 1]
-    lse_p, delta_p, dlse_p = col(lse), col(delta), col(dlse)
+    lse_p, dlse_p = col(lse), col(dlse)
+    if own_delta:   # the dq kernel reads o's block in delta's place and forms delta itself
+        delta_p = _pad_to(_pad_to(o, 3, d.Dp), 2, d.Hp)
+    else:
+        delta = jnp.sum(o.astype(f32) * do.astype(f32), axis=-1)              # [B, T, H]
+        delta_p = col(delta)
 
     dq = jnp.zeros_like(q_p)
     dkv = jnp.zeros_like(kv_p)
     idt = f32 if (config.interm_f32 or q_p.dtype == f32) else q_p.dtype
-    gemm = config.interm == "gemm"
-    if "dq" in parts or (gemm and "interm" in parts):
+    if run_dq:
+        qdo = gemm and config.qdo
         dq, *dsp = _dq_call(d, config, scale, interpret, prec, used, idx_p, q_p, do_p, lse_p,
-                            delta_p, dlse_p, kv_p, dsp_dtype=q_p.dtype if gemm else None)
+                            delta_p, dlse_p, kv_p, dsp_dtype=q_p.dtype if gemm else None,
+                            qdo=qdo, own_delta=own_delta)
+        if own_delta:
+            delta = dsp.pop()[:, :, :d.H, 0]                                   # [B, T, H]
     if "interm" in parts:
         if gemm:
-            interm = _interm_gemm(dsp[0], q_p, do_p, prec, idt)
+            interm = _interm_gemm(dsp[0], q_p, do_p, prec, idt, qdo=dsp[1] if qdo else None)
         else:
             interm = _interm_call(d, config, scale, interpret, prec, used, idx_p, q_p, do_p,
                                   lse_p, delta_p, dlse_p, kv_p, idt)
         if "reduce" in parts:
-            dkv = _reduce_call(d, config, interpret, idx_p, interm, kv.dtype)
+            dkv = _reduce_call(d, config, interpret, idx_p, interm, kv.dtype,
+                               config.narrow_keys)
         else:   # keep the kernel alive for timing
             dkv = dkv.at[:, 0].set(interm[:, 0, 0].astype(dkv.dtype))
 
@@ -161,9 +183,11 @@ def _backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, interpret, config,
 
 
 def _dq_call(d, config, scale, interpret, prec, used, idx_p, q_p, do_p, lse_p, delta_p, dlse_p,
-             kv_p, dsp_dtype=None):
+             kv_p, dsp_dtype=None, qdo=False, own_delta=False):
     """dq [B, T, Hp, Dp]: programs over (b, t, head block). With dsp_dtype also returns
-    dsp [B, T, 2, Hp, Kp] = (scale * dS, P) of every slot (zeros past a token's last tile)."""
+    dsp [B, T, 2, Hp, Kp] = (scale * dS, P) of every slot (zeros past a token's last tile), and
+    with qdo (needs dsp_dtype) [q; dO] [B, T, 2, Hp, Dp], copied from the tiles it read. With
+    own_delta, delta_p is o padded [B, T, Hp, Dp] and delta [B, T, Hp, 1] f32 is returned last."""
     bk = config.block_k_dq
     hb = _head_block(d, config.block_h_dq)
     n, coords = _token_head_grid(d, hb)
@@ -177,14 +201,24 @@ def _dq_call(d, config, scale, interpret, prec, used, idx_p, q_p, do_p, lse_p, d
         out_specs.append(pl.BlockSpec((None, None, 2, hb, d.Kp),
                                       lambda i: (*tok(i), 0, coords(i)[2], 0)))
         out_shape.append(jax.ShapeDtypeStruct((d.B, d.T, 2, d.Hp, d.Kp), dsp_dtype))
+    if qdo:
+        if dsp_dtype is None:
+            raise ValueError("qdo=True needs dsp_dtype (the GEMM interm path)")
+        out_specs.append(pl.BlockSpec((None, None, 2, hb, d.Dp),
+                                      lambda i: (*tok(i), 0, coords(i)[2], 0)))
+        out_shape.append(jax.ShapeDtypeStruct((d.B, d.T, 2, d.Hp, d.Dp), q_p.dtype))
+    if own_delta:
+        out_specs.append(col_spec)
+        out_shape.append(jax.ShapeDtypeStruct((d.B, d.T, d.Hp, 1), jnp.float32))
     return pl.pallas_call(
         functools.partial(_dq_kernel, scale=scale, bk=bk, precision=prec,
-                          slot_major=config.slot_major_dq),
+                          slot_major=config.slot_major_dq, dsp=dsp_dtype is not None, qdo=qdo,
+                          own_delta=own_delta),
         grid=(n,),
         in_specs=[
             pl.BlockSpec((None, None), tok),
             pl.BlockSpec((None, None, d.Kp), lambda i: (*tok(i), 0)),
-            head_spec, head_spec, col_spec, col_spec, col_spec,
+            head_spec, head_spec, col_spec, head_spec if own_delta else col_spec, col_spec,
             pl.BlockSpec((None, d.N, d.Dp), lambda i: (coords(i)[0], 0, 0)),
         ],
         out_specs=out_specs,
@@ -195,11 +229,13 @@ def _dq_call(d, config, scale, interpret, prec, used, idx_p, q_p, do_p, lse_p, d
     )(_ntiles(used, bk), idx_p, q_p, do_p, lse_p, delta_p, dlse_p, kv_p)
 
 
-def _interm_gemm(dsp, q_p, do_p, prec, idt):
+def _interm_gemm(dsp, q_p, do_p, prec, idt, qdo=None):
     """interm[b, t, j] = sum_h scale * dS[h, j] q[h] + P[h, j] dO[h]: one batched GEMM per token
     (M = slots, N = D, contraction over 2 * heads) in XLA (cuBLAS on GPU, which accumulates bf16
-    products in f32), written straight in the interm dtype: no f32 [B, T, K, D] temporary."""
-    qdo = jnp.stack([q_p, do_p], axis=2)                                       # [B, T, 2, Hp, Dp]
+    products in f32), written straight in the interm dtype: no f32 [B, T, K, D] temporary.
+    qdo: the stacked [q; dO] operand if the dq kernel wrote it (else XLA stacks them here)."""
+    if qdo is None:
+        qdo = jnp.stack([q_p, do_p], axis=2)                                   # [B, T, 2, Hp, Dp]
     dims = (((2, 3), (2, 3)), ((0, 1), (0, 1)))
     return lax.dot_general(dsp, qdo, dims, precision=prec, preferred_element_type=idt)
 
@@ -248,24 +284,67 @@ def _reduce_call(d, config, interpret, idx_p, interm, dtype, narrow_keys=False):
 
 
 def _reduce_rows(d, config, interpret, offsets, perm, interm, dtype):
-    """The gather-reduce kernel alone, on a ready inverse map (offsets, perm)."""
+    """The gather-reduce kernel alone, on a ready inverse map (offsets, perm).
+
+    config.reduce_split = C > 0: two passes of the same kernel. Pass 1 sums chunks of at most C
+    consecutive entries of a row's list (one program per chunk: a hot row, such as a cr128 pool
+    row that every later token sees, is spread over up to T / C programs instead of walking up
+    to T entries alone), into f32 partials; pass 2 sums each row's partials in chunk order. Both
+    orders are fixed: deterministic, bit for bit, from run to run."""
     E = d.T * d.Kp
+    interm = interm.reshape(d.B, E, d.Dp)
+    C = config.reduce_split
+    if not C:
+        return _reduce_launch(config, interpret, offsets, perm, interm, dtype)
+    chunks, row_chunks = _split_rows(offsets, C, E // C)
+    part = _reduce_launch(config, interpret, chunks, perm, interm, jnp.float32)   # [B, G, Dp]
+    ident = jnp.broadcast_to(jnp.arange(part.shape[1], dtype=jnp.int32), part.shape[:2])
+    return _reduce_launch(config, interpret, row_chunks, ident, part, dtype)
+
+
+def _split_rows(offsets, chunk, extra):
+    """Chunks of at most `chunk` entries of every row's CSR range [start, end).
+
+    offsets [B, N, 2] -> (chunks [B, N + extra, 2]: the entry range of each chunk, rows in order
+    and each row's chunks in entry order, [0, 0) past the last; row_chunks [B, N, 2]: each row's
+    range of chunks). Every row has >= 1 chunk (an empty row one empty chunk), and the rows
+    together have at most N + E / chunk chunks for E entries, so extra = E // chunk bounds them."""
+    start, end = offsets[..., 0], offsets[..., 1]
+    N = start.shape[1]
+    nch = jnp.maximum(1, (end - start + chunk - 1) // chunk)                    # [B, N]
+    last = jnp.cumsum(nch, axis=1, dtype=jnp.int32)
+    first = last - nch
+    w = jnp.arange(N + extra, dtype=jnp.int32)
+    row = jax.vmap(lambda l: jnp.searchsorted(l, w, side="right", method="scan_unrolled"))(last)
+    live = row < N
+    row = jnp.minimum(row, N - 1).astype(jnp.int32)
+    take = lambda x: jnp.take_along_axis(x, row, axis=1)
+    cs = take(start) + (w[None] - take(first)) * chunk
+    ce = jnp.minimum(cs + chunk, take(end))
+    chunks = jnp.stack([jnp.where(live, cs, 0), jnp.where(live, ce, 0)], axis=-1)
+    return chunks.astype(jnp.int32), jnp.stack([first, last], axis=-1)
+
+
+def _reduce_launch(config, interpret, offsets, perm, values, dtype):
+    """out [B, R, Dp]: out[b, r] = sum of values[b, perm[b, i]] for i in offsets[b, r]'s range."""
+    B, R = offsets.shape[:2]
+    E, Dp = values.shape[1:]
     br = config.block_r
     perm = _pad_to(perm, 1, E + br)          # a masked tail read never leaves the array
     return pl.pallas_call(
         functools.partial(_reduce_kernel, br=br),
-        grid=(d.B * d.N,),
+        grid=(B * R,),
         in_specs=[
-            pl.BlockSpec((None, None, 2), lambda i: (i // d.N, i % d.N, 0)),
-            pl.BlockSpec((None, E + br), lambda i: (i // d.N, 0)),
-            pl.BlockSpec((None, E, d.Dp), lambda i: (i // d.N, 0, 0)),
+            pl.BlockSpec((None, None, 2), lambda i: (i // R, i % R, 0)),
+            pl.BlockSpec((None, E + br), lambda i: (i // R, 0)),
+            pl.BlockSpec((None, E, Dp), lambda i: (i // R, 0, 0)),
         ],
-        out_specs=pl.BlockSpec((None, 1, d.Dp), lambda i: (i // d.N, i % d.N, 0)),
-        out_shape=jax.ShapeDtypeStruct((d.B, d.N, d.Dp), dtype),
+        out_specs=pl.BlockSpec((None, 1, Dp), lambda i: (i // R, i % R, 0)),
+        out_shape=jax.ShapeDtypeStruct((B, R, Dp), dtype),
         compiler_params=_params(config.num_warps_reduce, 2),
         interpret=interpret,
         name="csa_triton_dkv_reduce",
-    )(offsets, perm, interm.reshape(d.B, E, d.Dp))
+    )(offsets, perm, values)
 
 
 def backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, interpret, config):

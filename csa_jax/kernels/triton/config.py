@@ -53,7 +53,19 @@ class Config:
               so the kernel does (2 * split + 2) / 4 times the products, with a smaller
               accumulator. Never timed: with the default interm tiles it asked for 262,528 B
               of shared memory on the H200 and did not compile (docs/perf/triton_h200.md).
-    reduce:   block_r inverse-map entries summed per step, num_warps_reduce (memory bound).
+    reduce:   block_r inverse-map entries summed per step, num_warps_reduce (memory bound);
+              reduce_split = C > 0 sums every row's entry list in chunks of at most C entries
+              (one program each, f32 partials), then each row's partials in chunk order: a
+              hot row (a cr128 pool row gets an entry from every later token, up to T) no
+              longer walks its whole list in one program while the other rows' programs have
+              finished. 0: one program per row.
+    qdo:      (interm="gemm") the dq kernel also writes the per-slot GEMM's [q; dO] operand
+              [B, T, 2, H, D] from the tiles it reads, in place of XLA's stack of the two (which
+              reads both and writes them again).
+    dq_delta: (interm="gemm") the dq kernel forms delta = rowsum(o * dO) from o's block itself
+              (and returns it for dsink), instead of an XLA reduction over o and dO before it.
+    narrow_keys: sort the reduce's inverse map on int16 kv-row keys where N < 2**15
+              (csa_jax.blockmath.inverse_map(narrow=True): the same map, half the radix passes).
     interm_f32: keep the per-slot intermediate in f32 even for bf16 inputs (2x its bytes).
     slot_major (forward), slot_major_dq (dq kernel): form the scores as (rows q^T)^T instead of
               q rows^T. The resident q (and dO) [heads, D] then feed the MMA as its second
@@ -87,6 +99,10 @@ class Config:
     dkv_split_d: int = 1
     block_r: int = 32
     num_warps_reduce: int = 4
+    reduce_split: int = 0
+    narrow_keys: bool = False
+    qdo: bool = False
+    dq_delta: bool = False
     interm_f32: bool = False
     interm: str = "gemm"
     slot_major: bool = False
@@ -102,6 +118,9 @@ class Config:
             raise ValueError(f"dkv_split_d={self.dkv_split_d!r} must be a power of two")
         if not _is_pow2(self.block_r):
             raise ValueError(f"block_r={self.block_r!r} must be a power of two")
+        if self.reduce_split != 0 and not _is_pow2(self.reduce_split):
+            raise ValueError(f"reduce_split={self.reduce_split!r} must be 0 (off) or a power of "
+                             f"two")
         for name in ("num_warps", "num_warps_dq", "num_warps_dkv", "num_warps_reduce"):
             v = getattr(self, name)
             if v not in (1, 2, 4, 8, 16):
@@ -112,7 +131,8 @@ class Config:
                 raise ValueError(f"{name}={v!r} must be an int >= 1")
         if self.interm not in ("gemm", "kernel"):
             raise ValueError(f"interm={self.interm!r} must be 'gemm' or 'kernel'")
-        for name in ("interm_f32", "slot_major", "slot_major_dq"):
+        for name in ("interm_f32", "slot_major", "slot_major_dq", "narrow_keys", "qdo",
+                     "dq_delta"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
 
@@ -163,15 +183,29 @@ def default_config(q_shape, kv_shape, idx_shape, dtype) -> Config:
     was available. f32 inputs halve
     the tile rows (twice the bytes per row). Tiles never exceed the padded slot count, head
     blocks never the padded heads.
+
+    Narrow heads (H <= 16, the `small` training preset's 16 x 128; NVIDIA): the forward with 4
+    warps (a cr4 layer at T = 8192: 0.465 ms against 0.629 ms with 8), 64-slot dq tiles (the
+    cr4 backward 2.51 ms against 2.74 ms with 32) and qdo (in a `small` step XLA's [q; dO]
+    stack, 0.97 ms per step, was gone and the 12 dq kernels took 0.1 ms more). Hot kv rows (every pool row in every list:
+    0 < N - T <= K, as in HCA layers, where a pool row gets an entry from each later token) and
+    D <= 128 (where it was measured): the dkv reduce split into chunks of 128 entries (the cr128
+    backward 1.16 ms against 1.48 ms); H200, docs/perf/train_h200.md. (V4's D = 512 layers have
+    the same hot rows, with 4x the bytes per entry; not measured yet, so not split.)
     """
-    del kv_shape
     platform, kind = _device_kind()
-    H, K = q_shape[2], idx_shape[2]
+    T, H, D, K = *q_shape[1:4], idx_shape[2]
+    pool = kv_shape[1] - T
     cfg = Config()
-    if _is_amd(platform, kind):
+    amd = _is_amd(platform, kind)
+    if amd:
         cfg = dataclasses.replace(cfg, block_k=16, block_k_dkv=32, block_h_dq=32, block_k_dq=16,
                                   num_stages_dq=2, block_h_dkv=16, num_stages=2,
                                   slot_major_dq=False)
+    elif max(16, _next_pow2(H)) <= 16:
+        cfg = dataclasses.replace(cfg, num_warps=4, block_k_dq=64, qdo=True)
+    if 0 < pool <= K and D <= 128:
+        cfg = dataclasses.replace(cfg, reduce_split=128)
     if jnp.dtype(dtype) == jnp.float32:
         cfg = dataclasses.replace(cfg, block_k=cfg.block_k // 2, block_k_dkv=cfg.block_k_dkv // 2,
                                   block_h_dq=cfg.block_h_dq // 2, num_stages=2)
