@@ -1,7 +1,8 @@
 """How much of a host-timed forward is the kernel: three times of the same forward.
 
     python -m benchmarks.gluon_kernel_time [--families pro] [--ratios 4] [--seqs 4096]
-        [--impl gluon] [--config key=val,...] [--calls 20] [--out times.json]
+        [--impl gluon] [--config key=val,...] [--window-layouts] [--calls 20]
+        [--out times.json]
 
 For each problem (the bench_csa problems: random cr4 indices, V4 index builders otherwise):
 - synced: median of single calls of jax.jit(forward), each followed by block_until_ready (what
@@ -9,7 +10,9 @@ For each problem (the bench_csa problems: random cr4 indices, V4 index builders 
 - pipelined: `--calls` calls enqueued back to back, one block_until_ready, divided by the
   count (the device time per forward, launch latency hidden behind the previous call);
 - kernel (impl gluon only): the same, of the forward kernel alone on operands prepared
-  beforehand (fwd.prepare outside the timed function).
+  beforehand (fwd.prepare outside the timed function; for a window layout, --window-layouts,
+  window.forward with the promise-violation flags computed beforehand: its padding is a no-op
+  at Pro / Flash shapes).
 FlashMLA's targets (../shared/gpu_kernels.md) do not say how they were timed; these three
 bound what a like-for-like comparison can be.
 """
@@ -21,6 +24,7 @@ import json
 import time
 
 import jax
+import jax.numpy as jnp
 
 from benchmarks.common import make_problem, parse_overrides, time_fn
 from csa_jax import registry
@@ -37,11 +41,20 @@ def _pipelined(fn, args, calls):
 
 
 def _kernel_fn(q, kv, idx, sink, scale, config):
-    """(jitted kernel-only function, its operands) of the Gluon forward."""
+    """(jitted kernel-only function, its operands) of the Gluon forward: the alternating gather
+    kernel on fwd.prepare's operands, or for a window layout (cr0 / cr128) window.forward on a
+    precomputed all-good `bad` (the jitted forward computes it from idx: layouts.violations)."""
     from csa_jax.kernels.gluon import fwd
     from csa_jax.kernels.gluon.adapter import gluon_call
-    if config.layout != "generic" or config.resolved_schedule != "alternate":
-        raise ValueError("kernel-only timing covers the alternating gather kernel only")
+    if config.window_schedule() not in ("generic", "gather"):
+        from csa_jax.kernels.gluon import window
+        fn = jax.jit(lambda q, kv, s, bad: window.forward(q, kv, s, bad, scale=scale,
+                                                          config=config))
+        bad = jnp.zeros(idx.shape[:2], jnp.int32)
+        return fn, jax.block_until_ready((q, kv, sink, bad))
+    if config.resolved_schedule != "alternate":
+        raise ValueError("kernel-only timing covers the alternating gather kernel and the "
+                         "window kernels only")
     from csa_jax.kernels.gluon import fwd_alt
     q_p, kv_p, idx_p, ntiles, sink_p, dims = fwd.prepare(q, kv, idx, sink, config.block_k)
     B, T, H, D, N, Hp, Dp, Kp, nhb = dims
@@ -64,6 +77,9 @@ def main(argv=None):
     ap.add_argument("--impl", default="gluon")
     ap.add_argument("--config", default="", help="Config overrides: key=val,...")
     ap.add_argument("--calls", type=int, default=20)
+    ap.add_argument("--window-layouts", action="store_true",
+                    help="cr0 / cr128 problems with their layout promise (Config.layout = "
+                         "cr0 / cr128: the window-reuse kernels); --config still applies")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     mod = registry.get(args.impl)
@@ -73,14 +89,21 @@ def main(argv=None):
             for T in args.seqs:
                 cfg, q, kv, idx, sink, _ = make_problem(family, ratio, T, "random", 0)
                 c = mod.default_config(q.shape, kv.shape, idx.shape, q.dtype)
+                if args.window_layouts and ratio in (0, 128):
+                    if not hasattr(c, "layout"):
+                        raise ValueError(f"--window-layouts: impl {args.impl!r}'s Config has "
+                                         f"no layout field")
+                    c = dataclasses.replace(c, layout=f"cr{ratio}")
                 c = dataclasses.replace(c, **parse_overrides(args.config))
                 fwd = jax.jit(lambda q, kv, i, s, c=c: mod.forward(
                     q, kv, i, s, scale=cfg.scale, interpret=False, config=c))
                 a = (q, kv, idx, sink)
+                synced, _, first, out = time_fn(fwd, a, args.calls, 10.0)
+                # o_finite: a window layout's broken promise would show as NaN rows
                 row = dict(family=family, ratio=ratio, T=T, impl=args.impl, config=repr(c),
-                           device=jax.devices()[0].device_kind,
-                           synced_ms=time_fn(fwd, a, args.calls, 10.0)[0],
-                           pipelined_ms=_pipelined(fwd, a, args.calls))
+                           device=jax.devices()[0].device_kind, synced_ms=synced,
+                           pipelined_ms=_pipelined(fwd, a, args.calls), first_call_s=first,
+                           o_finite=bool(jnp.isfinite(out[0]).all()))
                 if args.impl == "gluon":
                     try:
                         kfn, ka = _kernel_fn(q, kv, idx, sink, cfg.scale, c)

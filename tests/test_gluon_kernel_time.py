@@ -15,3 +15,26 @@ def test_kernel_time_rows_on_cpu(tmp_path):
     assert (r["family"], r["ratio"], r["T"], r["impl"]) == ("flash", 0, 128, "xla")
     assert r["synced_ms"] > 0 and r["pipelined_ms"] > 0
     assert "kernel_pipelined_ms" not in r          # impl != gluon: no kernel-only time
+
+
+
+def test_kernel_time_gluon_rows_launch_faked(monkeypatch):
+    """The gluon rows' code on a CPU up to the kernel launch (faked: zero outputs), with the
+    kernel-only time: a cr0 problem through the alternating gather kernel, then with
+    --window-layouts (Config.layout = "cr0") through the window exchange kernel."""
+    import jax.numpy as jnp
+    from benchmarks import gluon_kernel_time
+    from csa_jax.kernels import gluon
+    from csa_jax.kernels.gluon import adapter
+    launched = []
+
+    def fake_call(*arrays, kernel, out_shape, grid, num_warps, name="", **consts):
+        launched.append(kernel.__name__)
+        return [jnp.zeros(s.shape, s.dtype) for s in out_shape]
+    monkeypatch.setattr(gluon, "_cannot_run", lambda *a: None)
+    monkeypatch.setattr(adapter, "gluon_call", fake_call)
+    argv = ["--families", "flash", "--ratios", "0", "--seqs", "256", "--calls", "2"]
+    rows = gluon_kernel_time.main(argv) + gluon_kernel_time.main(argv + ["--window-layouts"])
+    assert ["layout='cr0'" in r["config"] for r in rows] == [False, True]
+    assert all(r["kernel_pipelined_ms"] > 0 and r["o_finite"] for r in rows), rows
+    assert set(launched) == {"csa_fwd_alt_kernel", "csa_window_xchg_kernel"}, launched

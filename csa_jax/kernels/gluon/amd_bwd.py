@@ -21,10 +21,10 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from csa_jax.kernels.gluon.amd_fwd import (
-    ARCH, HBC_, _drain, _first_tiles, _gather_setup, _lds_layout, _load_block, _mma,
-    _mma_layout, _next_tile, _operand, _row_layout, _tile_operand)
+    ARCH, HBC_, _drain, _first_tiles, _layouts, _lds_layout, _load_block, _mma, _program_setup,
+    _tile_operand, _tile_scores)
 from csa_jax.kernels.gluon.dims import AMD_DQ_DEFAULTS
-from csa_jax.kernels.gluon.fwd import LOG2E, _program
+from csa_jax.kernels.gluon.fwd import LOG2E
 
 _LOG2E = gl.constexpr(LOG2E)
 
@@ -39,28 +39,22 @@ def csa_dq_amd_kernel(q_ptr, do_ptr, kv_ptr, idx_ptr, ntiles_ptr, lse_ptr, dc_pt
                       LOADER: gl.constexpr, WARP: gl.constexpr, QDO: gl.constexpr,
                       TRANS: gl.constexpr):
     HBC: gl.constexpr = HBC_
-    NW: gl.constexpr = gl.num_warps()
-    row, tok, hb, b, ntiles, idx_tok = _program(ntiles_ptr, idx_ptr, T, NHB, K)
     dtype: gl.constexpr = q_ptr.dtype.element_ty
-    mma: gl.constexpr = _mma_layout(MMA, NW)
-    a_op: gl.constexpr = _operand(0, MMA, NW)
-    b_op: gl.constexpr = _operand(1, MMA, NW)
-    rl: gl.constexpr = _row_layout(D, WARP, NW)
-    srow: gl.constexpr = gl.SliceLayout(1, mma)
-    scol: gl.constexpr = gl.SliceLayout(0, mma)
-    ring, kv_src, cols, krows = _gather_setup(kv_ptr, b, dtype, N, D, BK, STAGES, WARP, LOADER)
+    L: gl.constexpr = _layouts(MMA, gl.num_warps(), D, WARP)
+    row, tok, hb, ntiles, idx_tok, ring, kv_src, cols, krows = _program_setup(
+        ntiles_ptr, idx_ptr, kv_ptr, dtype, T, NHB, N, D, K, BK, STAGES, WARP, LOADER)
     blk = row.to(gl.int64) * (HBC * D)                  # this program's rows of q / dO / dq
 
-    q = _load_block(q_ptr + blk, HBC, D, a_op)
+    q = _load_block(q_ptr + blk, HBC, D, L.a_op)
     if QDO == 1:
         do_smem = gl.allocate_shared_memory(dtype, [HBC, D], _lds_layout(HBC, D))
-        do_smem.store(_load_block(do_ptr + blk, HBC, D, rl))
+        do_smem.store(_load_block(do_ptr + blk, HBC, D, L.rl))
     else:
-        do = _load_block(do_ptr + blk, HBC, D, a_op)
+        do = _load_block(do_ptr + blk, HBC, D, L.a_op)
     nxt = _first_tiles(ring, kv_src, idx_tok, krows, cols, ntiles, N, BK, D, STAGES, LOADER)
 
-    hrows = gl.arange(0, HBC, layout=srow)
-    kcols = gl.arange(0, BK, layout=scol)
+    hrows = gl.arange(0, HBC, layout=L.srow)
+    kcols = gl.arange(0, BK, layout=L.scol)
     lse2 = gl.load(lse_ptr + row * HBC + hrows) * _LOG2E           # exp2 domain
     dc = gl.load(dc_ptr + row * HBC + hrows)                       # dlse - delta
     # dsp [B*T, 2, HP, K]: this program's heads hb*HBC.., plane 0 = scale*dS, plane 1 = P
@@ -68,32 +62,30 @@ def csa_dq_amd_kernel(q_ptr, do_ptr, kv_ptr, idx_ptr, ntiles_ptr, lse_ptr, dc_pt
     ds_ptrs = (dsp_ptr + tok.to(gl.int64) * (2 * HP * K)
                + (hb * HBC + hrows).to(gl.int64)[:, None] * K + kcols[None, :])
     p_ptrs = ds_ptrs + HP * K
-    s_zero = gl.zeros([HBC, BK], gl.float32, mma)
-    acc = gl.zeros([HBC, D], gl.float32, mma)
+    s_zero = gl.zeros([HBC, BK], gl.float32, L.mma)
+    acc = gl.zeros([HBC, D], gl.float32, L.mma)
     if QDO == 1:
         gl.thread_barrier()
     for i in range(ntiles):
-        tile, nxt = _next_tile(ring, nxt, i, kv_src, idx_tok, krows, cols, ntiles, N, BK, D,
-                               STAGES, LOADER)
-        sid = gl.load(idx_tok + i * BK + kcols)
-        kt = tile.permute((1, 0)).load(b_op)
-        sc = _mma(q, kt, s_zero, MMA)
+        tile, nxt, sid, kt, sc = _tile_scores(ring, nxt, i, kv_src, idx_tok, krows, cols, ntiles,
+                                              kcols, q, s_zero, L.b_op, N, BK, D, STAGES,
+                                              LOADER, MMA)
         if QDO == 1:
-            dp = _mma(do_smem.load(a_op), kt, s_zero, MMA)
+            dp = _mma(do_smem.load(L.a_op), kt, s_zero, MMA)
         else:
             dp = _mma(do, kt, s_zero, MMA)
         p = gl.where((sid >= 0)[None, :], gl.exp2(sc * QK_SCALE - lse2[:, None]), 0.0)
         ds = p * (dp + dc[:, None])
         gl.store(ds_ptrs + i * BK, (ds * SCALE).to(dtype))
         gl.store(p_ptrs + i * BK, p.to(dtype))
-        acc = _mma(gl.convert_layout(ds.to(dtype), a_op), _tile_operand(tile, b_op, rl, TRANS),
-                   acc, MMA)
+        acc = _mma(gl.convert_layout(ds.to(dtype), L.a_op),
+                   _tile_operand(tile, L.b_op, L.rl, TRANS), acc, MMA)
     _drain(LOADER)
-    zero = gl.zeros([HBC, BK], dtype, mma)
+    zero = gl.zeros([HBC, BK], dtype, L.mma)
     for i in range(ntiles, K // BK):          # past the last non-empty tile: exact zeros
         gl.store(ds_ptrs + i * BK, zero)
         gl.store(p_ptrs + i * BK, zero)
-    ocols = gl.arange(0, D, layout=scol)
+    ocols = gl.arange(0, D, layout=L.scol)
     gl.store(dq_ptr + blk + hrows[:, None] * D + ocols[None, :],
              (acc * SCALE).to(dq_ptr.dtype.element_ty))
 

@@ -34,6 +34,8 @@ stages. docs/perf/gpu_resources.md has the arithmetic and the compile report.
 """
 from __future__ import annotations
 
+import collections
+
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.amd import AMDMFMALayout, AMDWMMALayout, cdna3, gfx1250
@@ -83,6 +85,24 @@ def _row_layout(D, WARP, NW):
     """Gather layout: 8 contiguous elements (16 B) a thread, a whole D = 512 row per wave64."""
     tc = min(WARP, D // 8)
     return gl.BlockedLayout([1, 8], [WARP // tc, tc], [NW, 1], [1, 0])
+
+
+_Layouts = collections.namedtuple("_Layouts", "mma a_op b_op rl srow scol")
+
+
+@gluon.constexpr_function
+def _layouts(MMA, NW, D, WARP):
+    """Both kernels' register layouts in one constexpr (`L: gl.constexpr = _layouts(...)`, then
+    L.mma ...): the accumulator, the A / B operands of its products, the gather rows, the
+    accumulator's rows and columns. Each field is itself a gl.constexpr, so L.a_op passed to a
+    @gluon.jit helper stays a compile-time layout: a bare layout read off a constexpr (a
+    namedtuple of plain layouts) fails there, and neither a returned tuple of layouts nor a
+    @gluon.jit helper's returned layout can be unpacked into names (triton 3.6.0;
+    docs/perf/gpu_resources.md, "Deduplicated Gluon kernels")."""
+    mma = _mma_layout(MMA, NW)
+    fields = (mma, _operand(0, MMA, NW), _operand(1, MMA, NW), _row_layout(D, WARP, NW),
+              gl.SliceLayout(1, mma), gl.SliceLayout(0, mma))
+    return _Layouts(*(gl.constexpr(f) for f in fields))
 
 
 @gluon.constexpr_function
@@ -201,6 +221,19 @@ def _next_tile(ring, nxt, i, kv_src, idx_tok, krows, cols, ntiles, N: gl.constex
 
 
 @gluon.jit
+def _tile_scores(ring, nxt, i, kv_src, idx_tok, krows, cols, ntiles, kcols, q, s_zero,
+                 b_op: gl.constexpr, N: gl.constexpr, BK: gl.constexpr, D: gl.constexpr,
+                 STAGES: gl.constexpr, LOADER: gl.constexpr, MMA: gl.constexpr):
+    """Iteration i's first steps in both kernels: (LDS tile i, the registers _next_tile carries
+    to the next call, tile i's slot ids, the tile as QK^T's B operand kv^T, S = q kv^T)."""
+    tile, nxt = _next_tile(ring, nxt, i, kv_src, idx_tok, krows, cols, ntiles, N, BK, D,
+                           STAGES, LOADER)
+    sid = gl.load(idx_tok + i * BK + kcols)
+    kt = tile.permute((1, 0)).load(b_op)
+    return tile, nxt, sid, kt, _mma(q, kt, s_zero, MMA)
+
+
+@gluon.jit
 def _kv_source(kv_b, N: gl.constexpr, D: gl.constexpr, LOADER: gl.constexpr):
     """What the gathers read: the batch's kv base pointer (int32 offsets from it), or for
     LOADER 3 a TDM descriptor of its [N, D] rows with [1, D] blocks (zero padding)."""
@@ -213,17 +246,20 @@ def _kv_source(kv_b, N: gl.constexpr, D: gl.constexpr, LOADER: gl.constexpr):
 
 
 @gluon.jit
-def _gather_setup(kv_ptr, b, dtype: gl.constexpr, N: gl.constexpr, D: gl.constexpr,
-                  BK: gl.constexpr, STAGES: gl.constexpr, WARP: gl.constexpr,
-                  LOADER: gl.constexpr):
-    """(LDS ring [STAGES, BK, D], the gathers' source for batch b, the gather layout's column
-    and row indices)."""
+def _program_setup(ntiles_ptr, idx_ptr, kv_ptr, dtype: gl.constexpr, T: gl.constexpr,
+                   NHB: gl.constexpr, N: gl.constexpr, D: gl.constexpr, K: gl.constexpr,
+                   BK: gl.constexpr, STAGES: gl.constexpr, WARP: gl.constexpr,
+                   LOADER: gl.constexpr):
+    """Both kernels' start: fwd._program's (row, tok, hb, ntiles, idx_tok), then the LDS ring
+    [STAGES, BK, D], the gathers' source for the program's batch and the gather layout's column
+    and row indices."""
+    row, tok, hb, b, ntiles, idx_tok = _program(ntiles_ptr, idx_ptr, T, NHB, K)
     rl: gl.constexpr = _row_layout(D, WARP, gl.num_warps())
     cols = gl.arange(0, D, layout=gl.SliceLayout(0, rl))
     krows = gl.arange(0, BK, layout=gl.SliceLayout(1, rl))
     kv_src = _kv_source(kv_ptr + b.to(gl.int64) * (N * D), N, D, LOADER)
     ring = gl.allocate_shared_memory(dtype, [STAGES, BK, D], _lds_layout(BK, D))
-    return ring, kv_src, cols, krows
+    return row, tok, hb, ntiles, idx_tok, ring, kv_src, cols, krows
 
 
 @gluon.jit
@@ -243,15 +279,10 @@ def csa_fwd_amd_kernel(q_ptr, kv_ptr, idx_ptr, ntiles_ptr, sink_ptr, o_ptr, lse_
                        WARP: gl.constexpr, TRANS: gl.constexpr):
     HBC: gl.constexpr = HBC_
     NW: gl.constexpr = gl.num_warps()
-    row, tok, hb, b, ntiles, idx_tok = _program(ntiles_ptr, idx_ptr, T, NHB, K)
     dtype: gl.constexpr = q_ptr.dtype.element_ty
-    mma: gl.constexpr = _mma_layout(MMA, NW)
-    a_op: gl.constexpr = _operand(0, MMA, NW)
-    b_op: gl.constexpr = _operand(1, MMA, NW)
-    rl: gl.constexpr = _row_layout(D, WARP, NW)
-    srow: gl.constexpr = gl.SliceLayout(1, mma)
-    scol: gl.constexpr = gl.SliceLayout(0, mma)
-    ring, kv_src, cols, krows = _gather_setup(kv_ptr, b, dtype, N, D, BK, STAGES, WARP, LOADER)
+    L: gl.constexpr = _layouts(MMA, NW, D, WARP)
+    row, tok, hb, ntiles, idx_tok, ring, kv_src, cols, krows = _program_setup(
+        ntiles_ptr, idx_ptr, kv_ptr, dtype, T, NHB, N, D, K, BK, STAGES, WARP, LOADER)
     q_blk = q_ptr + row.to(gl.int64) * (HBC * D)
 
     # ---- q into registers (the A operand of every QK^T) and the ring's first tiles
@@ -267,34 +298,32 @@ def csa_fwd_amd_kernel(q_ptr, kv_ptr, idx_ptr, ntiles_ptr, sink_ptr, o_ptr, lse_
                                             block_shape=[HBC, D], layout=q_smem.layout)
         tdm.async_load(q_desc, [0, 0], q_smem, mbarrier=q_bar)
     else:
-        q = _load_block(q_blk, HBC, D, a_op)
+        q = _load_block(q_blk, HBC, D, L.a_op)
     nxt = _first_tiles(ring, kv_src, idx_tok, krows, cols, ntiles, N, BK, D, STAGES, LOADER)
     if LOADER >= 2:
         g1250_bar.wait(q_bar, 0)
-        q = q_smem.load(a_op)
+        q = q_smem.load(L.a_op)
 
-    m = gl.full([HBC], -1.0e30, gl.float32, srow)
-    l = gl.zeros([HBC], gl.float32, srow)
-    acc = gl.zeros([HBC, D], gl.float32, mma)
-    s_zero = gl.zeros([HBC, BK], gl.float32, mma)
-    kcols = gl.arange(0, BK, layout=scol)
+    m = gl.full([HBC], -1.0e30, gl.float32, L.srow)
+    l = gl.zeros([HBC], gl.float32, L.srow)
+    acc = gl.zeros([HBC, D], gl.float32, L.mma)
+    s_zero = gl.zeros([HBC, BK], gl.float32, L.mma)
+    kcols = gl.arange(0, BK, layout=L.scol)
     for i in range(ntiles):
-        tile, nxt = _next_tile(ring, nxt, i, kv_src, idx_tok, krows, cols, ntiles, N, BK, D,
-                               STAGES, LOADER)
-        sid = gl.load(idx_tok + i * BK + kcols)
-        kt = tile.permute((1, 0)).load(b_op)
-        sc = _mma(q, kt, s_zero, MMA)
+        tile, nxt, sid, _, sc = _tile_scores(ring, nxt, i, kv_src, idx_tok, krows, cols, ntiles,
+                                             kcols, q, s_zero, L.b_op, N, BK, D, STAGES,
+                                             LOADER, MMA)
         p, alpha, m, l = _softmax_step(sc, sid, m, l, QK_SCALE)
         acc = acc * alpha[:, None]
-        pa = gl.convert_layout(p.to(dtype), a_op)
-        acc = _mma(pa, _tile_operand(tile, b_op, rl, TRANS), acc, MMA)
+        pa = gl.convert_layout(p.to(dtype), L.a_op)
+        acc = _mma(pa, _tile_operand(tile, L.b_op, L.rl, TRANS), acc, MMA)
     _drain(LOADER)
 
-    hrows = gl.arange(0, HBC, layout=srow)
+    hrows = gl.arange(0, HBC, layout=L.srow)
     lse, o_scale = _finish(m, l, sink_ptr + hb * HBC + hrows)
     gl.store(lse_ptr + row * HBC + hrows, lse)
     o = (acc * o_scale[:, None]).to(o_ptr.dtype.element_ty)
-    ocols = gl.arange(0, D, layout=scol)
+    ocols = gl.arange(0, D, layout=L.scol)
     gl.store(o_ptr + row.to(gl.int64) * (HBC * D) + hrows[:, None] * D + ocols[None, :], o)
 
 

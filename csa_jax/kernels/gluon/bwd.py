@@ -48,7 +48,8 @@ from csa_jax.kernels.gluon.dims import HB, SMEM_LIMIT, padded_dims
 from csa_jax.kernels.gluon.dims import dq_shared_bytes as shared_bytes
 from csa_jax.kernels.gluon.regtrans import transpose_load
 from csa_jax.kernels.gluon.fwd import (
-    CONSUMER_WARPS, LOG2E, PRODUCER_WARPS, _next_ids, _producer, _program, _release)
+    CONSUMER_WARPS, LOG2E, PRODUCER_WARPS, _next_ids, _producer, _program, _release,
+    _wait_tile)
 
 __all__ = ["csa_dq_kernel", "arg_types", "constexprs", "backward", "shared_bytes", "SMEM_LIMIT"]
 _LOG2E = gl.constexpr(LOG2E)
@@ -249,6 +250,17 @@ def _row_operands(lse_ptr, dc_ptr, fz, dsp_ptr, row, tok, hb, hrows, kcols, D: g
 
 
 @gluon.jit
+def _dsp_zeros(ds_ptrs, p_ptrs, start, STEP: gl.constexpr, K: gl.constexpr, BK: gl.constexpr,
+               HBC: gl.constexpr):
+    """Exact zeros in dsp's tiles start, start + STEP, .. < K / BK (past the last non-empty)."""
+    ew: gl.constexpr = ds_ptrs.type.layout
+    zero = gl.zeros([HBC, BK], ds_ptrs.dtype.element_ty, ew)
+    for i in range(start, K // BK, STEP):
+        gl.store(ds_ptrs + i * BK, zero)
+        gl.store(p_ptrs + i * BK, zero)
+
+
+@gluon.jit
 def _p_ds(sc, dp, ids, lse2, dc, QK_SCALE: gl.constexpr):
     """p = exp(S * scale - lse) on valid slots (0 on empty ones), dS = p (dP + dlse - delta)."""
     valid = (ids >= 0)[None, :]
@@ -265,11 +277,14 @@ def _store_dsp(ds_ptrs, p_ptrs, i, ds, p, BK: gl.constexpr, SCALE: gl.constexpr)
 
 
 @gluon.jit
-def _pair_rows(sd_layout: gl.constexpr, lse_ptr, dc_ptr, fz, dsp_ptr, row, tok, hb,
+def _pair_rows(WARPS: gl.constexpr, lse_ptr, dc_ptr, fz, dsp_ptr, row, tok, hb,
                D: gl.constexpr, K: gl.constexpr, HP: gl.constexpr, BK: gl.constexpr,
                HBC: gl.constexpr, QDO: gl.constexpr, FUSE: gl.constexpr):
-    """The paired kernels' element-wise operands: (zero score accumulator [2*HBC, BK] in
-    sd_layout, slot columns, then _row_operands) in the layout _split_sd gives S and dP."""
+    """The paired kernels' element-wise operands (this file's, bwd_alt.py's): (zero score
+    accumulator [2*HBC, BK] of a wgmma over WARPS warps (8 here, 4: one warpgroup), slot
+    columns, then _row_operands) in the layout _split_sd gives S and dP."""
+    sd_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, BK, 16])
     sd_zero = gl.zeros([2 * HBC, BK], gl.float32, sd_layout)
     sc0, dp0 = _split_sd(sd_zero, HBC, BK)
     ew: gl.constexpr = sc0.type.layout
@@ -291,21 +306,15 @@ def _dq_pair_consumer(idx_ptr, lse_ptr, dc_ptr, fz, dq_ptr, dsp_ptr, qdo_ptr, qd
     S and dP of the same (head, slot) in one thread (the paired [q; dO] rows), so p and dS are
     formed in registers without the f32 S/dP exchange through shared memory and its barrier;
     the dsp stores go out from that layout (4-byte stores)."""
-    sd_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, BK, 16])
     dt: gl.constexpr = dsp_ptr.dtype.element_ty
     sd_zero, kcols, lse2, dc, ds_ptrs, p_ptrs = _pair_rows(
-        sd_layout, lse_ptr, dc_ptr, fz, dsp_ptr, row, tok, hb, D, K, HP, BK, HBC, QDO, FUSE)
-    ew: gl.constexpr = ds_ptrs.type.layout
+        8, lse_ptr, dc_ptr, fz, dsp_ptr, row, tok, hb, D, K, HP, BK, HBC, QDO, FUSE)
     acc = _dq_acc_layout(D, HBC, DQ_OP)
     mbarrier.wait(q_bar, 0)
     if QDO:
         _store_qdo(qdo_ptr, qdo_smem, row, D, HBC, True, 0, 2 * HBC // 32)
     for i in range(ntiles):
-        s = i % STAGES
-        mbarrier.wait(full.index(s), (i // STAGES) & 1)
-        fence_async_shared()          # cp.async (generic proxy) -> wgmma (async proxy)
-        tile = ring.index(s)
+        s, tile = _wait_tile(ring, full, i, STAGES)
         ids = gl.load(idx_ptr + i * BK + kcols)    # (under the score product's wait)
         sd = warpgroup_mma(qdo_smem, tile.permute((1, 0)), sd_zero, use_acc=False)
         sc, dp = _split_sd(sd, HBC, BK)
@@ -316,10 +325,7 @@ def _dq_pair_consumer(idx_ptr, lse_ptr, dc_ptr, fz, dq_ptr, dsp_ptr, qdo_ptr, qd
         gl.thread_barrier()
         acc = _dq_product(tile, ds_smem, acc, D, BK, DQ_OP)
         _release(consumed.index(s))
-    zero = gl.zeros([HBC, BK], dt, ew)
-    for i in range(ntiles, K // BK):  # past the last non-empty tile: exact zeros
-        gl.store(ds_ptrs + i * BK, zero)
-        gl.store(p_ptrs + i * BK, zero)
+    _dsp_zeros(ds_ptrs, p_ptrs, ntiles, 1, K, BK, HBC)
     _store_dq(dq_ptr, acc, row, D, HBC, SCALE, DQ_OP)
 
 
@@ -353,10 +359,7 @@ def _dq_consumer(idx_ptr, lse_ptr, dc_ptr, fz, dq_ptr, dsp_ptr, qdo_ptr, qdo_sme
     if QDO:
         _store_qdo(qdo_ptr, qdo_smem, row, D, HBC, False, 0, 2 * HBC // 32)
     for i in range(ntiles):
-        s = i % STAGES
-        mbarrier.wait(full.index(s), (i // STAGES) & 1)
-        fence_async_shared()          # cp.async (generic proxy) -> wgmma (async proxy)
-        tile = ring.index(s)
+        s, tile = _wait_tile(ring, full, i, STAGES)
         if ABLATE == 4:               # benchmark only: no compute, the producer's pace
             _release(consumed.index(s))
         else:
@@ -379,10 +382,7 @@ def _dq_consumer(idx_ptr, lse_ptr, dc_ptr, fz, dq_ptr, dsp_ptr, qdo_ptr, qdo_sme
                 acc = _dq_product(tile, ds_smem, acc, D, BK, DQ_OP)
             _release(consumed.index(s))
     if ABLATE != 1:
-        zero = gl.zeros([HBC, BK], dt, ew)
-        for i in range(ntiles, K // BK):  # past the last non-empty tile: exact zeros
-            gl.store(ds_ptrs + i * BK, zero)
-            gl.store(p_ptrs + i * BK, zero)
+        _dsp_zeros(ds_ptrs, p_ptrs, ntiles, 1, K, BK, HBC)
     _store_dq(dq_ptr, acc, row, D, HBC, SCALE, DQ_OP)
 
 

@@ -32,8 +32,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait)
 
-from csa_jax.kernels.gluon.bwd import (_dq_pair_producer, _p_ds, _pair_rows, _split_sd,
-                                       _store_dsp, _store_qdo)
+from csa_jax.kernels.gluon.bwd import (_dq_pair_producer, _dsp_zeros, _p_ds, _pair_rows,
+                                       _split_sd, _store_dsp, _store_qdo)
 from csa_jax.kernels.gluon.dims import dq_alt_shared_bytes
 from csa_jax.kernels.gluon.fwd import LOG2E, PRODUCER_WARPS, _program
 from csa_jax.kernels.gluon.fwd_alt import REG_FILE, _opaque, _release
@@ -65,14 +65,11 @@ def _alt_dq_consumer(idx_ptr, lse_ptr, dc_ptr, fz, dq_ptr, dsp_ptr, qdo_ptr, qdo
                      FUSE: gl.constexpr, DQ_FIRST: gl.constexpr):
     DH: gl.constexpr = D // 2
     OTHER: gl.constexpr = 1 - W
-    sd_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BK, 16])
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DH, 16])
     dt: gl.constexpr = dsp_ptr.dtype.element_ty
     sd_zero, kcols, lse2, dc, ds_ptrs, p_ptrs = _pair_rows(
-        sd_layout, lse_ptr, dc_ptr, fz, dsp_ptr, row, tok, hb, D, K, HP, BK, HBC, QDO, FUSE)
-    ew: gl.constexpr = ds_ptrs.type.layout
+        4, lse_ptr, dc_ptr, fz, dsp_ptr, row, tok, hb, D, K, HP, BK, HBC, QDO, FUSE)
     acc = gl.zeros([HBC, DH], gl.float32, acc_layout)
     own_ds = ds_bufs.index(W)
     oth_ds = ds_bufs.index(OTHER)
@@ -143,10 +140,7 @@ def _alt_dq_consumer(idx_ptr, lse_ptr, dc_ptr, fz, dq_ptr, dsp_ptr, qdo_ptr, qdo
                                   DH)
             acc = warpgroup_mma_wait(0, deps=[acc])
             _release(consumed.index(last % STAGES))
-    zero = gl.zeros([HBC, BK], dt, ew)
-    for i in range(ntiles + W, K // BK, 2):  # past the last non-empty tile: exact zeros
-        gl.store(ds_ptrs + i * BK, zero)
-        gl.store(p_ptrs + i * BK, zero)
+    _dsp_zeros(ds_ptrs, p_ptrs, ntiles + W, 2, K, BK, HBC)     # this warpgroup's tiles
     orows = gl.arange(0, HBC, layout=gl.SliceLayout(1, acc_layout))
     ocols = W * DH + gl.arange(0, DH, layout=gl.SliceLayout(0, acc_layout))
     dq_ptrs = dq_ptr + (row * HBC + orows).to(gl.int64)[:, None] * D + ocols[None, :]

@@ -146,6 +146,53 @@ def _release(bar):
 
 
 @gluon.jit
+def _wait_tile(ring, full, i, STAGES: gl.constexpr):
+    """(stage, ring tile) of tile i once its copies landed, made visible to wgmma (this
+    kernel's consumer loops and bwd.py's)."""
+    s = i % STAGES
+    mbarrier.wait(full.index(s), (i // STAGES) & 1)
+    fence_async_shared()          # cp.async (generic proxy) -> wgmma (async proxy)
+    return s, ring.index(s)
+
+
+@gluon.jit
+def _q_and_ring(dtype: gl.constexpr, HBC: gl.constexpr, D: gl.constexpr, BK: gl.constexpr,
+                STAGES: gl.constexpr, Q_INDEXED: gl.constexpr):
+    """A forward's first shared-memory buffers (this kernel's and fwd_alt.py's, allocated in
+    this order): q [HBC, D] ([1, HBC, D] with Q_INDEXED, fwd_alt.py's, read through .index) and
+    the kv ring [STAGES, BK, D], in wgmma's default layouts."""
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HBC, D], dtype)
+    if Q_INDEXED:
+        q_smem = gl.allocate_shared_memory(dtype, [1, HBC, D], q_layout)
+    else:
+        q_smem = gl.allocate_shared_memory(dtype, [HBC, D], q_layout)
+    ring = gl.allocate_shared_memory(dtype, [STAGES, BK, D],
+                                     gl.NVMMASharedLayout.get_default_for([BK, D], dtype))
+    return q_smem, ring
+
+
+@gluon.jit
+def _scaled_o(m, l, acc, sink_ptr, lse_ptr, o_ptr, row, h0, srow: gl.constexpr,
+              orow: gl.constexpr, HBC: gl.constexpr, STORE_LSE: gl.constexpr):
+    """A forward consumer's epilogue (this kernel's and fwd_alt.py's) up to the o store: the
+    sink joined (_finish), lse stored when STORE_LSE, o = acc * o_scale in o's dtype (acc's
+    layout; srow: the rows of the (m, l) layout, orow: of acc's)."""
+    hrows = gl.arange(0, HBC, layout=srow)
+    lse, o_scale = _finish(m, l, sink_ptr + h0 + hrows)
+    if STORE_LSE:
+        gl.store(lse_ptr + row * HBC + hrows, lse)
+    return (acc * gl.convert_layout(o_scale, orow)[:, None]).to(o_ptr.dtype.element_ty)
+
+
+@gluon.jit
+def _store_o(o_ptr, o, row, orows, ocols, D: gl.constexpr, HBC: gl.constexpr):
+    """o's rows orows and columns ocols of this program's head block (rows row*HBC.. of the
+    [B*T*Hp, D] output)."""
+    o_ptrs = o_ptr + (row * HBC + orows).to(gl.int64)[:, None] * D + ocols[None, :]
+    gl.store(o_ptrs, o)
+
+
+@gluon.jit
 def _consumer(idx_ptr, sink_ptr, o_ptr, lse_ptr, q_smem, ring, full, consumed, q_bar, row, h0,
               ntiles, D: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
               HBC: gl.constexpr, QK_SCALE: gl.constexpr, PIPELINE: gl.constexpr,
@@ -173,10 +220,7 @@ def _consumer(idx_ptr, sink_ptr, o_ptr, lse_ptr, q_smem, ring, full, consumed, q
         # together, then stage i-1 is released and tile i's softmax runs.
         acc = warpgroup_mma_init(acc)
         for i in range(ntiles):
-            s = i % STAGES
-            mbarrier.wait(full.index(s), (i // STAGES) & 1)
-            fence_async_shared()
-            tile = ring.index(s)
+            _, tile = _wait_tile(ring, full, i, STAGES)
             sc = warpgroup_mma(q_smem, tile.permute((1, 0)), s_zero, use_acc=False,
                                is_async=True)
             ids, ids_next = _next_ids(idx_ptr, ids_next, i, kcols, K, BK, PREFETCH)
@@ -190,11 +234,7 @@ def _consumer(idx_ptr, sink_ptr, o_ptr, lse_ptr, q_smem, ring, full, consumed, q
         acc = warpgroup_mma_wait(0, deps=[acc])
     else:
         for i in range(ntiles):
-            s = i % STAGES
-            mbarrier.wait(full.index(s), (i // STAGES) & 1)
-            # cp.async writes are generic-proxy; wgmma reads through the async proxy.
-            fence_async_shared()
-            tile = ring.index(s)
+            s, tile = _wait_tile(ring, full, i, STAGES)
             if ABLATE == 4:           # benchmark only: no compute, the producer's pace
                 _release(consumed.index(s))
             else:
@@ -212,10 +252,7 @@ def _consumer(idx_ptr, sink_ptr, o_ptr, lse_ptr, q_smem, ring, full, consumed, q
                     acc = acc + gl.convert_layout(gl.sum(p, axis=1), orow)[:, None]
                 _release(consumed.index(s))
 
-    hrows = gl.arange(0, HBC, layout=srow)
-    lse, o_scale = _finish(m, l, sink_ptr + h0 + hrows)
-    gl.store(lse_ptr + row * HBC + hrows, lse)
-    o = (acc * gl.convert_layout(o_scale, orow)[:, None]).to(o_ptr.dtype.element_ty)
+    o = _scaled_o(m, l, acc, sink_ptr, lse_ptr, o_ptr, row, h0, srow, orow, HBC, True)
     if SMEM_EPILOGUE:
         # q is no longer needed: o goes registers -> q's buffer -> 16-byte coalesced stores.
         st_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
@@ -228,8 +265,7 @@ def _consumer(idx_ptr, sink_ptr, o_ptr, lse_ptr, q_smem, ring, full, consumed, q
     else:
         orows = gl.arange(0, HBC, layout=orow)
         ocols = gl.arange(0, D, layout=ocol)
-    o_ptrs = o_ptr + (row * HBC + orows).to(gl.int64)[:, None] * D + ocols[None, :]
-    gl.store(o_ptrs, o)
+    _store_o(o_ptr, o, row, orows, ocols, D, HBC)
 
 
 @gluon.jit
@@ -242,10 +278,7 @@ def csa_fwd_kernel(q_ptr, kv_ptr, idx_ptr, ntiles_ptr, sink_ptr, o_ptr, lse_ptr,
     row, tok, hb, b, ntiles, idx_tok = _program(ntiles_ptr, idx_ptr, T, NHB, K)
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     HBC: gl.constexpr = 64
-    op_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HBC, D], dtype)
-    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BK, D], dtype)
-    q_smem = gl.allocate_shared_memory(dtype, [HBC, D], op_layout)
-    ring = gl.allocate_shared_memory(dtype, [STAGES, BK, D], kv_layout)
+    q_smem, ring = _q_and_ring(dtype, HBC, D, BK, STAGES, False)
     full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     consumed = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())

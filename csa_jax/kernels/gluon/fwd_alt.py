@@ -52,8 +52,9 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait)
 
-from csa_jax.kernels.gluon.fwd import (LOG2E, NEG, PRODUCER_LAYOUT, PRODUCER_WARPS, _finish,
-                                       _producer, _producer_start, _program, _softmax_step)
+from csa_jax.kernels.gluon.fwd import (LOG2E, NEG, PRODUCER_LAYOUT, PRODUCER_WARPS, _producer,
+                                       _producer_start, _program, _q_and_ring, _scaled_o,
+                                       _softmax_step, _store_o)
 
 WG_WARPS = gl.constexpr(4)   # each consumer partition is one warpgroup
 NUM_WARPS = 4                # the default partition (the producer); 12 warps in all
@@ -412,15 +413,9 @@ def _alt_consumer(idx_ptr, sink_ptr, o_ptr, lse_ptr, q_smem, ring, full, consume
             acc = warpgroup_mma_wait(0, deps=[acc])
             _release(_bar(consumed, last % STAGES, W, SPLIT))
 
-    hrows = gl.arange(0, HBC, layout=srow)
-    lse, o_scale = _finish(m, l, sink_ptr + h0 + hrows)
-    if W == 0:
-        gl.store(lse_ptr + row * HBC + hrows, lse)
-    o = (acc * gl.convert_layout(o_scale, orow)[:, None]).to(o_ptr.dtype.element_ty)
-    orows = gl.arange(0, HBC, layout=orow)
-    ocols = W * DH + gl.arange(0, DH, layout=ocol)
-    o_ptrs = o_ptr + (row * HBC + orows).to(gl.int64)[:, None] * D + ocols[None, :]
-    gl.store(o_ptrs, o)
+    o = _scaled_o(m, l, acc, sink_ptr, lse_ptr, o_ptr, row, h0, srow, orow, HBC, W == 0)
+    _store_o(o_ptr, o, row, gl.arange(0, HBC, layout=orow),
+             W * DH + gl.arange(0, DH, layout=ocol), D, HBC)
 
 
 @gluon.jit
@@ -433,12 +428,9 @@ def csa_fwd_alt_kernel(q_ptr, kv_ptr, idx_ptr, ntiles_ptr, sink_ptr, o_ptr, lse_
     row, _, hb, b, ntiles, idx_tok = _program(ntiles_ptr, idx_ptr, T, NHB, K)
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     HBC: gl.constexpr = 64
-    op_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HBC, D], dtype)
-    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BK, D], dtype)
-    p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HBC, BK], dtype)
-    q_smem = gl.allocate_shared_memory(dtype, [1, HBC, D], op_layout)
-    ring = gl.allocate_shared_memory(dtype, [STAGES, BK, D], kv_layout)
-    p_bufs = gl.allocate_shared_memory(dtype, [2, HBC, BK], p_layout)
+    q_smem, ring = _q_and_ring(dtype, HBC, D, BK, STAGES, True)
+    p_bufs = gl.allocate_shared_memory(dtype, [2, HBC, BK],
+                                       gl.NVMMASharedLayout.get_default_for([HBC, BK], dtype))
     # (max, sum, rescale) of warpgroup w's latest tile: rows 4w .. 4w+2.
     st_bufs = gl.allocate_shared_memory(gl.float32, [8 * HBC], gl.SwizzledSharedLayout(
         1, 1, 1, [0]))
