@@ -1,7 +1,7 @@
 """How much of a host-timed forward is the kernel: three times of the same forward.
 
     python -m benchmarks.gluon_kernel_time [--families pro] [--ratios 4] [--seqs 4096]
-        [--impl gluon] [--config key=val,...] [--window-layouts] [--calls 20]
+        [--impl gluon] [--config key=val,...] [--window-layouts] [--check] [--calls 20]
         [--out times.json]
 
 For each problem (the bench_csa problems: random cr4 indices, V4 index builders otherwise):
@@ -13,6 +13,8 @@ For each problem (the bench_csa problems: random cr4 indices, V4 index builders 
   beforehand (fwd.prepare outside the timed function; for a window layout, --window-layouts,
   window.forward with the promise-violation flags computed beforehand: its padding is a no-op
   at Pro / Flash shapes).
+--check adds err_o / err_lse (max-abs error over max-abs, f32) of the timed forward's outputs
+against impl="xla" on the same problem.
 FlashMLA's targets (../shared/gpu_kernels.md) do not say how they were timed; these three
 bound what a like-for-like comparison can be.
 """
@@ -68,6 +70,13 @@ def _kernel_fn(q, kv, idx, sink, scale, config):
     return fn, jax.block_until_ready((q_p, kv_p, idx_p, ntiles, sink_p))
 
 
+def _errors(out, ref):
+    """err_o, err_lse: max |a - b| / max |b| in f32 (the forward's outputs vs the reference's)."""
+    err = lambda a, b: float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)))
+                             / jnp.maximum(jnp.max(jnp.abs(b.astype(jnp.float32))), 1e-30))
+    return dict(err_o=err(out[0], ref[0]), err_lse=err(out[1], ref[1]))
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     csv = lambda f: lambda s: [f(v) for v in s.split(",") if v]
@@ -80,6 +89,7 @@ def main(argv=None):
     ap.add_argument("--window-layouts", action="store_true",
                     help="cr0 / cr128 problems with their layout promise (Config.layout = "
                          "cr0 / cr128: the window-reuse kernels); --config still applies")
+    ap.add_argument("--check", action="store_true", help="err_o / err_lse vs impl='xla'")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     mod = registry.get(args.impl)
@@ -104,6 +114,11 @@ def main(argv=None):
                            device=jax.devices()[0].device_kind, synced_ms=synced,
                            pipelined_ms=_pipelined(fwd, a, args.calls), first_call_s=first,
                            o_finite=bool(jnp.isfinite(out[0]).all()))
+                if args.check:
+                    ref = registry.get("xla")
+                    row.update(_errors(out, jax.jit(lambda q, kv, i, s: ref.forward(
+                        q, kv, i, s, scale=cfg.scale, interpret=False, config=ref.default_config(
+                            q.shape, kv.shape, i.shape, q.dtype)))(*a)))
                 if args.impl == "gluon":
                     try:
                         kfn, ka = _kernel_fn(q, kv, idx, sink, cfg.scale, c)
