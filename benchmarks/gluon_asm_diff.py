@@ -2,7 +2,7 @@
 
     python -m benchmarks.gluon_asm_diff dump OUT.json [--only REGEX] [--no-line-info]
         [--keep DIR] [--label COMMIT]
-    python -m benchmarks.gluon_asm_diff compare BEFORE.json AFTER.json
+    python -m benchmarks.gluon_asm_diff compare BEFORE.json AFTER.json [--only REGEX]
 
 `dump` compiles each kernel of KERNELS (the Gluon kernels at their defaults and at the switches
 that select other code paths: fwd.py's pipeline / smem_epilogue / prefetch, fwd_alt.py's orders
@@ -191,7 +191,7 @@ def _git(*args):
     return r.stdout.strip()
 
 
-def compare(a_path, b_path):
+def compare(a_path, b_path, only=None):
     with open(a_path) as f:
         a = json.load(f)
     with open(b_path) as f:
@@ -200,7 +200,9 @@ def compare(a_path, b_path):
     if a["meta"]["no_line_info"] and b["meta"]["no_line_info"]:
         fields += ["raw", "bin"]
     bad = 0
-    for key in sorted(set(a["kernels"]) | set(b["kernels"])):
+    keys = sorted(k for k in set(a["kernels"]) | set(b["kernels"])
+                  if not only or re.search(only, k))
+    for key in keys:
         ra, rb = a["kernels"].get(key), b["kernels"].get(key)
         if ra is None or rb is None:
             bad += 1
@@ -210,7 +212,7 @@ def compare(a_path, b_path):
         if diff:
             bad += 1
             print(f"{key}: differs in {', '.join(diff)}")
-    n = len(set(a["kernels"]) & set(b["kernels"]))
+    n = len(set(a["kernels"]) & set(b["kernels"]) & set(keys))
     print(f"{n} kernel/target rows in both ({a['meta']['commit']} vs {b['meta']['commit']}), "
           f"compared on {', '.join(fields)}: {bad} differ")
     return 1 if bad else 0
@@ -228,9 +230,10 @@ def main(argv=None):
     c = sub.add_parser("compare")
     c.add_argument("before")
     c.add_argument("after")
+    c.add_argument("--only", default=None, help="regex on 'name@target'")
     args = ap.parse_args(argv)
     if args.cmd == "compare":
-        return compare(args.before, args.after)
+        return compare(args.before, args.after, args.only)
     from csa_jax.kernels.gluon import adapter
     why = adapter.missing()
     if why:
