@@ -1,0 +1,67 @@
+"""benchmarks/gluon_asm_diff.py without a compile: what its line-info removal keeps and drops,
+and that `compare` flags a changed, missing or failing kernel row (exit 1) and passes equal ones."""
+from __future__ import annotations
+
+import json
+
+from benchmarks import gluon_asm_diff as ad
+
+PTX = """.visible .entry k(
+{
+	.loc	1 42 7                          // fwd.py:42:7
+$L__tmp0:
+	mov.u32 	%r1, %tid.x;
+$L__BB0_2:
+	ret;
+}
+	.file	1 "/a/b/fwd.py"
+	.section	.debug_abbrev
+	{
+.b8 1
+	}
+"""
+AMDGCN = """k:
+	.loc	2 10 3 prologue_end
+.Ltmp3:
+	v_mov_b32 v0, 0
+.LBB0_1:
+	s_endpgm
+	.file	2 "/a/b" "amd_fwd.py"
+	.section	.debug_info,"",@progbits
+	.long	.Ltmp3-.Lfunc_begin0
+	.section	".note.GNU-stack","",@progbits
+	.amdgpu_metadata
+"""
+
+
+def test_strip_line_info_keeps_code_drops_debug():
+    ptx = ad.strip_line_info(PTX)
+    assert "mov.u32" in ptx and "$L__BB0_2:" in ptx and "ret;" in ptx
+    assert not any(s in ptx for s in (".loc", "$L__tmp0", ".file", "debug", ".b8 1"))
+    # moved source lines / another checkout path: the same normalized text
+    assert ad.strip_line_info(PTX.replace("42 7", "99 1").replace("/a/b", "/c")) == ptx
+    gcn = ad.strip_line_info(AMDGCN)
+    assert "v_mov_b32" in gcn and ".LBB0_1:" in gcn and ".amdgpu_metadata" in gcn
+    assert not any(s in gcn for s in (".loc", ".Ltmp3", ".file", "debug_info"))
+    assert ad.strip_line_info(PTX.replace("%r1", "%r2")) != ptx
+
+
+def test_compare_flags_differences(tmp_path, capsys):
+    def dump(name, rows, nl=False):
+        p = tmp_path / name
+        p.write_text(json.dumps(dict(meta=dict(no_line_info=nl, commit=name), kernels=rows)))
+        return str(p)
+    row = dict(ptx="a", sass="s", raw="r", bin="b")
+    base = dump("a", {"k@sm_90a": row, "g@gfx950": dict(amdgcn="x", raw="r", bin="b")})
+    assert ad.compare(base, dump("b", {"k@sm_90a": dict(row, raw="r2", bin="b2"),
+                                       "g@gfx950": dict(amdgcn="x", raw="r", bin="b")})) == 0
+    assert ad.compare(base, dump("c", {"k@sm_90a": dict(row, sass="t"),
+                                       "g@gfx950": dict(amdgcn="x")})) == 1
+    assert "k@sm_90a: differs in sass" in capsys.readouterr().out
+    assert ad.compare(base, dump("d", {"k@sm_90a": row})) == 1              # a row missing
+    assert ad.compare(base, dump("e", {"k@sm_90a": row, "g@gfx950": dict(error="x")})) == 1
+    # both without line info: raw text and binaries count too
+    nl = dump("f", {"k@sm_90a": row}, nl=True)
+    assert ad.compare(nl, dump("g", {"k@sm_90a": dict(row, bin="b2")}, nl=True)) == 1
+    h = dump("h", {"k@sm_90a": dict(row, sass="t"), "g@gfx950": dict(amdgcn="x")})
+    assert ad.compare(base, h, only="^g@") == 0 and ad.compare(base, h, only="^k@") == 1
