@@ -290,6 +290,37 @@ def test_dq_tiles_follow_the_schedule():
     assert (alt.bwd_block_k, alt.bwd_stages) == (32, 2)                  # D = 512
 
 
+def test_variant_schedule_repicks_the_dq_tiles():
+    """gluon.replace_config (what bench_csa / gluon_bwd_check apply variants with): a variant
+    that switches bwd_schedule on top of a default picked for the lockstep kernel gets the
+    alternating kernel's even tiles (the D = 64 / 128 grad cases of call A failed with
+    "needs an even bwd_stages, got 3"); tiles the variant names are kept; a plain override
+    changes only itself."""
+    from benchmarks import gluon_bwd_check as gb
+    from benchmarks.common import apply_overrides
+    for D in (64, 128, 512):
+        base = gluon.default_config((1, 8, 64, D), None, None, jnp.bfloat16)
+        alt = gluon.replace_config(base, (1, 8, 64, D), bwd_schedule="alternate")
+        assert alt == gluon._bwd_default(D, dataclasses.replace(
+            base, bwd_schedule="alternate", bwd_stages=2)), (D, alt)
+        assert alt.bwd_stages % 2 == 0 and alt.bwd_schedule == "alternate"
+        back = gluon.replace_config(alt, (1, 8, 64, D), bwd_schedule="lockstep")
+        assert (back.bwd_block_k, back.bwd_stages) == (base.bwd_block_k, base.bwd_stages)
+    base = gluon.default_config((1, 8, 64, 64), None, None, jnp.bfloat16)
+    assert base.bwd_stages == 3                               # the case call A tripped on
+    with pytest.raises(ValueError, match="even bwd_stages, got 3"):
+        dataclasses.replace(base, bwd_schedule="alternate")
+    kept = gluon.replace_config(base, (1, 8, 64, 64), bwd_schedule="alternate", bwd_block_k=32,
+                                bwd_stages=4)
+    assert (kept.bwd_block_k, kept.bwd_stages) == (32, 4)
+    assert gluon.replace_config(base, (1, 8, 64, 64), bwd_reduce="pallas_triton") == (
+        dataclasses.replace(base, bwd_reduce="pallas_triton"))
+    assert apply_overrides(gluon, base, (1, 8, 64, 64), {"bwd_schedule": "alternate"}) == (
+        gluon.replace_config(base, (1, 8, 64, 64), bwd_schedule="alternate"))
+    got = gb.make_variants("alt:bwd_schedule=alternate")((1, 8, 64, 64))
+    assert [n for n, _ in got] == ["default", "alt"] and got[1][1].bwd_stages % 2 == 0
+
+
 def test_oversized_tiles_are_refused_by_name():
     q = jnp.zeros((1, 4, 64, 512), jnp.bfloat16)
     kv = jnp.zeros((1, 8, 512), jnp.bfloat16)

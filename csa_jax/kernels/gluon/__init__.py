@@ -432,20 +432,48 @@ def default_config(q_shape, kv_shape, idx_shape, dtype) -> Config:
     return dataclasses.replace(cfg, block_k=32, stages=2)
 
 
-def _bwd_default(D, cfg):
-    """The dq kernel's tiles: the largest (rows, stages) of 64x3, 64x2, 32x3, 32x2, 16x4 whose
-    buffers fit (32 x 2 at D = 512); dims.dq_shared_bytes counts every buffer and barrier
-    (dq_alt_shared_bytes and even stages only for bwd_schedule="alternate")."""
+def _bwd_tiles(D, schedule, pair):
+    """(bwd_block_k, bwd_stages) of the dq kernel: the largest (rows, stages) of 64x3, 64x2,
+    32x3, 32x2, 16x4 whose buffers fit (32 x 2 at D = 512); dims.dq_shared_bytes counts every
+    buffer and barrier (dq_alt_shared_bytes and even stages only for schedule "alternate");
+    None if none fits."""
     from csa_jax.kernels.gluon.dims import SMEM_LIMIT, dq_alt_shared_bytes, dq_shared_bytes
-    alt = cfg.bwd_schedule == "alternate"
+    alt = schedule == "alternate"
     for bk, st in ((64, 3), (64, 2), (32, 3), (32, 2), (16, 4)):
         if alt and st % 2:
             continue
-        need = (dq_alt_shared_bytes(D, bk, st) if alt else
-                dq_shared_bytes(D, bk, st, pair=cfg.bwd_pair))
+        need = dq_alt_shared_bytes(D, bk, st) if alt else dq_shared_bytes(D, bk, st, pair=pair)
         if need <= SMEM_LIMIT - 8192:
-            return dataclasses.replace(cfg, bwd_block_k=bk, bwd_stages=st)
-    return cfg
+            return bk, st
+    return None
+
+
+def _bwd_default(D, cfg):
+    """cfg with the dq kernel's tiles of _bwd_tiles for its bwd_schedule / bwd_pair."""
+    tiles = _bwd_tiles(D, cfg.bwd_schedule, cfg.bwd_pair)
+    if tiles is None:
+        return cfg
+    return dataclasses.replace(cfg, bwd_block_k=tiles[0], bwd_stages=tiles[1])
+
+
+# Fields whose value decides the dq kernel's tiles (_bwd_tiles).
+_BWD_TILE_KEYS = ("bwd_schedule", "bwd_pair")
+
+
+def replace_config(cfg, q_shape, **overrides):
+    """dataclasses.replace(cfg, **overrides) for a variant of a default config: an override
+    that changes what the dq kernel's tiles depend on (bwd_schedule, bwd_pair) without naming
+    bwd_block_k / bwd_stages re-picks them for the new kernel (_bwd_tiles at D = q_shape[3]),
+    so that e.g. bwd_schedule="alternate" on top of a 3-stage lockstep default gets its even
+    ring depth instead of a ValueError. Tiles named in the overrides are kept as given."""
+    kw = dict(overrides)
+    changed = any(k in kw and kw[k] != getattr(cfg, k) for k in _BWD_TILE_KEYS)
+    if changed and "bwd_block_k" not in kw and "bwd_stages" not in kw and not _amd():
+        tiles = _bwd_tiles(q_shape[3], kw.get("bwd_schedule", cfg.bwd_schedule),
+                           kw.get("bwd_pair", cfg.bwd_pair))
+        if tiles is not None:
+            kw["bwd_block_k"], kw["bwd_stages"] = tiles
+    return dataclasses.replace(cfg, **kw)
 
 
 def _device():
