@@ -147,6 +147,10 @@ class Config:
         chunks while the producer copies q and dO; dlse - delta written out for dsink) instead
         of an XLA reduction reading o and dO (4.3 GB at Pro T = 16384). NVIDIA only (the AMD
         route ignores it).
+    bwd_pipeline (bwd_pair, lockstep, bwd_dq_operand "desc" only): the dq kernel's dq product
+        runs asynchronously: tile i's score product is issued right behind tile i-1's dq
+        product, stage i-1 is released once that dq product is done (while the scores run),
+        and tile i's dsp stores are issued under its dq product (bwd.py _dq_pair_consumer).
     bwd_schedule: the dq kernel's schedule: "lockstep" (bwd.py: one 8-warp consumer partition,
         both warpgroups on every tile) or "alternate" (bwd_alt.py, the forward's alternating
         schedule: two 4-warp consumer warpgroups owning alternate tiles, each computing its
@@ -204,6 +208,7 @@ class Config:
     bwd_qdo: bool = False
     bwd_pair: bool = False
     bwd_fuse_delta: bool = False
+    bwd_pipeline: bool = False
     bwd_schedule: str = "lockstep"
     bwd_alt_regs: int = 232
     bwd_alt_order: str = "s_first"
@@ -230,6 +235,13 @@ class Config:
         if self.bwd_pair and (self.bwd_prefetch or self.bwd_ablate):
             raise ValueError(f"bwd_pair=True has no bwd_prefetch / bwd_ablate modes (got "
                              f"bwd_prefetch={self.bwd_prefetch}, bwd_ablate={self.bwd_ablate})")
+        if not isinstance(self.bwd_pipeline, bool):
+            raise ValueError(f"bwd_pipeline={self.bwd_pipeline!r} must be a bool")
+        if self.bwd_pipeline and not (self.bwd_pair and self.bwd_schedule == "lockstep"
+                                      and self.bwd_dq_operand == "desc"):
+            raise ValueError(f"bwd_pipeline=True needs bwd_pair=True, bwd_schedule='lockstep', "
+                             f"bwd_dq_operand='desc' (got {self.bwd_pair}, "
+                             f"{self.bwd_schedule!r}, {self.bwd_dq_operand!r})")
         if self.bwd_schedule not in ("lockstep", "alternate"):
             raise ValueError(f"bwd_schedule={self.bwd_schedule!r} must be 'lockstep' or "
                              f"'alternate'")
@@ -620,7 +632,8 @@ def backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, interpret, config):
                              producer_regs=config.producer_regs, prefetch=config.bwd_prefetch,
                              ablate=config.bwd_ablate, qdo=config.bwd_qdo,
                              dq_operand=config.bwd_dq_operand, pair=config.bwd_pair,
-                             fuse_delta=config.bwd_fuse_delta, schedule=config.bwd_schedule,
+                             fuse_delta=config.bwd_fuse_delta,
+                             dq_pipeline=config.bwd_pipeline, schedule=config.bwd_schedule,
                              alt_regs=config.bwd_alt_regs, alt_order=config.bwd_alt_order,
                              interm=config.bwd_interm,
                              interm_operand=config.bwd_interm_operand,

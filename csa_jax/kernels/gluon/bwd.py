@@ -42,7 +42,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared, mbarrier, warpgroup_mma)
+    fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait)
 
 from csa_jax.kernels.gluon.dims import HB, SMEM_LIMIT, padded_dims
 from csa_jax.kernels.gluon.dims import dq_shared_bytes as shared_bytes
@@ -286,11 +286,15 @@ def _dq_pair_consumer(idx_ptr, lse_ptr, dc_ptr, fz, dq_ptr, dsp_ptr, qdo_ptr, qd
                       K: gl.constexpr, HP: gl.constexpr, BK: gl.constexpr,
                       STAGES: gl.constexpr, HBC: gl.constexpr, QK_SCALE: gl.constexpr,
                       SCALE: gl.constexpr, QDO: gl.constexpr, DQ_OP: gl.constexpr,
-                      FUSE: gl.constexpr):
+                      FUSE: gl.constexpr, PIPE: gl.constexpr):
     """Config.bwd_pair's consumers: as _dq_consumer, but the score product's accumulator holds
     S and dP of the same (head, slot) in one thread (the paired [q; dO] rows), so p and dS are
     formed in registers without the f32 S/dP exchange through shared memory and its barrier;
-    the dsp stores go out from that layout (4-byte stores)."""
+    the dsp stores go out from that layout (4-byte stores). PIPE (Config.bwd_pipeline): the dq
+    product is asynchronous: tile i's score product is issued behind tile i-1's dq product
+    (no drain between them on the tensor pipe), stage i-1 is released as soon as that dq
+    product is done (wait_group 1, while the scores run), and the dsp stores of tile i are
+    issued after its dq product, under it, instead of before the dS barrier."""
     sd_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, BK, 16])
     dt: gl.constexpr = dsp_ptr.dtype.element_ty
@@ -301,21 +305,49 @@ def _dq_pair_consumer(idx_ptr, lse_ptr, dc_ptr, fz, dq_ptr, dsp_ptr, qdo_ptr, qd
     mbarrier.wait(q_bar, 0)
     if QDO:
         _store_qdo(qdo_ptr, qdo_smem, row, D, HBC, True, 0, 2 * HBC // 32)
-    for i in range(ntiles):
-        s = i % STAGES
-        mbarrier.wait(full.index(s), (i // STAGES) & 1)
-        fence_async_shared()          # cp.async (generic proxy) -> wgmma (async proxy)
-        tile = ring.index(s)
-        ids = gl.load(idx_ptr + i * BK + kcols)    # (under the score product's wait)
-        sd = warpgroup_mma(qdo_smem, tile.permute((1, 0)), sd_zero, use_acc=False)
-        sc, dp = _split_sd(sd, HBC, BK)
-        p, ds = _p_ds(sc, dp, ids, lse2, dc, QK_SCALE)
-        _store_dsp(ds_ptrs, p_ptrs, i, ds, p, BK, SCALE)
-        ds_smem.store(ds.to(dt))
-        fence_async_shared()          # generic-proxy stores -> wgmma reads
-        gl.thread_barrier()
-        acc = _dq_product(tile, ds_smem, acc, D, BK, DQ_OP)
-        _release(consumed.index(s))
+    if PIPE:
+        acc = warpgroup_mma_init(acc)
+        for i in range(ntiles):
+            s = i % STAGES
+            mbarrier.wait(full.index(s), (i // STAGES) & 1)
+            fence_async_shared()
+            tile = ring.index(s)
+            sd = warpgroup_mma(qdo_smem, tile.permute((1, 0)), sd_zero, use_acc=False,
+                               is_async=True)
+            ids = gl.load(idx_ptr + i * BK + kcols)
+            # tile i-1's dq product (the older group) done in every warp: its stage goes back
+            # (unconditional barrier: it also orders that product's dS reads before this
+            # tile's dS store, so the compiler adds none of its own)
+            acc = warpgroup_mma_init(warpgroup_mma_wait(1, deps=[acc]))
+            gl.thread_barrier()
+            mbarrier.arrive(consumed.index((i + STAGES - 1) % STAGES), pred=i > 0)
+            sd = warpgroup_mma_wait(0, deps=[sd])
+            sc, dp = _split_sd(sd, HBC, BK)
+            p, ds = _p_ds(sc, dp, ids, lse2, dc, QK_SCALE)
+            ds_smem.store(ds.to(dt))
+            fence_async_shared()
+            gl.thread_barrier()
+            acc = warpgroup_mma(ds_smem, tile, acc, is_async=True)
+            _store_dsp(ds_ptrs, p_ptrs, i, ds, p, BK, SCALE)
+        acc = warpgroup_mma_wait(0, deps=[acc])
+        if ntiles > 0:
+            _release(consumed.index((ntiles - 1) % STAGES))
+    else:
+        for i in range(ntiles):
+            s = i % STAGES
+            mbarrier.wait(full.index(s), (i // STAGES) & 1)
+            fence_async_shared()          # cp.async (generic proxy) -> wgmma (async proxy)
+            tile = ring.index(s)
+            ids = gl.load(idx_ptr + i * BK + kcols)    # (under the score product's wait)
+            sd = warpgroup_mma(qdo_smem, tile.permute((1, 0)), sd_zero, use_acc=False)
+            sc, dp = _split_sd(sd, HBC, BK)
+            p, ds = _p_ds(sc, dp, ids, lse2, dc, QK_SCALE)
+            _store_dsp(ds_ptrs, p_ptrs, i, ds, p, BK, SCALE)
+            ds_smem.store(ds.to(dt))
+            fence_async_shared()          # generic-proxy stores -> wgmma reads
+            gl.thread_barrier()
+            acc = _dq_product(tile, ds_smem, acc, D, BK, DQ_OP)
+            _release(consumed.index(s))
     zero = gl.zeros([HBC, BK], dt, ew)
     for i in range(ntiles, K // BK):  # past the last non-empty tile: exact zeros
         gl.store(ds_ptrs + i * BK, zero)
@@ -392,7 +424,8 @@ def csa_dq_kernel(q_ptr, do_ptr, kv_ptr, idx_ptr, ntiles_ptr, lse_ptr, dc_ptr, o
                   K: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, EW_C: gl.constexpr,
                   QK_SCALE: gl.constexpr, SCALE: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                   PREFETCH: gl.constexpr, ABLATE: gl.constexpr, QDO: gl.constexpr,
-                  DQ_OP: gl.constexpr, PAIR: gl.constexpr, FUSE: gl.constexpr):
+                  DQ_OP: gl.constexpr, PAIR: gl.constexpr, FUSE: gl.constexpr,
+                  PIPE: gl.constexpr):
     row, tok, hb, b, ntiles, idx_tok = _program(ntiles_ptr, idx_ptr, T, NHB, K)
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     HBC: gl.constexpr = 64
@@ -424,7 +457,7 @@ def csa_dq_kernel(q_ptr, do_ptr, kv_ptr, idx_ptr, ntiles_ptr, lse_ptr, dc_ptr, o
             (_dq_pair_consumer, (idx_tok, lse_ptr, dc_ptr, fz, dq_ptr, dsp_ptr, qdo_ptr,
                                  qdo_smem, ring, full, consumed, q_bar, ds_smem, row, tok, hb,
                                  ntiles, D, K, NHB * HBC, BK, STAGES, HBC, QK_SCALE, SCALE, QDO,
-                                 DQ_OP, FUSE)),
+                                 DQ_OP, FUSE, PIPE)),
             (_dq_pair_producer, (q_ptr, do_ptr, kv_ptr, idx_tok, qdo_smem, ring, full, consumed,
                                  q_bar, row, b, ntiles, N, D, K, BK, STAGES, HBC)),
         ], [PRODUCER_WARPS], [PRODUCER_REGS])
@@ -459,18 +492,19 @@ DQ_OPERANDS = ("desc", "desc_a", "ldsm_trans", "movmatrix")     # Config.bwd_dq_
 
 
 def constexprs(*, T, N, NHB, D, K, BK, stages, scale, producer_regs, prefetch=False, ablate=0,
-               qdo=False, dq_operand="desc", pair=False, fuse_delta=False):
+               qdo=False, dq_operand="desc", pair=False, fuse_delta=False, pipeline=False):
     """The dq kernel's compile-time parameters (also used by the CPU compile checks)."""
     return dict(T=T, N=N, NHB=NHB, D=D, K=K, BK=BK, STAGES=stages, EW_C=ew_cols(BK),
                 QK_SCALE=float(scale) * LOG2E, SCALE=float(scale), PRODUCER_REGS=producer_regs,
                 PREFETCH=bool(prefetch), ABLATE=int(ablate), QDO=bool(qdo),
-                DQ_OP=DQ_OPERANDS.index(dq_operand), PAIR=bool(pair), FUSE=bool(fuse_delta))
+                DQ_OP=DQ_OPERANDS.index(dq_operand), PAIR=bool(pair), FUSE=bool(fuse_delta),
+                PIPE=bool(pipeline))
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_k", "stages", "producer_regs",
                                              "prefetch", "ablate", "qdo", "dq_operand", "pair",
-                                             "fuse_delta", "schedule", "alt_regs",
-                                             "alt_order",
+                                             "fuse_delta", "dq_pipeline", "schedule",
+                                             "alt_regs", "alt_order",
                                              "interm", "interm_operand", "interm_stages",
                                              "interm_pipeline",
                                              "narrow_keys",
@@ -478,7 +512,8 @@ def constexprs(*, T, N, NHB, D, K, BK, stages, scale, producer_regs, prefetch=Fa
                                              "interpret_reduce", "amd"))
 def backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, block_k, stages, producer_regs,
              prefetch=False, ablate=0, qdo=False, dq_operand="desc", pair=False,
-             fuse_delta=False, schedule="lockstep", alt_regs=232, alt_order="s_first",
+             fuse_delta=False, dq_pipeline=False, schedule="lockstep", alt_regs=232,
+             alt_order="s_first",
              interm="xla",
              interm_operand="desc", interm_stages=4, interm_pipeline=False, narrow_keys=False,
              reduce="pallas_triton", block_r=0, reduce_warps=0, interpret_reduce=False,
@@ -488,7 +523,7 @@ def backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, block_k, stages, prod
     sanitized (-1 for every empty or out-of-range slot). The keywords are the Config.bwd_*
     fields of the same names (block_k, stages, producer_regs, prefetch, ablate, qdo, dq_operand,
     pair, fuse_delta, schedule, alt_regs, alt_order, interm*, narrow_keys, reduce, block_r,
-    reduce_warps;
+    reduce_warps; dq_pipeline is Config.bwd_pipeline;
     see Config); interpret_reduce runs the Pallas reduce in its interpreter (the CPU test of
     this wrapper, with the dq kernel emulated). amd: a gfx architecture (amd_bwd.DQ_DEFAULTS)
     -> amd_bwd.csa_dq_amd_kernel, same contract, at block_k / stages (producer_regs, prefetch,
@@ -545,7 +580,7 @@ def backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, block_k, stages, prod
             consts = constexprs(T=T, N=N, NHB=nhb, D=Dp, K=Kp, BK=block_k, stages=stages,
                                 scale=scale, producer_regs=producer_regs, prefetch=prefetch,
                                 ablate=ablate, qdo=qdo, dq_operand=dq_operand, pair=pair,
-                                fuse_delta=fuse_delta)
+                                fuse_delta=fuse_delta, pipeline=dq_pipeline)
         outs = [(B * T * Hp, Dp), dsp_shape, qdo_shape]
         # o (read only with fuse_delta; else dO stands in, never read) and the dcout output
         extra_in = [(pad(pad(o, 3, Dp), 2, Hp) if fuse_delta else do_p).reshape(-1, Dp)]
