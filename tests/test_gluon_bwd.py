@@ -156,6 +156,26 @@ def test_dq_kernel_pair_compiles(qdo, fuse):
     assert (ptx.count("ld.global") >= plain.asm["ptx"].count("ld.global") + 8) == fuse
 
 
+def test_dq_kernel_pipeline_compiles():
+    """Config.bwd_pipeline: the same buffers (200,876 B), no spills, the same wgmma shapes; the
+    dq product left in flight (one wait_group 1 per tile: tile i-1's dq product retired behind
+    tile i's issued scores) and the dsp stores issued after it; refused off bwd_pair / with
+    another dq operand mode by name."""
+    c, r = _compile_dq(pair=True, qdo=True, fuse_delta=True, pipeline=True)
+    assert r["shared"] == 200_876, r
+    ptx = c.asm["ptx"]
+    assert set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16", ptx)) == {"32", "256"}
+    waits = re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+)", ptx)
+    assert waits.count("1") == 1, waits
+    loop = ptx[ptx.index("m64n256k16"):]
+    assert "st.global.b32" in loop[:loop.index("mbarrier.try_wait")]   # dsp under dq
+    for bad in (dict(bwd_pipeline=True), dict(bwd_pipeline=True, bwd_pair=True,
+                                              bwd_dq_operand="desc_a"),
+                dict(bwd_pipeline=1, bwd_pair=True)):
+        with pytest.raises(ValueError, match="bwd_pipeline"):
+            gluon.Config(**bad)
+
+
 @pytest.mark.parametrize("qdo,fuse,regs,order", [(False, False, 232, "s_first"),
                                                  (True, True, 232, "s_first"),
                                                  (True, True, 224, "s_first"),
