@@ -151,6 +151,11 @@ class Config:
         runs asynchronously: tile i's score product is issued right behind tile i-1's dq
         product, stage i-1 is released once that dq product is done (while the scores run),
         and tile i's dsp stores are issued under its dq product (bwd.py _dq_pair_consumer).
+    bwd_qdo_regs (bwd_pair, lockstep only): the first 64 * bwd_qdo_regs columns of the resident
+        [q; dO] are also held in registers (loaded once per program) and the score product
+        takes that part of its A operand from them, the rest from shared memory: 16 KiB less
+        shared-memory traffic per tile and unit (268 KiB at D = 512, 32-row tiles); 1 = 16
+        registers a thread, no spills; 2 spills (32 B) at sm_90a.
     bwd_schedule: the dq kernel's schedule: "lockstep" (bwd.py: one 8-warp consumer partition,
         both warpgroups on every tile) or "alternate" (bwd_alt.py, the forward's alternating
         schedule: two 4-warp consumer warpgroups owning alternate tiles, each computing its
@@ -209,6 +214,7 @@ class Config:
     bwd_pair: bool = False
     bwd_fuse_delta: bool = False
     bwd_pipeline: bool = False
+    bwd_qdo_regs: int = 0
     bwd_schedule: str = "lockstep"
     bwd_alt_regs: int = 232
     bwd_alt_order: str = "s_first"
@@ -242,6 +248,11 @@ class Config:
             raise ValueError(f"bwd_pipeline=True needs bwd_pair=True, bwd_schedule='lockstep', "
                              f"bwd_dq_operand='desc' (got {self.bwd_pair}, "
                              f"{self.bwd_schedule!r}, {self.bwd_dq_operand!r})")
+        r = self.bwd_qdo_regs
+        if isinstance(r, bool) or r not in (0, 1, 2, 4):
+            raise ValueError(f"bwd_qdo_regs={r!r} must be 0 (off), 1, 2 or 4")
+        if r and not (self.bwd_pair and self.bwd_schedule == "lockstep"):
+            raise ValueError(f"bwd_qdo_regs={r} needs bwd_pair=True, bwd_schedule='lockstep'")
         if self.bwd_schedule not in ("lockstep", "alternate"):
             raise ValueError(f"bwd_schedule={self.bwd_schedule!r} must be 'lockstep' or "
                              f"'alternate'")
@@ -633,7 +644,8 @@ def backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, interpret, config):
                              ablate=config.bwd_ablate, qdo=config.bwd_qdo,
                              dq_operand=config.bwd_dq_operand, pair=config.bwd_pair,
                              fuse_delta=config.bwd_fuse_delta,
-                             dq_pipeline=config.bwd_pipeline, schedule=config.bwd_schedule,
+                             dq_pipeline=config.bwd_pipeline, qdo_regs=config.bwd_qdo_regs,
+                             schedule=config.bwd_schedule,
                              alt_regs=config.bwd_alt_regs, alt_order=config.bwd_alt_order,
                              interm=config.bwd_interm,
                              interm_operand=config.bwd_interm_operand,

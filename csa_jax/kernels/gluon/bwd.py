@@ -281,12 +281,31 @@ def _pair_rows(sd_layout: gl.constexpr, lse_ptr, dc_ptr, fz, dsp_ptr, row, tok, 
 
 
 @gluon.jit
+def _pair_scores(qdo_smem, a_reg, tile, sd_zero, D: gl.constexpr, AREG: gl.constexpr):
+    """[q; dO] kv^T of one tile, issued asynchronously (the caller waits); with AREG
+    (Config.bwd_qdo_regs, 1, 2 or 4) the first AREG * 64 columns of [q; dO] come from registers
+    (a_reg, loaded once per program: no shared-memory reads of that part per tile), the rest
+    from shared memory in 64-column pieces, into one accumulator."""
+    if AREG == 0:
+        sd = warpgroup_mma(qdo_smem, tile.permute((1, 0)), sd_zero, use_acc=False,
+                           is_async=True)
+    else:
+        KR: gl.constexpr = AREG * 64
+        sd = warpgroup_mma(a_reg, tile.slice(0, KR, dim=1).permute((1, 0)), sd_zero,
+                           use_acc=False, is_async=True)
+        for c in gl.static_range(AREG, D // 64):
+            sd = warpgroup_mma(qdo_smem.slice(c * 64, 64, dim=1),
+                               tile.slice(c * 64, 64, dim=1).permute((1, 0)), sd, is_async=True)
+    return sd
+
+
+@gluon.jit
 def _dq_pair_consumer(idx_ptr, lse_ptr, dc_ptr, fz, dq_ptr, dsp_ptr, qdo_ptr, qdo_smem, ring,
                       full, consumed, q_bar, ds_smem, row, tok, hb, ntiles, D: gl.constexpr,
                       K: gl.constexpr, HP: gl.constexpr, BK: gl.constexpr,
                       STAGES: gl.constexpr, HBC: gl.constexpr, QK_SCALE: gl.constexpr,
                       SCALE: gl.constexpr, QDO: gl.constexpr, DQ_OP: gl.constexpr,
-                      FUSE: gl.constexpr, PIPE: gl.constexpr):
+                      FUSE: gl.constexpr, PIPE: gl.constexpr, AREG: gl.constexpr):
     """Config.bwd_pair's consumers: as _dq_consumer, but the score product's accumulator holds
     S and dP of the same (head, slot) in one thread (the paired [q; dO] rows), so p and dS are
     formed in registers without the f32 S/dP exchange through shared memory and its barrier;
@@ -305,6 +324,11 @@ def _dq_pair_consumer(idx_ptr, lse_ptr, dc_ptr, fz, dq_ptr, dsp_ptr, qdo_ptr, qd
     mbarrier.wait(q_bar, 0)
     if QDO:
         _store_qdo(qdo_ptr, qdo_smem, row, D, HBC, True, 0, 2 * HBC // 32)
+    a_reg = sd_zero                   # (unused without AREG)
+    if AREG > 0:
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=sd_layout,
+                                                     k_width=2)
+        a_reg = qdo_smem.slice(0, AREG * 64, dim=1).load(a_layout)
     if PIPE:
         acc = warpgroup_mma_init(acc)
         for i in range(ntiles):
@@ -312,8 +336,7 @@ def _dq_pair_consumer(idx_ptr, lse_ptr, dc_ptr, fz, dq_ptr, dsp_ptr, qdo_ptr, qd
             mbarrier.wait(full.index(s), (i // STAGES) & 1)
             fence_async_shared()
             tile = ring.index(s)
-            sd = warpgroup_mma(qdo_smem, tile.permute((1, 0)), sd_zero, use_acc=False,
-                               is_async=True)
+            sd = _pair_scores(qdo_smem, a_reg, tile, sd_zero, D, AREG)
             ids = gl.load(idx_ptr + i * BK + kcols)
             # tile i-1's dq product (the older group) done in every warp: its stage goes back
             # (unconditional barrier: it also orders that product's dS reads before this
@@ -339,7 +362,8 @@ def _dq_pair_consumer(idx_ptr, lse_ptr, dc_ptr, fz, dq_ptr, dsp_ptr, qdo_ptr, qd
             fence_async_shared()          # cp.async (generic proxy) -> wgmma (async proxy)
             tile = ring.index(s)
             ids = gl.load(idx_ptr + i * BK + kcols)    # (under the score product's wait)
-            sd = warpgroup_mma(qdo_smem, tile.permute((1, 0)), sd_zero, use_acc=False)
+            sd = warpgroup_mma_wait(0, deps=[_pair_scores(qdo_smem, a_reg, tile, sd_zero, D,
+                                                          AREG)])
             sc, dp = _split_sd(sd, HBC, BK)
             p, ds = _p_ds(sc, dp, ids, lse2, dc, QK_SCALE)
             _store_dsp(ds_ptrs, p_ptrs, i, ds, p, BK, SCALE)
@@ -425,7 +449,7 @@ def csa_dq_kernel(q_ptr, do_ptr, kv_ptr, idx_ptr, ntiles_ptr, lse_ptr, dc_ptr, o
                   QK_SCALE: gl.constexpr, SCALE: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                   PREFETCH: gl.constexpr, ABLATE: gl.constexpr, QDO: gl.constexpr,
                   DQ_OP: gl.constexpr, PAIR: gl.constexpr, FUSE: gl.constexpr,
-                  PIPE: gl.constexpr):
+                  PIPE: gl.constexpr, AREG: gl.constexpr):
     row, tok, hb, b, ntiles, idx_tok = _program(ntiles_ptr, idx_ptr, T, NHB, K)
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     HBC: gl.constexpr = 64
@@ -457,7 +481,7 @@ def csa_dq_kernel(q_ptr, do_ptr, kv_ptr, idx_ptr, ntiles_ptr, lse_ptr, dc_ptr, o
             (_dq_pair_consumer, (idx_tok, lse_ptr, dc_ptr, fz, dq_ptr, dsp_ptr, qdo_ptr,
                                  qdo_smem, ring, full, consumed, q_bar, ds_smem, row, tok, hb,
                                  ntiles, D, K, NHB * HBC, BK, STAGES, HBC, QK_SCALE, SCALE, QDO,
-                                 DQ_OP, FUSE, PIPE)),
+                                 DQ_OP, FUSE, PIPE, AREG)),
             (_dq_pair_producer, (q_ptr, do_ptr, kv_ptr, idx_tok, qdo_smem, ring, full, consumed,
                                  q_bar, row, b, ntiles, N, D, K, BK, STAGES, HBC)),
         ], [PRODUCER_WARPS], [PRODUCER_REGS])
@@ -492,18 +516,20 @@ DQ_OPERANDS = ("desc", "desc_a", "ldsm_trans", "movmatrix")     # Config.bwd_dq_
 
 
 def constexprs(*, T, N, NHB, D, K, BK, stages, scale, producer_regs, prefetch=False, ablate=0,
-               qdo=False, dq_operand="desc", pair=False, fuse_delta=False, pipeline=False):
+               qdo=False, dq_operand="desc", pair=False, fuse_delta=False, pipeline=False,
+               qdo_regs=0):
     """The dq kernel's compile-time parameters (also used by the CPU compile checks)."""
     return dict(T=T, N=N, NHB=NHB, D=D, K=K, BK=BK, STAGES=stages, EW_C=ew_cols(BK),
                 QK_SCALE=float(scale) * LOG2E, SCALE=float(scale), PRODUCER_REGS=producer_regs,
                 PREFETCH=bool(prefetch), ABLATE=int(ablate), QDO=bool(qdo),
                 DQ_OP=DQ_OPERANDS.index(dq_operand), PAIR=bool(pair), FUSE=bool(fuse_delta),
-                PIPE=bool(pipeline))
+                PIPE=bool(pipeline), AREG=min(int(qdo_regs), D // 64))
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_k", "stages", "producer_regs",
                                              "prefetch", "ablate", "qdo", "dq_operand", "pair",
-                                             "fuse_delta", "dq_pipeline", "schedule",
+                                             "fuse_delta", "dq_pipeline", "qdo_regs",
+                                             "schedule",
                                              "alt_regs", "alt_order",
                                              "interm", "interm_operand", "interm_stages",
                                              "interm_pipeline",
@@ -512,7 +538,7 @@ def constexprs(*, T, N, NHB, D, K, BK, stages, scale, producer_regs, prefetch=Fa
                                              "interpret_reduce", "amd"))
 def backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, block_k, stages, producer_regs,
              prefetch=False, ablate=0, qdo=False, dq_operand="desc", pair=False,
-             fuse_delta=False, dq_pipeline=False, schedule="lockstep", alt_regs=232,
+             fuse_delta=False, dq_pipeline=False, qdo_regs=0, schedule="lockstep", alt_regs=232,
              alt_order="s_first",
              interm="xla",
              interm_operand="desc", interm_stages=4, interm_pipeline=False, narrow_keys=False,
@@ -523,7 +549,7 @@ def backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, block_k, stages, prod
     sanitized (-1 for every empty or out-of-range slot). The keywords are the Config.bwd_*
     fields of the same names (block_k, stages, producer_regs, prefetch, ablate, qdo, dq_operand,
     pair, fuse_delta, schedule, alt_regs, alt_order, interm*, narrow_keys, reduce, block_r,
-    reduce_warps; dq_pipeline is Config.bwd_pipeline;
+    reduce_warps; dq_pipeline, qdo_regs are Config.bwd_pipeline, bwd_qdo_regs;
     see Config); interpret_reduce runs the Pallas reduce in its interpreter (the CPU test of
     this wrapper, with the dq kernel emulated). amd: a gfx architecture (amd_bwd.DQ_DEFAULTS)
     -> amd_bwd.csa_dq_amd_kernel, same contract, at block_k / stages (producer_regs, prefetch,
@@ -580,7 +606,8 @@ def backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, block_k, stages, prod
             consts = constexprs(T=T, N=N, NHB=nhb, D=Dp, K=Kp, BK=block_k, stages=stages,
                                 scale=scale, producer_regs=producer_regs, prefetch=prefetch,
                                 ablate=ablate, qdo=qdo, dq_operand=dq_operand, pair=pair,
-                                fuse_delta=fuse_delta, pipeline=dq_pipeline)
+                                fuse_delta=fuse_delta, pipeline=dq_pipeline,
+                                qdo_regs=qdo_regs)
         outs = [(B * T * Hp, Dp), dsp_shape, qdo_shape]
         # o (read only with fuse_delta; else dO stands in, never read) and the dcout output
         extra_in = [(pad(pad(o, 3, Dp), 2, Hp) if fuse_delta else do_p).reshape(-1, Dp)]
