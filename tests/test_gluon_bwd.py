@@ -179,14 +179,14 @@ def test_dq_kernel_pipeline_compiles():
 def test_dq_kernel_qdo_regs_compiles():
     """Config.bwd_qdo_regs=1: 64 columns of [q; dO] as the score product's register A operand
     (wgmma with A in registers: 4 of the 32 k-steps a tile), the rest from shared memory; same
-    buffers, no spills, with and without bwd_pipeline; the option needs the paired kernel."""
-    for pipe in (False, True):
-        c, r = _compile_dq(pair=True, qdo=True, fuse_delta=True, pipeline=pipe, qdo_regs=1)
-        assert r["shared"] == 200_876, r
-        rs = re.findall(r"m64n32k16\.f32\.bf16\.bf16 \{[^}]*\}, \{", c.asm["ptx"])
-        assert len(rs) == 4, len(rs)                 # register-A score k-steps
-    for bad in (dict(bwd_qdo_regs=1), dict(bwd_qdo_regs=3, bwd_pair=True),
-                dict(bwd_qdo_regs=True, bwd_pair=True)):
+    buffers, no spills; the option is bwd_pipeline's (bwd_pipe.py)."""
+    c, r = _compile_dq(pair=True, qdo=True, fuse_delta=True, pipeline=True, qdo_regs=1)
+    assert r["shared"] == 200_876, r
+    rs = re.findall(r"m64n32k16\.f32\.bf16\.bf16 \{[^}]*\}, \{", c.asm["ptx"])
+    assert len(rs) == 4, len(rs)                     # register-A score k-steps
+    for bad in (dict(bwd_qdo_regs=1, bwd_pair=True), dict(bwd_qdo_regs=3, bwd_pair=True,
+                                                          bwd_pipeline=True),
+                dict(bwd_qdo_regs=True, bwd_pair=True, bwd_pipeline=True)):
         with pytest.raises(ValueError, match="bwd_qdo_regs"):
             gluon.Config(**bad)
 

@@ -150,8 +150,8 @@ class Config:
     bwd_pipeline (bwd_pair, lockstep, bwd_dq_operand "desc" only): the dq kernel's dq product
         runs asynchronously: tile i's score product is issued right behind tile i-1's dq
         product, stage i-1 is released once that dq product is done (while the scores run),
-        and tile i's dsp stores are issued under its dq product (bwd.py _dq_pair_consumer).
-    bwd_qdo_regs (bwd_pair, lockstep only): the first 64 * bwd_qdo_regs columns of the resident
+        and tile i's dsp stores are issued under its dq product (bwd_pipe.py).
+    bwd_qdo_regs (bwd_pipeline only): the first 64 * bwd_qdo_regs columns of the resident
         [q; dO] are also held in registers (loaded once per program) and the score product
         takes that part of its A operand from them, the rest from shared memory: 16 KiB less
         shared-memory traffic per tile and unit (268 KiB at D = 512, 32-row tiles); 1 = 16
@@ -251,8 +251,8 @@ class Config:
         r = self.bwd_qdo_regs
         if isinstance(r, bool) or r not in (0, 1, 2, 4):
             raise ValueError(f"bwd_qdo_regs={r!r} must be 0 (off), 1, 2 or 4")
-        if r and not (self.bwd_pair and self.bwd_schedule == "lockstep"):
-            raise ValueError(f"bwd_qdo_regs={r} needs bwd_pair=True, bwd_schedule='lockstep'")
+        if r and not self.bwd_pipeline:
+            raise ValueError(f"bwd_qdo_regs={r} needs bwd_pipeline=True")
         if self.bwd_schedule not in ("lockstep", "alternate"):
             raise ValueError(f"bwd_schedule={self.bwd_schedule!r} must be 'lockstep' or "
                              f"'alternate'")

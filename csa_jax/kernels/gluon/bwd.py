@@ -42,7 +42,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait)
+    fence_async_shared, mbarrier, warpgroup_mma)
 
 from csa_jax.kernels.gluon.dims import HB, SMEM_LIMIT, padded_dims
 from csa_jax.kernels.gluon.dims import dq_shared_bytes as shared_bytes
@@ -281,39 +281,16 @@ def _pair_rows(sd_layout: gl.constexpr, lse_ptr, dc_ptr, fz, dsp_ptr, row, tok, 
 
 
 @gluon.jit
-def _pair_scores(qdo_smem, a_reg, tile, sd_zero, D: gl.constexpr, AREG: gl.constexpr):
-    """[q; dO] kv^T of one tile, issued asynchronously (the caller waits); with AREG
-    (Config.bwd_qdo_regs, 1, 2 or 4) the first AREG * 64 columns of [q; dO] come from registers
-    (a_reg, loaded once per program: no shared-memory reads of that part per tile), the rest
-    from shared memory in 64-column pieces, into one accumulator."""
-    if AREG == 0:
-        sd = warpgroup_mma(qdo_smem, tile.permute((1, 0)), sd_zero, use_acc=False,
-                           is_async=True)
-    else:
-        KR: gl.constexpr = AREG * 64
-        sd = warpgroup_mma(a_reg, tile.slice(0, KR, dim=1).permute((1, 0)), sd_zero,
-                           use_acc=False, is_async=True)
-        for c in gl.static_range(AREG, D // 64):
-            sd = warpgroup_mma(qdo_smem.slice(c * 64, 64, dim=1),
-                               tile.slice(c * 64, 64, dim=1).permute((1, 0)), sd, is_async=True)
-    return sd
-
-
-@gluon.jit
 def _dq_pair_consumer(idx_ptr, lse_ptr, dc_ptr, fz, dq_ptr, dsp_ptr, qdo_ptr, qdo_smem, ring,
                       full, consumed, q_bar, ds_smem, row, tok, hb, ntiles, D: gl.constexpr,
                       K: gl.constexpr, HP: gl.constexpr, BK: gl.constexpr,
                       STAGES: gl.constexpr, HBC: gl.constexpr, QK_SCALE: gl.constexpr,
                       SCALE: gl.constexpr, QDO: gl.constexpr, DQ_OP: gl.constexpr,
-                      FUSE: gl.constexpr, PIPE: gl.constexpr, AREG: gl.constexpr):
+                      FUSE: gl.constexpr):
     """Config.bwd_pair's consumers: as _dq_consumer, but the score product's accumulator holds
     S and dP of the same (head, slot) in one thread (the paired [q; dO] rows), so p and dS are
     formed in registers without the f32 S/dP exchange through shared memory and its barrier;
-    the dsp stores go out from that layout (4-byte stores). PIPE (Config.bwd_pipeline): the dq
-    product is asynchronous: tile i's score product is issued behind tile i-1's dq product
-    (no drain between them on the tensor pipe), stage i-1 is released as soon as that dq
-    product is done (wait_group 1, while the scores run), and the dsp stores of tile i are
-    issued after its dq product, under it, instead of before the dS barrier."""
+    the dsp stores go out from that layout (4-byte stores)."""
     sd_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, BK, 16])
     dt: gl.constexpr = dsp_ptr.dtype.element_ty
@@ -324,54 +301,21 @@ def _dq_pair_consumer(idx_ptr, lse_ptr, dc_ptr, fz, dq_ptr, dsp_ptr, qdo_ptr, qd
     mbarrier.wait(q_bar, 0)
     if QDO:
         _store_qdo(qdo_ptr, qdo_smem, row, D, HBC, True, 0, 2 * HBC // 32)
-    a_reg = sd_zero                   # (unused without AREG)
-    if AREG > 0:
-        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=sd_layout,
-                                                     k_width=2)
-        a_reg = qdo_smem.slice(0, AREG * 64, dim=1).load(a_layout)
-    if PIPE:
-        acc = warpgroup_mma_init(acc)
-        for i in range(ntiles):
-            s = i % STAGES
-            mbarrier.wait(full.index(s), (i // STAGES) & 1)
-            fence_async_shared()
-            tile = ring.index(s)
-            sd = _pair_scores(qdo_smem, a_reg, tile, sd_zero, D, AREG)
-            ids = gl.load(idx_ptr + i * BK + kcols)
-            # tile i-1's dq product (the older group) done in every warp: its stage goes back
-            # (unconditional barrier: it also orders that product's dS reads before this
-            # tile's dS store, so the compiler adds none of its own)
-            acc = warpgroup_mma_init(warpgroup_mma_wait(1, deps=[acc]))
-            gl.thread_barrier()
-            mbarrier.arrive(consumed.index((i + STAGES - 1) % STAGES), pred=i > 0)
-            sd = warpgroup_mma_wait(0, deps=[sd])
-            sc, dp = _split_sd(sd, HBC, BK)
-            p, ds = _p_ds(sc, dp, ids, lse2, dc, QK_SCALE)
-            ds_smem.store(ds.to(dt))
-            fence_async_shared()
-            gl.thread_barrier()
-            acc = warpgroup_mma(ds_smem, tile, acc, is_async=True)
-            _store_dsp(ds_ptrs, p_ptrs, i, ds, p, BK, SCALE)
-        acc = warpgroup_mma_wait(0, deps=[acc])
-        if ntiles > 0:
-            _release(consumed.index((ntiles - 1) % STAGES))
-    else:
-        for i in range(ntiles):
-            s = i % STAGES
-            mbarrier.wait(full.index(s), (i // STAGES) & 1)
-            fence_async_shared()          # cp.async (generic proxy) -> wgmma (async proxy)
-            tile = ring.index(s)
-            ids = gl.load(idx_ptr + i * BK + kcols)    # (under the score product's wait)
-            sd = warpgroup_mma_wait(0, deps=[_pair_scores(qdo_smem, a_reg, tile, sd_zero, D,
-                                                          AREG)])
-            sc, dp = _split_sd(sd, HBC, BK)
-            p, ds = _p_ds(sc, dp, ids, lse2, dc, QK_SCALE)
-            _store_dsp(ds_ptrs, p_ptrs, i, ds, p, BK, SCALE)
-            ds_smem.store(ds.to(dt))
-            fence_async_shared()          # generic-proxy stores -> wgmma reads
-            gl.thread_barrier()
-            acc = _dq_product(tile, ds_smem, acc, D, BK, DQ_OP)
-            _release(consumed.index(s))
+    for i in range(ntiles):
+        s = i % STAGES
+        mbarrier.wait(full.index(s), (i // STAGES) & 1)
+        fence_async_shared()          # cp.async (generic proxy) -> wgmma (async proxy)
+        tile = ring.index(s)
+        ids = gl.load(idx_ptr + i * BK + kcols)    # (under the score product's wait)
+        sd = warpgroup_mma(qdo_smem, tile.permute((1, 0)), sd_zero, use_acc=False)
+        sc, dp = _split_sd(sd, HBC, BK)
+        p, ds = _p_ds(sc, dp, ids, lse2, dc, QK_SCALE)
+        _store_dsp(ds_ptrs, p_ptrs, i, ds, p, BK, SCALE)
+        ds_smem.store(ds.to(dt))
+        fence_async_shared()          # generic-proxy stores -> wgmma reads
+        gl.thread_barrier()
+        acc = _dq_product(tile, ds_smem, acc, D, BK, DQ_OP)
+        _release(consumed.index(s))
     zero = gl.zeros([HBC, BK], dt, ew)
     for i in range(ntiles, K // BK):  # past the last non-empty tile: exact zeros
         gl.store(ds_ptrs + i * BK, zero)
@@ -442,6 +386,10 @@ def _dq_consumer(idx_ptr, lse_ptr, dc_ptr, fz, dq_ptr, dsp_ptr, qdo_ptr, qdo_sme
     _store_dq(dq_ptr, acc, row, D, HBC, SCALE, DQ_OP)
 
 
+# Config.bwd_pipeline's consumers (bwd_pipe.py uses the helpers above).
+from csa_jax.kernels.gluon.bwd_pipe import _dq_pipe_consumer  # noqa: E402
+
+
 @gluon.jit
 def csa_dq_kernel(q_ptr, do_ptr, kv_ptr, idx_ptr, ntiles_ptr, lse_ptr, dc_ptr, o_ptr, dq_ptr,
                   dsp_ptr, qdo_ptr, dcout_ptr, T: gl.constexpr, N: gl.constexpr, NHB: gl.constexpr, D: gl.constexpr,
@@ -476,12 +424,21 @@ def csa_dq_kernel(q_ptr, do_ptr, kv_ptr, idx_ptr, ntiles_ptr, lse_ptr, dc_ptr, o
         mbarrier.init(full.index(s), count=PRODUCER_WARPS * 32)
         mbarrier.init(consumed.index(s), count=1)
     fz = (o_ptr, do_ptr, dcout_ptr)    # Config.bwd_fuse_delta's operands (FUSE only)
-    if PAIR:
+    if PIPE:    # Config.bwd_pipeline (bwd_pipe.py; paired rows)
+        gl.warp_specialize([
+            (_dq_pipe_consumer, (idx_tok, lse_ptr, dc_ptr, fz, dq_ptr, dsp_ptr, qdo_ptr,
+                                 qdo_smem, ring, full, consumed, q_bar, ds_smem, row, tok, hb,
+                                 ntiles, D, K, NHB * HBC, BK, STAGES, HBC, QK_SCALE, SCALE, QDO,
+                                 FUSE, AREG)),
+            (_dq_pair_producer, (q_ptr, do_ptr, kv_ptr, idx_tok, qdo_smem, ring, full, consumed,
+                                 q_bar, row, b, ntiles, N, D, K, BK, STAGES, HBC)),
+        ], [PRODUCER_WARPS], [PRODUCER_REGS])
+    elif PAIR:
         gl.warp_specialize([
             (_dq_pair_consumer, (idx_tok, lse_ptr, dc_ptr, fz, dq_ptr, dsp_ptr, qdo_ptr,
                                  qdo_smem, ring, full, consumed, q_bar, ds_smem, row, tok, hb,
                                  ntiles, D, K, NHB * HBC, BK, STAGES, HBC, QK_SCALE, SCALE, QDO,
-                                 DQ_OP, FUSE, PIPE, AREG)),
+                                 DQ_OP, FUSE)),
             (_dq_pair_producer, (q_ptr, do_ptr, kv_ptr, idx_tok, qdo_smem, ring, full, consumed,
                                  q_bar, row, b, ntiles, N, D, K, BK, STAGES, HBC)),
         ], [PRODUCER_WARPS], [PRODUCER_REGS])
@@ -523,7 +480,7 @@ def constexprs(*, T, N, NHB, D, K, BK, stages, scale, producer_regs, prefetch=Fa
                 QK_SCALE=float(scale) * LOG2E, SCALE=float(scale), PRODUCER_REGS=producer_regs,
                 PREFETCH=bool(prefetch), ABLATE=int(ablate), QDO=bool(qdo),
                 DQ_OP=DQ_OPERANDS.index(dq_operand), PAIR=bool(pair), FUSE=bool(fuse_delta),
-                PIPE=bool(pipeline), AREG=min(int(qdo_regs), D // 64))
+                PIPE=bool(pipeline) and bool(pair), AREG=min(int(qdo_regs), D // 64))
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_k", "stages", "producer_regs",
