@@ -177,13 +177,24 @@ def test_dq_kernel_pipeline_compiles():
 
 
 def test_dq_kernel_qdo_regs_compiles():
-    """Config.bwd_qdo_regs=1: 64 columns of [q; dO] as the score product's register A operand
-    (wgmma with A in registers: 4 of the 32 k-steps a tile), the rest from shared memory; same
-    buffers, no spills; the option is bwd_pipeline's (bwd_pipe.py)."""
-    c, r = _compile_dq(pair=True, qdo=True, fuse_delta=True, pipeline=True, qdo_regs=1)
-    assert r["shared"] == 200_876, r
-    rs = re.findall(r"m64n32k16\.f32\.bf16\.bf16 \{[^}]*\}, \{", c.asm["ptx"])
-    assert len(rs) == 4, len(rs)                     # register-A score k-steps
+    """Config.bwd_qdo_regs=1 (bwd_pipe.csa_dq_blk_kernel): [q; dO] block 0 as the score
+    product's register A operand (4 of the 32 k-steps a tile), dS in its shared memory: no dS
+    buffer, 3 stages of 32 rows fit at D = 512; no spills; bwd_pipeline's option only."""
+    from csa_jax.kernels.gluon import bwd_pipe
+    from csa_jax.kernels.gluon.dims import dq_blk_shared_bytes
+    for stages in (2, 3):
+        c = adapter.compile_kernel(
+            bwd_pipe.csa_dq_blk_kernel, bwd.arg_types("bf16"),
+            bwd.constexprs(T=64, N=300, NHB=2, D=512, K=192, BK=32, stages=stages, scale=0.05,
+                           producer_regs=96, qdo=True, pair=True, fuse_delta=True,
+                           pipeline=True, qdo_regs=1), target="sm_90a",
+            num_warps=bwd.CONSUMER_WARPS)
+        r = adapter.resources(c, "sm_90a")
+        assert r["launch_problem"] is None and r.get("spill_stores", 0) == 0, r
+        est = dq_blk_shared_bytes(512, 32, stages)
+        assert est <= r["shared"] <= est + 1024, (r, est)       # 3 stages: 229,580 B
+        rs = re.findall(r"m64n32k16\.f32\.bf16\.bf16 \{[^}]*\}, \{", c.asm["ptx"])
+        assert len(rs) == 4, len(rs)                 # register-A score k-steps
     for bad in (dict(bwd_qdo_regs=1, bwd_pair=True), dict(bwd_qdo_regs=3, bwd_pair=True,
                                                           bwd_pipeline=True),
                 dict(bwd_qdo_regs=True, bwd_pair=True, bwd_pipeline=True)):
@@ -371,9 +382,10 @@ def _emulated_dq_kernel(q, do, kv, idx, ntiles, lse, dc, o=None, *, kernel, out_
     """What csa_dq_kernel computes, in jnp (its contract; see the bwd.py docstring). FUSE
     (Config.bwd_fuse_delta): dc holds dlse, the kernel subtracts delta = sum(o * dO) and
     writes the result out."""
-    from csa_jax.kernels.gluon import amd_bwd, bwd_alt
+    from csa_jax.kernels.gluon import amd_bwd, bwd_alt, bwd_pipe
     amd_warps = amd_bwd.DQ_DEFAULTS["gfx950"]["warps"]
     assert (kernel, num_warps) in ((bwd.csa_dq_kernel, bwd.CONSUMER_WARPS),
+                                   (bwd_pipe.csa_dq_blk_kernel, bwd.CONSUMER_WARPS),
                                    (bwd_alt.csa_dq_alt_kernel, bwd_alt.NUM_WARPS),
                                    (amd_bwd.csa_dq_amd_kernel, amd_warps))
     BT = idx.shape[0]
@@ -455,7 +467,8 @@ def _emulated_call(*args, kernel, **kw):
     (20, 24, 40, 16, False, False, "pallas_triton", "xla", None, True),
     (70, 40, 75, 32, False, False, "pallas_triton", "xla", "gfx950", True),
     (130, 24, 40, 16, True, False, "gluon", "xla", None, "alternate"),
-    (64, 64, 70, 32, True, False, "gluon", "xla", None, "dq_first")])
+    (64, 64, 70, 32, True, False, "gluon", "xla", None, "dq_first"),
+    (130, 24, 40, 16, True, False, "gluon", "xla", None, "blk")])
 def test_wrapper_against_dense_oracle(rng, monkeypatch, H, D, K, bk, qdo, narrow, reduce,
                                       interm, amd, fuse):
     """qdo = Config.bwd_qdo (the dq kernel writes [q; dO] and dsp head block first; 3 head
@@ -466,7 +479,8 @@ def test_wrapper_against_dense_oracle(rng, monkeypatch, H, D, K, bk, qdo, narrow
     ignores fuse = Config.bwd_fuse_delta (dlse in, delta formed by the kernel, dlse - delta
     out for dsink; here with Config.bwd_pair, whose kernel has the same contract; fuse =
     "alternate" / "dq_first": both with Config.bwd_schedule="alternate" (bwd_alt's kernel, same
-    contract), in its two step orders)."""
+    contract), in its two step orders; "blk": bwd_pipeline + bwd_qdo_regs, bwd_pipe's blocked
+    kernel, same contract)."""
     from csa_jax.common import sanitize_indices
     monkeypatch.setattr(adapter, "gluon_call", _emulated_call)
     q, kv, idx, sink = random_problem(rng, T=10, H=H, D=D, K=K, dtype=jnp.float32, empty_rows=2)
@@ -481,7 +495,9 @@ def test_wrapper_against_dense_oracle(rng, monkeypatch, H, D, K, bk, qdo, narrow
                                   reduce=reduce, interm=interm, block_r=16 if qdo else 0,
                                   interpret_reduce=True, amd=amd, fuse_delta=bool(fuse),
                                   pair=bool(fuse) and amd is None,
-                                  schedule="lockstep" if fuse in (True, False) else "alternate",
+                                  schedule="alternate" if fuse in ("alternate", "dq_first") else
+                                  "lockstep", dq_pipeline=fuse == "blk",
+                                  qdo_regs=int(fuse == "blk"),
                                   alt_order="dq_first" if fuse == "dq_first" else "s_first")
     _, _, rdq, rdkv, rdsink = dense_oracle(q, kv, idx, sink, scale, do, dlse)
     for what, got, want in (("dq", dq, rdq), ("dkv", dkv, rdkv), ("dsink", dsink, rdsink)):

@@ -151,11 +151,11 @@ class Config:
         runs asynchronously: tile i's score product is issued right behind tile i-1's dq
         product, stage i-1 is released once that dq product is done (while the scores run),
         and tile i's dsp stores are issued under its dq product (bwd_pipe.py).
-    bwd_qdo_regs (bwd_pipeline only): the first 64 * bwd_qdo_regs columns of the resident
-        [q; dO] are also held in registers (loaded once per program) and the score product
-        takes that part of its A operand from them, the rest from shared memory: 16 KiB less
-        shared-memory traffic per tile and unit (268 KiB at D = 512, 32-row tiles); 1 = 16
-        registers a thread, no spills; 2 spills (32 B) at sm_90a.
+    bwd_qdo_regs (bwd_pipeline only; 0 or 1): 1 = bwd_pipe.csa_dq_blk_kernel: [q; dO] kept in
+        64-column blocks, block 0 (16 KiB) also held in registers (16 a thread) as the
+        register A operand of the score product, so its shared memory is free after the
+        prologue and holds dS: 16 KiB less shared-memory traffic a tile (of 268 KiB at D = 512,
+        32-row tiles) and room for a third 32-row stage at D = 512 (bwd_stages=3: 229,580 B).
     bwd_schedule: the dq kernel's schedule: "lockstep" (bwd.py: one 8-warp consumer partition,
         both warpgroups on every tile) or "alternate" (bwd_alt.py, the forward's alternating
         schedule: two 4-warp consumer warpgroups owning alternate tiles, each computing its
@@ -249,8 +249,8 @@ class Config:
                              f"bwd_dq_operand='desc' (got {self.bwd_pair}, "
                              f"{self.bwd_schedule!r}, {self.bwd_dq_operand!r})")
         r = self.bwd_qdo_regs
-        if isinstance(r, bool) or r not in (0, 1, 2, 4):
-            raise ValueError(f"bwd_qdo_regs={r!r} must be 0 (off), 1, 2 or 4")
+        if isinstance(r, bool) or r not in (0, 1):
+            raise ValueError(f"bwd_qdo_regs={r!r} must be 0 (off) or 1")
         if r and not self.bwd_pipeline:
             raise ValueError(f"bwd_qdo_regs={r} needs bwd_pipeline=True")
         if self.bwd_schedule not in ("lockstep", "alternate"):

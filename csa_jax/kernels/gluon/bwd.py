@@ -97,6 +97,16 @@ def _dq_pair_producer(q_ptr, do_ptr, kv_ptr, idx_ptr, qdo_smem, ring, full, cons
     src = gl.where((plane == 0)[:, None], q_ptr + off, do_ptr + off)
     async_copy.async_copy_global_to_shared(qdo_smem, src)
     async_copy.mbarrier_arrive(q_bar, increment_count=False)
+    _kv_ring(kv_ptr, idx_ptr, ring, full, consumed, b, ntiles, N, D, K, BK, STAGES)
+
+
+@gluon.jit
+def _kv_ring(kv_ptr, idx_ptr, ring, full, consumed, b, ntiles, N: gl.constexpr,
+             D: gl.constexpr, K: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr):
+    """The paired producers' kv ring: tile i's BK rows gathered with cp.async into stage
+    i % STAGES once its previous tile was consumed (row ids loaded per tile, -1 zero-filled)."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [PRODUCER_WARPS, 1], [1, 0])
+    cols = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
     krows = gl.arange(0, BK, layout=gl.SliceLayout(1, layout))
     kv_base = kv_ptr + b.to(gl.int64) * (N * D)
     for i in range(ntiles):
@@ -386,8 +396,10 @@ def _dq_consumer(idx_ptr, lse_ptr, dc_ptr, fz, dq_ptr, dsp_ptr, qdo_ptr, qdo_sme
     _store_dq(dq_ptr, acc, row, D, HBC, SCALE, DQ_OP)
 
 
-# Config.bwd_pipeline's consumers (bwd_pipe.py uses the helpers above).
+# Config.bwd_pipeline's consumers and its bwd_qdo_regs kernel (bwd_pipe.py uses the helpers
+# above).
 from csa_jax.kernels.gluon.bwd_pipe import _dq_pipe_consumer  # noqa: E402
+from csa_jax.kernels.gluon.bwd_pipe import csa_dq_blk_kernel as _dq_blk_kernel  # noqa: E402
 
 
 @gluon.jit
@@ -429,7 +441,7 @@ def csa_dq_kernel(q_ptr, do_ptr, kv_ptr, idx_ptr, ntiles_ptr, lse_ptr, dc_ptr, o
             (_dq_pipe_consumer, (idx_tok, lse_ptr, dc_ptr, fz, dq_ptr, dsp_ptr, qdo_ptr,
                                  qdo_smem, ring, full, consumed, q_bar, ds_smem, row, tok, hb,
                                  ntiles, D, K, NHB * HBC, BK, STAGES, HBC, QK_SCALE, SCALE, QDO,
-                                 FUSE, AREG)),
+                                 FUSE, False)),
             (_dq_pair_producer, (q_ptr, do_ptr, kv_ptr, idx_tok, qdo_smem, ring, full, consumed,
                                  q_bar, row, b, ntiles, N, D, K, BK, STAGES, HBC)),
         ], [PRODUCER_WARPS], [PRODUCER_REGS])
@@ -480,7 +492,7 @@ def constexprs(*, T, N, NHB, D, K, BK, stages, scale, producer_regs, prefetch=Fa
                 QK_SCALE=float(scale) * LOG2E, SCALE=float(scale), PRODUCER_REGS=producer_regs,
                 PREFETCH=bool(prefetch), ABLATE=int(ablate), QDO=bool(qdo),
                 DQ_OP=DQ_OPERANDS.index(dq_operand), PAIR=bool(pair), FUSE=bool(fuse_delta),
-                PIPE=bool(pipeline) and bool(pair), AREG=min(int(qdo_regs), D // 64))
+                PIPE=bool(pipeline) and bool(pair), AREG=int(qdo_regs))
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_k", "stages", "producer_regs",
@@ -527,9 +539,13 @@ def backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, block_k, stages, prod
     # exact zeros for the padding; padded slots are -1, in no inverse-map row).
     Hp, Dp, Kp = padded_dims(H, D, K, 128 if interm == "gluon" else block_k)
     alt = schedule == "alternate" and amd is None
+    blk = bool(dq_pipeline and pair and qdo_regs) and amd is None    # bwd_pipe's blocked kernel
     if alt:
         from csa_jax.kernels.gluon import bwd_alt
         need = bwd_alt.shared_bytes(padded_dims(H, D, K, block_k)[1], block_k, stages)
+    elif blk:
+        from csa_jax.kernels.gluon.dims import dq_blk_shared_bytes
+        need = dq_blk_shared_bytes(D, block_k, stages)
     else:
         need = shared_bytes(D, block_k, stages, pair=pair)
     if amd is None and need > SMEM_LIMIT:
@@ -560,6 +576,8 @@ def backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, block_k, stages, prod
                                         qdo=qdo, fuse_delta=fuse_delta, order=alt_order)
         else:
             kernel, warps, name = csa_dq_kernel, CONSUMER_WARPS, "csa_gluon_dq"
+            if blk:
+                kernel, name = _dq_blk_kernel, "csa_gluon_dq_blk"
             consts = constexprs(T=T, N=N, NHB=nhb, D=Dp, K=Kp, BK=block_k, stages=stages,
                                 scale=scale, producer_regs=producer_regs, prefetch=prefetch,
                                 ablate=ablate, qdo=qdo, dq_operand=dq_operand, pair=pair,
