@@ -122,6 +122,16 @@ def gluon_nv_kernels(variants):
                                 qdo=base.bwd_qdo, fuse_delta=base.bwd_fuse_delta)
     yield ("csa_dq[bwd_schedule=alternate]", False, None,
            _gluon(bwd_alt.csa_dq_alt_kernel, bwd.arg_types(), consts, bwd_alt.NUM_WARPS))
+    # Config.bwd_pipeline (bwd_pipe.py) and its bwd_qdo_regs=1 kernel at 3 stages (reported)
+    from csa_jax.kernels.gluon import bwd_pipe
+    for name, fn, stages, regs in (("bwd_pipeline", bwd.csa_dq_kernel, 2, 0),
+                                   ("bwd_qdo_regs=1,stages=3", bwd_pipe.csa_dq_blk_kernel, 3, 1)):
+        consts = bwd.constexprs(T=4096, N=5120, NHB=2, D=512, K=1152, BK=32, stages=stages,
+                                scale=512 ** -0.5, producer_regs=base.producer_regs,
+                                qdo=base.bwd_qdo, pair=True, fuse_delta=base.bwd_fuse_delta,
+                                pipeline=True, qdo_regs=regs)
+        yield (f"csa_dq[{name}]", False, None,
+               _gluon(fn, bwd.arg_types(), consts, bwd.CONSUMER_WARPS))
     from csa_jax.kernels.gluon import window
     for layout, ratio in (("cr0", 0), ("cr128", 128)):
         # the window-reuse kernel at Pro T = 4096 (reported, not gating: a few loop scalars
