@@ -179,26 +179,34 @@ def test_dq_kernel_pipeline_compiles():
 def test_dq_kernel_qdo_regs_compiles():
     """Config.bwd_qdo_regs=1 (bwd_pipe.csa_dq_blk_kernel): [q; dO] block 0 as the score
     product's register A operand (4 of the 32 k-steps a tile), dS in its shared memory: no dS
-    buffer, 3 stages of 32 rows fit at D = 512; no spills; bwd_pipeline's option only."""
+    buffer, 3 stages of 32 rows fit at D = 512; no spills, also with bwd_scores_ahead (the
+    producer at 40 registers); the options' refusals by name."""
     from csa_jax.kernels.gluon import bwd_pipe
     from csa_jax.kernels.gluon.dims import dq_blk_shared_bytes
-    for stages in (2, 3):
+    for stages, ahead in ((2, False), (3, False), (3, True)):
         c = adapter.compile_kernel(
             bwd_pipe.csa_dq_blk_kernel, bwd.arg_types("bf16"),
             bwd.constexprs(T=64, N=300, NHB=2, D=512, K=192, BK=32, stages=stages, scale=0.05,
-                           producer_regs=96, qdo=True, pair=True, fuse_delta=True,
-                           pipeline=True, qdo_regs=1), target="sm_90a",
-            num_warps=bwd.CONSUMER_WARPS)
+                           producer_regs=40 if ahead else 96, qdo=True, pair=True,
+                           fuse_delta=True, pipeline=True, qdo_regs=1, scores_ahead=ahead),
+            target="sm_90a", num_warps=bwd.CONSUMER_WARPS)
         r = adapter.resources(c, "sm_90a")
         assert r["launch_problem"] is None and r.get("spill_stores", 0) == 0, r
         est = dq_blk_shared_bytes(512, 32, stages)
         assert est <= r["shared"] <= est + 1024, (r, est)       # 3 stages: 229,580 B
         rs = re.findall(r"m64n32k16\.f32\.bf16\.bf16 \{[^}]*\}, \{", c.asm["ptx"])
-        assert len(rs) == 4, len(rs)                 # register-A score k-steps
+        # register-A score k-steps (ahead: tile 0's scores are issued before the loop too)
+        assert len(rs) == (8 if ahead else 4), len(rs)
     for bad in (dict(bwd_qdo_regs=1, bwd_pair=True), dict(bwd_qdo_regs=3, bwd_pair=True,
                                                           bwd_pipeline=True),
                 dict(bwd_qdo_regs=True, bwd_pair=True, bwd_pipeline=True)):
         with pytest.raises(ValueError, match="bwd_qdo_regs"):
+            gluon.Config(**bad)
+    blk = dict(bwd_pair=True, bwd_pipeline=True, bwd_qdo_regs=1)
+    for bad in (dict(bwd_scores_ahead=True, bwd_pair=True, bwd_pipeline=True, bwd_stages=3),
+                dict(bwd_scores_ahead=True, **blk, bwd_stages=2),
+                dict(bwd_scores_ahead=1, **blk, bwd_stages=3)):
+        with pytest.raises(ValueError, match="bwd_scores_ahead"):
             gluon.Config(**bad)
 
 
@@ -365,6 +373,10 @@ def test_variant_schedule_repicks_the_dq_tiles():
         gluon.replace_config(base, (1, 8, 64, 64), bwd_schedule="alternate"))
     got = gb.make_variants("alt:bwd_schedule=alternate")((1, 8, 64, 64))
     assert [n for n, _ in got] == ["default", "alt"] and got[1][1].bwd_stages % 2 == 0
+    # bwd_qdo_regs (bwd_pipe's blocked kernel, no dS buffer): a third 32-row stage at D = 512
+    base = gluon.default_config((1, 8, 128, 512), None, None, jnp.bfloat16)
+    blk = gluon.replace_config(base, (1, 8, 128, 512), bwd_pipeline=True, bwd_qdo_regs=1)
+    assert (blk.bwd_block_k, blk.bwd_stages) == (32, 3), blk
 
 
 def test_oversized_tiles_are_refused_by_name():
@@ -468,7 +480,8 @@ def _emulated_call(*args, kernel, **kw):
     (70, 40, 75, 32, False, False, "pallas_triton", "xla", "gfx950", True),
     (130, 24, 40, 16, True, False, "gluon", "xla", None, "alternate"),
     (64, 64, 70, 32, True, False, "gluon", "xla", None, "dq_first"),
-    (130, 24, 40, 16, True, False, "gluon", "xla", None, "blk")])
+    (130, 24, 40, 16, True, False, "gluon", "xla", None, "blk"),
+    (64, 64, 70, 32, True, False, "gluon", "xla", None, "ahead")])
 def test_wrapper_against_dense_oracle(rng, monkeypatch, H, D, K, bk, qdo, narrow, reduce,
                                       interm, amd, fuse):
     """qdo = Config.bwd_qdo (the dq kernel writes [q; dO] and dsp head block first; 3 head
@@ -480,7 +493,7 @@ def test_wrapper_against_dense_oracle(rng, monkeypatch, H, D, K, bk, qdo, narrow
     out for dsink; here with Config.bwd_pair, whose kernel has the same contract; fuse =
     "alternate" / "dq_first": both with Config.bwd_schedule="alternate" (bwd_alt's kernel, same
     contract), in its two step orders; "blk": bwd_pipeline + bwd_qdo_regs, bwd_pipe's blocked
-    kernel, same contract)."""
+    kernel, same contract; "ahead": the same at 3 stages with bwd_scores_ahead)."""
     from csa_jax.common import sanitize_indices
     monkeypatch.setattr(adapter, "gluon_call", _emulated_call)
     q, kv, idx, sink = random_problem(rng, T=10, H=H, D=D, K=K, dtype=jnp.float32, empty_rows=2)
@@ -491,13 +504,14 @@ def test_wrapper_against_dense_oracle(rng, monkeypatch, H, D, K, bk, qdo, narrow
     o, lse = dense_oracle(q, kv, idx, sink, scale)
     o, lse = jnp.asarray(o, jnp.float32), jnp.asarray(lse, jnp.float32)
     dq, dkv, dsink = bwd.backward(q, kv, idx, sink, o, lse, do, dlse, scale=scale, block_k=bk,
-                                  stages=2, producer_regs=96, qdo=qdo, narrow_keys=narrow,
+                                  stages=3 if fuse == "ahead" else 2, producer_regs=96, qdo=qdo, narrow_keys=narrow,
                                   reduce=reduce, interm=interm, block_r=16 if qdo else 0,
                                   interpret_reduce=True, amd=amd, fuse_delta=bool(fuse),
                                   pair=bool(fuse) and amd is None,
                                   schedule="alternate" if fuse in ("alternate", "dq_first") else
-                                  "lockstep", dq_pipeline=fuse == "blk",
-                                  qdo_regs=int(fuse == "blk"),
+                                  "lockstep", dq_pipeline=fuse in ("blk", "ahead"),
+                                  qdo_regs=int(fuse in ("blk", "ahead")),
+                                  scores_ahead=fuse == "ahead",
                                   alt_order="dq_first" if fuse == "dq_first" else "s_first")
     _, _, rdq, rdkv, rdsink = dense_oracle(q, kv, idx, sink, scale, do, dlse)
     for what, got, want in (("dq", dq, rdq), ("dkv", dkv, rdkv), ("dsink", dsink, rdsink)):

@@ -409,7 +409,7 @@ def csa_dq_kernel(q_ptr, do_ptr, kv_ptr, idx_ptr, ntiles_ptr, lse_ptr, dc_ptr, o
                   QK_SCALE: gl.constexpr, SCALE: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                   PREFETCH: gl.constexpr, ABLATE: gl.constexpr, QDO: gl.constexpr,
                   DQ_OP: gl.constexpr, PAIR: gl.constexpr, FUSE: gl.constexpr,
-                  PIPE: gl.constexpr, AREG: gl.constexpr):
+                  PIPE: gl.constexpr, AREG: gl.constexpr, AHEAD: gl.constexpr):
     row, tok, hb, b, ntiles, idx_tok = _program(ntiles_ptr, idx_ptr, T, NHB, K)
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     HBC: gl.constexpr = 64
@@ -441,7 +441,7 @@ def csa_dq_kernel(q_ptr, do_ptr, kv_ptr, idx_ptr, ntiles_ptr, lse_ptr, dc_ptr, o
             (_dq_pipe_consumer, (idx_tok, lse_ptr, dc_ptr, fz, dq_ptr, dsp_ptr, qdo_ptr,
                                  qdo_smem, ring, full, consumed, q_bar, ds_smem, row, tok, hb,
                                  ntiles, D, K, NHB * HBC, BK, STAGES, HBC, QK_SCALE, SCALE, QDO,
-                                 FUSE, False)),
+                                 FUSE, False, False)),
             (_dq_pair_producer, (q_ptr, do_ptr, kv_ptr, idx_tok, qdo_smem, ring, full, consumed,
                                  q_bar, row, b, ntiles, N, D, K, BK, STAGES, HBC)),
         ], [PRODUCER_WARPS], [PRODUCER_REGS])
@@ -486,18 +486,20 @@ DQ_OPERANDS = ("desc", "desc_a", "ldsm_trans", "movmatrix")     # Config.bwd_dq_
 
 def constexprs(*, T, N, NHB, D, K, BK, stages, scale, producer_regs, prefetch=False, ablate=0,
                qdo=False, dq_operand="desc", pair=False, fuse_delta=False, pipeline=False,
-               qdo_regs=0):
+               qdo_regs=0, scores_ahead=False):
     """The dq kernel's compile-time parameters (also used by the CPU compile checks)."""
     return dict(T=T, N=N, NHB=NHB, D=D, K=K, BK=BK, STAGES=stages, EW_C=ew_cols(BK),
                 QK_SCALE=float(scale) * LOG2E, SCALE=float(scale), PRODUCER_REGS=producer_regs,
                 PREFETCH=bool(prefetch), ABLATE=int(ablate), QDO=bool(qdo),
                 DQ_OP=DQ_OPERANDS.index(dq_operand), PAIR=bool(pair), FUSE=bool(fuse_delta),
-                PIPE=bool(pipeline) and bool(pair), AREG=int(qdo_regs))
+                PIPE=bool(pipeline) and bool(pair), AREG=int(qdo_regs),
+                AHEAD=bool(scores_ahead))
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_k", "stages", "producer_regs",
                                              "prefetch", "ablate", "qdo", "dq_operand", "pair",
                                              "fuse_delta", "dq_pipeline", "qdo_regs",
+                                             "scores_ahead",
                                              "schedule",
                                              "alt_regs", "alt_order",
                                              "interm", "interm_operand", "interm_stages",
@@ -507,7 +509,8 @@ def constexprs(*, T, N, NHB, D, K, BK, stages, scale, producer_regs, prefetch=Fa
                                              "interpret_reduce", "amd"))
 def backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, block_k, stages, producer_regs,
              prefetch=False, ablate=0, qdo=False, dq_operand="desc", pair=False,
-             fuse_delta=False, dq_pipeline=False, qdo_regs=0, schedule="lockstep", alt_regs=232,
+             fuse_delta=False, dq_pipeline=False, qdo_regs=0, scores_ahead=False,
+             schedule="lockstep", alt_regs=232,
              alt_order="s_first",
              interm="xla",
              interm_operand="desc", interm_stages=4, interm_pipeline=False, narrow_keys=False,
@@ -518,7 +521,8 @@ def backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, block_k, stages, prod
     sanitized (-1 for every empty or out-of-range slot). The keywords are the Config.bwd_*
     fields of the same names (block_k, stages, producer_regs, prefetch, ablate, qdo, dq_operand,
     pair, fuse_delta, schedule, alt_regs, alt_order, interm*, narrow_keys, reduce, block_r,
-    reduce_warps; dq_pipeline, qdo_regs are Config.bwd_pipeline, bwd_qdo_regs;
+    reduce_warps; dq_pipeline, qdo_regs, scores_ahead are Config.bwd_pipeline, bwd_qdo_regs,
+    bwd_scores_ahead;
     see Config); interpret_reduce runs the Pallas reduce in its interpreter (the CPU test of
     this wrapper, with the dq kernel emulated). amd: a gfx architecture (amd_bwd.DQ_DEFAULTS)
     -> amd_bwd.csa_dq_amd_kernel, same contract, at block_k / stages (producer_regs, prefetch,
@@ -578,11 +582,13 @@ def backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, block_k, stages, prod
             kernel, warps, name = csa_dq_kernel, CONSUMER_WARPS, "csa_gluon_dq"
             if blk:
                 kernel, name = _dq_blk_kernel, "csa_gluon_dq_blk"
+            # scores_ahead's consumers need 232 registers (0 spills): the producer gets 40
             consts = constexprs(T=T, N=N, NHB=nhb, D=Dp, K=Kp, BK=block_k, stages=stages,
-                                scale=scale, producer_regs=producer_regs, prefetch=prefetch,
+                                scale=scale, producer_regs=40 if blk and scores_ahead else
+                                producer_regs, prefetch=prefetch,
                                 ablate=ablate, qdo=qdo, dq_operand=dq_operand, pair=pair,
                                 fuse_delta=fuse_delta, pipeline=dq_pipeline,
-                                qdo_regs=qdo_regs)
+                                qdo_regs=qdo_regs, scores_ahead=scores_ahead and blk)
         outs = [(B * T * Hp, Dp), dsp_shape, qdo_shape]
         # o (read only with fuse_delta; else dO stands in, never read) and the dcout output
         extra_in = [(pad(pad(o, 3, Dp), 2, Hp) if fuse_delta else do_p).reshape(-1, Dp)]

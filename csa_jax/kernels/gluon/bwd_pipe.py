@@ -89,7 +89,7 @@ def _dq_pipe_consumer(idx_ptr, lse_ptr, dc_ptr, fz, dq_ptr, dsp_ptr, qdo_ptr, qd
                       K: gl.constexpr, HP: gl.constexpr, BK: gl.constexpr,
                       STAGES: gl.constexpr, HBC: gl.constexpr, QK_SCALE: gl.constexpr,
                       SCALE: gl.constexpr, QDO: gl.constexpr, FUSE: gl.constexpr,
-                      BLK: gl.constexpr):
+                      BLK: gl.constexpr, AHEAD: gl.constexpr):
     sd_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, BK, 16])
     dt: gl.constexpr = dsp_ptr.dtype.element_ty
@@ -107,26 +107,60 @@ def _dq_pipe_consumer(idx_ptr, lse_ptr, dc_ptr, fz, dq_ptr, dsp_ptr, qdo_ptr, qd
     if BLK:   # block 0 of [q; dO] into registers; dS then lives in its shared memory
         a_reg = qdo_smem.index(0).load(
             gl.DotOperandLayout(operand_index=0, parent=sd_layout, k_width=2))
-    for i in range(ntiles):
-        s = i % STAGES
-        mbarrier.wait(full.index(s), (i // STAGES) & 1)
-        fence_async_shared()          # cp.async (generic proxy) -> wgmma (async proxy)
-        tile = ring.index(s)
-        sd = _pair_scores(qdo_smem, a_reg, tile, sd_zero, D, BLK)
-        ids = gl.load(idx_ptr + i * BK + kcols)
-        # tile i-1's dq product done in every warp: its stage goes back (the barrier is
-        # unconditional: it also orders that product's dS reads before this tile's dS store)
-        acc = warpgroup_mma_init(warpgroup_mma_wait(1, deps=[acc]))
-        gl.thread_barrier()
-        mbarrier.arrive(consumed.index((i + STAGES - 1) % STAGES), pred=i > 0)
-        sd = warpgroup_mma_wait(0, deps=[sd])
-        sc, dp = _split_sd(sd, HBC, BK)
-        p, ds = _p_ds(sc, dp, ids, lse2, dc, QK_SCALE)
-        ds_smem.store(ds.to(dt))
-        fence_async_shared()          # generic-proxy stores -> wgmma reads
-        gl.thread_barrier()
-        acc = warpgroup_mma(ds_smem, tile, acc, is_async=True)
-        _store_dsp(ds_ptrs, p_ptrs, i, ds, p, BK, SCALE)
+    if AHEAD:
+        # tile i+1's scores issued before tile i's element-wise work (3 stages: tiles i-1..i+1
+        # live until tile i-1's dq product is done): queue S_i, dq_{i-1}, S_{i+1}, ...
+        if ntiles > 0:
+            mbarrier.wait(full.index(0), 0)
+            fence_async_shared()
+            sd = _pair_scores(qdo_smem, a_reg, ring.index(0), sd_zero, D, BLK)
+        else:
+            sd = warpgroup_mma_init(sd_zero)
+        for i in range(ntiles):
+            tile = ring.index(i % STAGES)
+            ids = gl.load(idx_ptr + i * BK + kcols)
+            nxt = i + 1
+            if nxt < ntiles:
+                mbarrier.wait(full.index(nxt % STAGES), (nxt // STAGES) & 1)
+                fence_async_shared()
+                sd_next = _pair_scores(qdo_smem, a_reg, ring.index(nxt % STAGES), sd_zero, D,
+                                       BLK)
+                sd_now, acc_t = warpgroup_mma_wait(1, deps=[sd, acc])   # S_i, dq_{i-1} done
+            else:
+                sd_next = warpgroup_mma_init(sd_zero)
+                sd_now, acc_t = warpgroup_mma_wait(0, deps=[sd, acc])
+            acc = warpgroup_mma_init(acc_t)
+            gl.thread_barrier()
+            mbarrier.arrive(consumed.index((i + STAGES - 1) % STAGES), pred=i > 0)
+            sc, dp = _split_sd(sd_now, HBC, BK)
+            p, ds = _p_ds(sc, dp, ids, lse2, dc, QK_SCALE)
+            ds_smem.store(ds.to(dt))
+            fence_async_shared()
+            gl.thread_barrier()
+            acc = warpgroup_mma(ds_smem, tile, acc, is_async=True)
+            _store_dsp(ds_ptrs, p_ptrs, i, ds, p, BK, SCALE)
+            sd = sd_next
+    else:
+        for i in range(ntiles):
+            s = i % STAGES
+            mbarrier.wait(full.index(s), (i // STAGES) & 1)
+            fence_async_shared()          # cp.async (generic proxy) -> wgmma (async proxy)
+            tile = ring.index(s)
+            sd = _pair_scores(qdo_smem, a_reg, tile, sd_zero, D, BLK)
+            ids = gl.load(idx_ptr + i * BK + kcols)
+            # tile i-1's dq product done in every warp: its stage goes back (the barrier is
+            # unconditional: it also orders that product's dS reads before this tile's dS store)
+            acc = warpgroup_mma_init(warpgroup_mma_wait(1, deps=[acc]))
+            gl.thread_barrier()
+            mbarrier.arrive(consumed.index((i + STAGES - 1) % STAGES), pred=i > 0)
+            sd = warpgroup_mma_wait(0, deps=[sd])
+            sc, dp = _split_sd(sd, HBC, BK)
+            p, ds = _p_ds(sc, dp, ids, lse2, dc, QK_SCALE)
+            ds_smem.store(ds.to(dt))
+            fence_async_shared()          # generic-proxy stores -> wgmma reads
+            gl.thread_barrier()
+            acc = warpgroup_mma(ds_smem, tile, acc, is_async=True)
+            _store_dsp(ds_ptrs, p_ptrs, i, ds, p, BK, SCALE)
     acc = warpgroup_mma_wait(0, deps=[acc])
     if ntiles > 0:
         _release(consumed.index((ntiles - 1) % STAGES))
@@ -145,7 +179,7 @@ def csa_dq_blk_kernel(q_ptr, do_ptr, kv_ptr, idx_ptr, ntiles_ptr, lse_ptr, dc_pt
                       SCALE: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                       PREFETCH: gl.constexpr, ABLATE: gl.constexpr, QDO: gl.constexpr,
                       DQ_OP: gl.constexpr, PAIR: gl.constexpr, FUSE: gl.constexpr,
-                      PIPE: gl.constexpr, AREG: gl.constexpr):
+                      PIPE: gl.constexpr, AREG: gl.constexpr, AHEAD: gl.constexpr):
     """bwd.csa_dq_kernel's contract (same arguments and constexprs) with bwd_pipeline +
     bwd_qdo_regs=1 on a blocked [q; dO] buffer ([D / 64, 2*HBC, 64]): block 0 is held in
     registers, so after the prologue its 16 KiB hold dS (no buffer of its own): [q; dO]
@@ -172,7 +206,8 @@ def csa_dq_blk_kernel(q_ptr, do_ptr, kv_ptr, idx_ptr, ntiles_ptr, lse_ptr, dc_pt
     gl.warp_specialize([
         (_dq_pipe_consumer, (idx_tok, lse_ptr, dc_ptr, fz, dq_ptr, dsp_ptr, qdo_ptr, qdo_blk,
                              ring, full, consumed, q_bar, ds_smem, row, tok, hb, ntiles, D, K,
-                             NHB * HBC, BK, STAGES, HBC, QK_SCALE, SCALE, QDO, FUSE, True)),
+                             NHB * HBC, BK, STAGES, HBC, QK_SCALE, SCALE, QDO, FUSE, True,
+                             AHEAD)),
         (_blk_producer, (q_ptr, do_ptr, kv_ptr, idx_tok, qdo_blk, ring, full, consumed, q_bar,
                          row, b, ntiles, N, D, K, BK, STAGES, HBC)),
     ], [PRODUCER_WARPS], [PRODUCER_REGS])
