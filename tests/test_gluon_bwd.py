@@ -183,7 +183,7 @@ def test_dq_kernel_qdo_regs_compiles():
     producer at 40 registers); the options' refusals by name."""
     from csa_jax.kernels.gluon import bwd_pipe
     from csa_jax.kernels.gluon.dims import dq_blk_shared_bytes
-    for stages, ahead in ((2, False), (3, False), (3, True)):
+    for stages, ahead in ((2, False), (3, True)):
         c = adapter.compile_kernel(
             bwd_pipe.csa_dq_blk_kernel, bwd.arg_types("bf16"),
             bwd.constexprs(T=64, N=300, NHB=2, D=512, K=192, BK=32, stages=stages, scale=0.05,
