@@ -103,13 +103,16 @@ def _dq_pipe_consumer(idx_ptr, lse_ptr, dc_ptr, fz, dq_ptr, dsp_ptr, qdo_ptr, qd
             _store_qdo_blocks(qdo_ptr, qdo_smem, row, D, HBC)
         else:
             _store_qdo(qdo_ptr, qdo_smem, row, D, HBC, True, 0, 2 * HBC // 32)
+    # each warpgroup_mma call is one wgmma group: the score product is NG of them
+    NG: gl.constexpr = D // 64 if BLK else 1
     a_reg = sd_zero                   # (unused without BLK)
     if BLK:   # block 0 of [q; dO] into registers; dS then lives in its shared memory
         a_reg = qdo_smem.index(0).load(
             gl.DotOperandLayout(operand_index=0, parent=sd_layout, k_width=2))
     if AHEAD:
         # tile i+1's scores issued before tile i's element-wise work (3 stages: tiles i-1..i+1
-        # live until tile i-1's dq product is done): queue S_i, dq_{i-1}, S_{i+1}, ...
+        # live until tile i-1's dq product is done): queue S_i, dq_{i-1}, S_{i+1}, ... (each
+        # S is NG wgmma groups)
         if ntiles > 0:
             mbarrier.wait(full.index(0), 0)
             fence_async_shared()
@@ -125,7 +128,8 @@ def _dq_pipe_consumer(idx_ptr, lse_ptr, dc_ptr, fz, dq_ptr, dsp_ptr, qdo_ptr, qd
                 fence_async_shared()
                 sd_next = _pair_scores(qdo_smem, a_reg, ring.index(nxt % STAGES), sd_zero, D,
                                        BLK)
-                sd_now, acc_t = warpgroup_mma_wait(1, deps=[sd, acc])   # S_i, dq_{i-1} done
+                # all but S_{i+1}'s NG groups: S_i and dq_{i-1} done
+                sd_now, acc_t = warpgroup_mma_wait(NG, deps=[sd, acc])
             else:
                 sd_next = warpgroup_mma_init(sd_zero)
                 sd_now, acc_t = warpgroup_mma_wait(0, deps=[sd, acc])
@@ -150,7 +154,7 @@ def _dq_pipe_consumer(idx_ptr, lse_ptr, dc_ptr, fz, dq_ptr, dsp_ptr, qdo_ptr, qd
             ids = gl.load(idx_ptr + i * BK + kcols)
             # tile i-1's dq product done in every warp: its stage goes back (the barrier is
             # unconditional: it also orders that product's dS reads before this tile's dS store)
-            acc = warpgroup_mma_init(warpgroup_mma_wait(1, deps=[acc]))
+            acc = warpgroup_mma_init(warpgroup_mma_wait(NG, deps=[acc]))  # all but S_i
             gl.thread_barrier()
             mbarrier.arrive(consumed.index((i + STAGES - 1) % STAGES), pred=i > 0)
             sd = warpgroup_mma_wait(0, deps=[sd])
