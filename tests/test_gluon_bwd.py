@@ -197,6 +197,10 @@ def test_dq_kernel_qdo_regs_compiles():
         rs = re.findall(r"m64n32k16\.f32\.bf16\.bf16 \{[^}]*\}, \{", c.asm["ptx"])
         # register-A score k-steps (ahead: tile 0's scores are issued before the loop too)
         assert len(rs) == (8 if ahead else 4), len(rs)
+        # the scores are 8 wgmma groups (one a 64-column block): the waits that must leave
+        # them in flight leave 8
+        waits = set(re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+)", c.asm["ptx"]))
+        assert waits == {"0", "8"}, waits
     for bad in (dict(bwd_qdo_regs=1, bwd_pair=True), dict(bwd_qdo_regs=3, bwd_pair=True,
                                                           bwd_pipeline=True),
                 dict(bwd_qdo_regs=True, bwd_pair=True, bwd_pipeline=True)):
