@@ -38,7 +38,8 @@ import traceback
 import jax
 import jax.numpy as jnp
 
-from benchmarks.common import flops, make_problem, parse_overrides, parse_variants, time_fn
+from benchmarks.common import (apply_overrides, flops, make_problem, parse_overrides,
+                               parse_variants, time_fn)
 from csa_jax import problems, registry
 
 
@@ -103,7 +104,7 @@ def run_impl(impl, variant, cfg_overrides, problem, args, row):
     if cfg_overrides:
         if cfg_overrides.get("layout") == "auto":     # the problem's own layout promise
             cfg_overrides = {**cfg_overrides, "layout": f"cr{cfg.ratio}"}
-        cfg_obj = dataclasses.replace(cfg_obj, **cfg_overrides)
+        cfg_obj = apply_overrides(mod, cfg_obj, q.shape, cfg_overrides)
     row["config"] = repr(cfg_obj)
     fwd, bwd, step = build_fns(mod, cfg_obj, cfg.scale, args.interpret)
     outs = {}

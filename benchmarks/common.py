@@ -59,6 +59,15 @@ def parse_overrides(kvs):
     return over
 
 
+def apply_overrides(mod, cfg, q_shape, over):
+    """A variant's Config: the impl module's replace_config (gluon's re-picks the dq kernel's
+    tiles when a variant changes its schedule) or plain dataclasses.replace. mod: the impl
+    module or its registry.Impl."""
+    import dataclasses
+    rep = getattr(getattr(mod, "mod", mod), "replace_config", None)
+    return rep(cfg, q_shape, **over) if rep else dataclasses.replace(cfg, **over)
+
+
 def parse_variants(spec, base=None):
     out = [("default", dict(base or {}))]
     for part in filter(None, (p.strip() for p in spec.split(";"))):

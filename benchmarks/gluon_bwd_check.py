@@ -25,7 +25,6 @@ One JSON line per check (helpers from gluon_check.py); exits non-zero if any che
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 import time
 import traceback
@@ -33,7 +32,7 @@ import traceback
 import jax
 import jax.numpy as jnp
 
-from benchmarks.common import parse_variants, time_fn
+from benchmarks.common import apply_overrides, parse_variants, time_fn
 from benchmarks.gluon_check import (RESULTS, TOL, parse_shapes, random_case, rel, report,
                                     run_parts)
 
@@ -207,7 +206,7 @@ def make_variants(spec):
         out = [("default", base)]
         for name, kw in parsed:
             try:
-                out.append((name, dataclasses.replace(base, **kw)))
+                out.append((name, apply_overrides(g, base, q_shape, kw)))
             except (TypeError, ValueError) as e:
                 report(part="variant", variant=name, ok=False, error=str(e)[:300])
         return out

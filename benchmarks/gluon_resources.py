@@ -122,6 +122,15 @@ def gluon_nv_kernels(variants):
                                 qdo=base.bwd_qdo, fuse_delta=base.bwd_fuse_delta)
     yield ("csa_dq[bwd_schedule=alternate]", False, None,
            _gluon(bwd_alt.csa_dq_alt_kernel, bwd.arg_types(), consts, bwd_alt.NUM_WARPS))
+    # bwd_pipe's blocked kernel with bwd_scores_ahead, 3 stages (reported, not the default;
+    # bwd_pipeline alone and the blocked kernel without it: tests/test_gluon_bwd.py)
+    from csa_jax.kernels.gluon import bwd_pipe
+    consts = bwd.constexprs(T=4096, N=5120, NHB=2, D=512, K=1152, BK=32, stages=3,
+                            scale=512 ** -0.5, producer_regs=40, qdo=base.bwd_qdo, pair=True,
+                            fuse_delta=base.bwd_fuse_delta, pipeline=True, qdo_regs=1,
+                            scores_ahead=True)
+    yield ("csa_dq[bwd_scores_ahead]", False, None,
+           _gluon(bwd_pipe.csa_dq_blk_kernel, bwd.arg_types(), consts, bwd.CONSUMER_WARPS))
     from csa_jax.kernels.gluon import window
     for layout, ratio in (("cr0", 0), ("cr128", 128)):
         # the window-reuse kernel at Pro T = 4096 (reported, not gating: a few loop scalars

@@ -156,6 +156,64 @@ def test_dq_kernel_pair_compiles(qdo, fuse):
     assert (ptx.count("ld.global") >= plain.asm["ptx"].count("ld.global") + 8) == fuse
 
 
+def test_dq_kernel_pipeline_compiles():
+    """Config.bwd_pipeline: the same buffers (200,876 B), no spills, the same wgmma shapes; the
+    dq product left in flight (one wait_group 1 per tile: tile i-1's dq product retired behind
+    tile i's issued scores) and the dsp stores issued after it; refused off bwd_pair / with
+    another dq operand mode by name."""
+    c, r = _compile_dq(pair=True, qdo=True, fuse_delta=True, pipeline=True)
+    assert r["shared"] == 200_876, r
+    ptx = c.asm["ptx"]
+    assert set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16", ptx)) == {"32", "256"}
+    waits = re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+)", ptx)
+    assert waits.count("1") == 1, waits
+    loop = ptx[ptx.index("m64n256k16"):]
+    assert "st.global.b32" in loop[:loop.index("mbarrier.try_wait")]   # dsp under dq
+    for bad in (dict(bwd_pipeline=True), dict(bwd_pipeline=True, bwd_pair=True,
+                                              bwd_dq_operand="desc_a"),
+                dict(bwd_pipeline=1, bwd_pair=True)):
+        with pytest.raises(ValueError, match="bwd_pipeline"):
+            gluon.Config(**bad)
+
+
+def test_dq_kernel_qdo_regs_compiles():
+    """Config.bwd_qdo_regs=1 (bwd_pipe.csa_dq_blk_kernel): [q; dO] block 0 as the score
+    product's register A operand (4 of the 32 k-steps a tile), dS in its shared memory: no dS
+    buffer, 3 stages of 32 rows fit at D = 512; no spills, also with bwd_scores_ahead (the
+    producer at 40 registers); the options' refusals by name."""
+    from csa_jax.kernels.gluon import bwd_pipe
+    from csa_jax.kernels.gluon.dims import dq_blk_shared_bytes
+    for stages, ahead in ((2, False), (3, True)):
+        c = adapter.compile_kernel(
+            bwd_pipe.csa_dq_blk_kernel, bwd.arg_types("bf16"),
+            bwd.constexprs(T=64, N=300, NHB=2, D=512, K=192, BK=32, stages=stages, scale=0.05,
+                           producer_regs=40 if ahead else 96, qdo=True, pair=True,
+                           fuse_delta=True, pipeline=True, qdo_regs=1, scores_ahead=ahead),
+            target="sm_90a", num_warps=bwd.CONSUMER_WARPS)
+        r = adapter.resources(c, "sm_90a")
+        assert r["launch_problem"] is None and r.get("spill_stores", 0) == 0, r
+        est = dq_blk_shared_bytes(512, 32, stages)
+        assert est <= r["shared"] <= est + 1024, (r, est)       # 3 stages: 229,580 B
+        rs = re.findall(r"m64n32k16\.f32\.bf16\.bf16 \{[^}]*\}, \{", c.asm["ptx"])
+        # register-A score k-steps (ahead: tile 0's scores are issued before the loop too)
+        assert len(rs) == (8 if ahead else 4), len(rs)
+        # the scores are 8 wgmma groups (one a 64-column block): the waits that must leave
+        # them in flight leave 8
+        waits = set(re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+)", c.asm["ptx"]))
+        assert waits == {"0", "8"}, waits
+    for bad in (dict(bwd_qdo_regs=1, bwd_pair=True), dict(bwd_qdo_regs=3, bwd_pair=True,
+                                                          bwd_pipeline=True),
+                dict(bwd_qdo_regs=True, bwd_pair=True, bwd_pipeline=True)):
+        with pytest.raises(ValueError, match="bwd_qdo_regs"):
+            gluon.Config(**bad)
+    blk = dict(bwd_pair=True, bwd_pipeline=True, bwd_qdo_regs=1)
+    for bad in (dict(bwd_scores_ahead=True, bwd_pair=True, bwd_pipeline=True, bwd_stages=3),
+                dict(bwd_scores_ahead=True, **blk, bwd_stages=2),
+                dict(bwd_scores_ahead=1, **blk, bwd_stages=3)):
+        with pytest.raises(ValueError, match="bwd_scores_ahead"):
+            gluon.Config(**bad)
+
+
 @pytest.mark.parametrize("qdo,fuse,regs,order", [(False, False, 232, "s_first"),
                                                  (True, True, 232, "s_first"),
                                                  (True, True, 224, "s_first"),
@@ -290,6 +348,41 @@ def test_dq_tiles_follow_the_schedule():
     assert (alt.bwd_block_k, alt.bwd_stages) == (32, 2)                  # D = 512
 
 
+def test_variant_schedule_repicks_the_dq_tiles():
+    """gluon.replace_config (what bench_csa / gluon_bwd_check apply variants with): a variant
+    that switches bwd_schedule on top of a default picked for the lockstep kernel gets the
+    alternating kernel's even tiles (the D = 64 / 128 grad cases of call A failed with
+    "needs an even bwd_stages, got 3"); tiles the variant names are kept; a plain override
+    changes only itself."""
+    from benchmarks import gluon_bwd_check as gb
+    from benchmarks.common import apply_overrides
+    for D in (64, 128, 512):
+        base = gluon.default_config((1, 8, 64, D), None, None, jnp.bfloat16)
+        alt = gluon.replace_config(base, (1, 8, 64, D), bwd_schedule="alternate")
+        assert alt == gluon._bwd_default(D, dataclasses.replace(
+            base, bwd_schedule="alternate", bwd_stages=2)), (D, alt)
+        assert alt.bwd_stages % 2 == 0 and alt.bwd_schedule == "alternate"
+        back = gluon.replace_config(alt, (1, 8, 64, D), bwd_schedule="lockstep")
+        assert (back.bwd_block_k, back.bwd_stages) == (base.bwd_block_k, base.bwd_stages)
+    base = gluon.default_config((1, 8, 64, 64), None, None, jnp.bfloat16)
+    assert base.bwd_stages == 3                               # the case call A tripped on
+    with pytest.raises(ValueError, match="even bwd_stages, got 3"):
+        dataclasses.replace(base, bwd_schedule="alternate")
+    kept = gluon.replace_config(base, (1, 8, 64, 64), bwd_schedule="alternate", bwd_block_k=32,
+                                bwd_stages=4)
+    assert (kept.bwd_block_k, kept.bwd_stages) == (32, 4)
+    assert gluon.replace_config(base, (1, 8, 64, 64), bwd_reduce="pallas_triton") == (
+        dataclasses.replace(base, bwd_reduce="pallas_triton"))
+    assert apply_overrides(gluon, base, (1, 8, 64, 64), {"bwd_schedule": "alternate"}) == (
+        gluon.replace_config(base, (1, 8, 64, 64), bwd_schedule="alternate"))
+    got = gb.make_variants("alt:bwd_schedule=alternate")((1, 8, 64, 64))
+    assert [n for n, _ in got] == ["default", "alt"] and got[1][1].bwd_stages % 2 == 0
+    # bwd_qdo_regs (bwd_pipe's blocked kernel, no dS buffer): a third 32-row stage at D = 512
+    base = gluon.default_config((1, 8, 128, 512), None, None, jnp.bfloat16)
+    blk = gluon.replace_config(base, (1, 8, 128, 512), bwd_pipeline=True, bwd_qdo_regs=1)
+    assert (blk.bwd_block_k, blk.bwd_stages) == (32, 3), blk
+
+
 def test_oversized_tiles_are_refused_by_name():
     q = jnp.zeros((1, 4, 64, 512), jnp.bfloat16)
     kv = jnp.zeros((1, 8, 512), jnp.bfloat16)
@@ -305,9 +398,10 @@ def _emulated_dq_kernel(q, do, kv, idx, ntiles, lse, dc, o=None, *, kernel, out_
     """What csa_dq_kernel computes, in jnp (its contract; see the bwd.py docstring). FUSE
     (Config.bwd_fuse_delta): dc holds dlse, the kernel subtracts delta = sum(o * dO) and
     writes the result out."""
-    from csa_jax.kernels.gluon import amd_bwd, bwd_alt
+    from csa_jax.kernels.gluon import amd_bwd, bwd_alt, bwd_pipe
     amd_warps = amd_bwd.DQ_DEFAULTS["gfx950"]["warps"]
     assert (kernel, num_warps) in ((bwd.csa_dq_kernel, bwd.CONSUMER_WARPS),
+                                   (bwd_pipe.csa_dq_blk_kernel, bwd.CONSUMER_WARPS),
                                    (bwd_alt.csa_dq_alt_kernel, bwd_alt.NUM_WARPS),
                                    (amd_bwd.csa_dq_amd_kernel, amd_warps))
     BT = idx.shape[0]
@@ -389,7 +483,9 @@ def _emulated_call(*args, kernel, **kw):
     (20, 24, 40, 16, False, False, "pallas_triton", "xla", None, True),
     (70, 40, 75, 32, False, False, "pallas_triton", "xla", "gfx950", True),
     (130, 24, 40, 16, True, False, "gluon", "xla", None, "alternate"),
-    (64, 64, 70, 32, True, False, "gluon", "xla", None, "dq_first")])
+    (64, 64, 70, 32, True, False, "gluon", "xla", None, "dq_first"),
+    (130, 24, 40, 16, True, False, "gluon", "xla", None, "blk"),
+    (64, 64, 70, 32, True, False, "gluon", "xla", None, "ahead")])
 def test_wrapper_against_dense_oracle(rng, monkeypatch, H, D, K, bk, qdo, narrow, reduce,
                                       interm, amd, fuse):
     """qdo = Config.bwd_qdo (the dq kernel writes [q; dO] and dsp head block first; 3 head
@@ -400,7 +496,8 @@ def test_wrapper_against_dense_oracle(rng, monkeypatch, H, D, K, bk, qdo, narrow
     ignores fuse = Config.bwd_fuse_delta (dlse in, delta formed by the kernel, dlse - delta
     out for dsink; here with Config.bwd_pair, whose kernel has the same contract; fuse =
     "alternate" / "dq_first": both with Config.bwd_schedule="alternate" (bwd_alt's kernel, same
-    contract), in its two step orders)."""
+    contract), in its two step orders; "blk": bwd_pipeline + bwd_qdo_regs, bwd_pipe's blocked
+    kernel, same contract; "ahead": the same at 3 stages with bwd_scores_ahead)."""
     from csa_jax.common import sanitize_indices
     monkeypatch.setattr(adapter, "gluon_call", _emulated_call)
     q, kv, idx, sink = random_problem(rng, T=10, H=H, D=D, K=K, dtype=jnp.float32, empty_rows=2)
@@ -411,11 +508,14 @@ def test_wrapper_against_dense_oracle(rng, monkeypatch, H, D, K, bk, qdo, narrow
     o, lse = dense_oracle(q, kv, idx, sink, scale)
     o, lse = jnp.asarray(o, jnp.float32), jnp.asarray(lse, jnp.float32)
     dq, dkv, dsink = bwd.backward(q, kv, idx, sink, o, lse, do, dlse, scale=scale, block_k=bk,
-                                  stages=2, producer_regs=96, qdo=qdo, narrow_keys=narrow,
+                                  stages=3 if fuse == "ahead" else 2, producer_regs=96, qdo=qdo, narrow_keys=narrow,
                                   reduce=reduce, interm=interm, block_r=16 if qdo else 0,
                                   interpret_reduce=True, amd=amd, fuse_delta=bool(fuse),
                                   pair=bool(fuse) and amd is None,
-                                  schedule="lockstep" if fuse in (True, False) else "alternate",
+                                  schedule="alternate" if fuse in ("alternate", "dq_first") else
+                                  "lockstep", dq_pipeline=fuse in ("blk", "ahead"),
+                                  qdo_regs=int(fuse in ("blk", "ahead")),
+                                  scores_ahead=fuse == "ahead",
                                   alt_order="dq_first" if fuse == "dq_first" else "s_first")
     _, _, rdq, rdkv, rdsink = dense_oracle(q, kv, idx, sink, scale, do, dlse)
     for what, got, want in (("dq", dq, rdq), ("dkv", dkv, rdkv), ("dsink", dsink, rdsink)):

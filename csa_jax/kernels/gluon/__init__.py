@@ -147,6 +147,19 @@ class Config:
         chunks while the producer copies q and dO; dlse - delta written out for dsink) instead
         of an XLA reduction reading o and dO (4.3 GB at Pro T = 16384). NVIDIA only (the AMD
         route ignores it).
+    bwd_pipeline (bwd_pair, lockstep, bwd_dq_operand "desc" only): the dq kernel's dq product
+        runs asynchronously: tile i's score product is issued right behind tile i-1's dq
+        product, stage i-1 is released once that dq product is done (while the scores run),
+        and tile i's dsp stores are issued under its dq product (bwd_pipe.py).
+    bwd_qdo_regs (bwd_pipeline only; 0 or 1): 1 = bwd_pipe.csa_dq_blk_kernel: [q; dO] kept in
+        64-column blocks, block 0 (16 KiB) also held in registers (16 a thread) as the
+        register A operand of the score product, so its shared memory is free after the
+        prologue and holds dS: 16 KiB less shared-memory traffic a tile (of 268 KiB at D = 512,
+        32-row tiles) and room for a third 32-row stage at D = 512 (bwd_stages=3: 229,580 B).
+    bwd_scores_ahead (bwd_qdo_regs=1 with bwd_stages >= 3): tile i+1's score product is issued
+        before tile i's element-wise work, so the tensor cores run it while the consumers form
+        p / dS and store dsp (3 ring tiles live: i-1 until its dq product is done, i, i+1);
+        the consumers then need 232 registers and the producer gets 40.
     bwd_schedule: the dq kernel's schedule: "lockstep" (bwd.py: one 8-warp consumer partition,
         both warpgroups on every tile) or "alternate" (bwd_alt.py, the forward's alternating
         schedule: two 4-warp consumer warpgroups owning alternate tiles, each computing its
@@ -204,6 +217,9 @@ class Config:
     bwd_qdo: bool = False
     bwd_pair: bool = False
     bwd_fuse_delta: bool = False
+    bwd_pipeline: bool = False
+    bwd_qdo_regs: int = 0
+    bwd_scores_ahead: bool = False
     bwd_schedule: str = "lockstep"
     bwd_alt_regs: int = 232
     bwd_alt_order: str = "s_first"
@@ -230,6 +246,23 @@ class Config:
         if self.bwd_pair and (self.bwd_prefetch or self.bwd_ablate):
             raise ValueError(f"bwd_pair=True has no bwd_prefetch / bwd_ablate modes (got "
                              f"bwd_prefetch={self.bwd_prefetch}, bwd_ablate={self.bwd_ablate})")
+        if not isinstance(self.bwd_pipeline, bool):
+            raise ValueError(f"bwd_pipeline={self.bwd_pipeline!r} must be a bool")
+        if self.bwd_pipeline and not (self.bwd_pair and self.bwd_schedule == "lockstep"
+                                      and self.bwd_dq_operand == "desc"):
+            raise ValueError(f"bwd_pipeline=True needs bwd_pair=True, bwd_schedule='lockstep', "
+                             f"bwd_dq_operand='desc' (got {self.bwd_pair}, "
+                             f"{self.bwd_schedule!r}, {self.bwd_dq_operand!r})")
+        r = self.bwd_qdo_regs
+        if isinstance(r, bool) or r not in (0, 1):
+            raise ValueError(f"bwd_qdo_regs={r!r} must be 0 (off) or 1")
+        if r and not self.bwd_pipeline:
+            raise ValueError(f"bwd_qdo_regs={r} needs bwd_pipeline=True")
+        if not isinstance(self.bwd_scores_ahead, bool):
+            raise ValueError(f"bwd_scores_ahead={self.bwd_scores_ahead!r} must be a bool")
+        if self.bwd_scores_ahead and not (r and self.bwd_stages >= 3):
+            raise ValueError(f"bwd_scores_ahead=True needs bwd_qdo_regs=1 and bwd_stages >= 3 "
+                             f"(got {r}, {self.bwd_stages})")
         if self.bwd_schedule not in ("lockstep", "alternate"):
             raise ValueError(f"bwd_schedule={self.bwd_schedule!r} must be 'lockstep' or "
                              f"'alternate'")
@@ -432,20 +465,56 @@ def default_config(q_shape, kv_shape, idx_shape, dtype) -> Config:
     return dataclasses.replace(cfg, block_k=32, stages=2)
 
 
-def _bwd_default(D, cfg):
-    """The dq kernel's tiles: the largest (rows, stages) of 64x3, 64x2, 32x3, 32x2, 16x4 whose
-    buffers fit (32 x 2 at D = 512); dims.dq_shared_bytes counts every buffer and barrier
-    (dq_alt_shared_bytes and even stages only for bwd_schedule="alternate")."""
-    from csa_jax.kernels.gluon.dims import SMEM_LIMIT, dq_alt_shared_bytes, dq_shared_bytes
-    alt = cfg.bwd_schedule == "alternate"
+def _bwd_tiles(D, schedule, pair, blk=False):
+    """(bwd_block_k, bwd_stages) of the dq kernel: the largest (rows, stages) of 64x3, 64x2,
+    32x3, 32x2, 16x4 whose buffers fit (32 x 2 at D = 512); dims.dq_shared_bytes counts every
+    buffer and barrier (dq_alt_shared_bytes and even stages only for schedule "alternate";
+    blk: bwd_pipe's blocked kernel, dq_blk_shared_bytes, whose compile adds 148 B: 1 KiB of
+    margin, 32 x 3 at D = 512); None if none fits."""
+    from csa_jax.kernels.gluon.dims import (
+        SMEM_LIMIT, dq_alt_shared_bytes, dq_blk_shared_bytes, dq_shared_bytes)
+    alt = schedule == "alternate"
     for bk, st in ((64, 3), (64, 2), (32, 3), (32, 2), (16, 4)):
         if alt and st % 2:
             continue
-        need = (dq_alt_shared_bytes(D, bk, st) if alt else
-                dq_shared_bytes(D, bk, st, pair=cfg.bwd_pair))
+        if blk and not alt:
+            if dq_blk_shared_bytes(D, bk, st) <= SMEM_LIMIT - 1024:
+                return bk, st
+            continue
+        need = dq_alt_shared_bytes(D, bk, st) if alt else dq_shared_bytes(D, bk, st, pair=pair)
         if need <= SMEM_LIMIT - 8192:
-            return dataclasses.replace(cfg, bwd_block_k=bk, bwd_stages=st)
-    return cfg
+            return bk, st
+    return None
+
+
+def _bwd_default(D, cfg):
+    """cfg with the dq kernel's tiles of _bwd_tiles for its bwd_schedule / bwd_pair /
+    bwd_qdo_regs."""
+    tiles = _bwd_tiles(D, cfg.bwd_schedule, cfg.bwd_pair, bool(cfg.bwd_qdo_regs))
+    if tiles is None:
+        return cfg
+    return dataclasses.replace(cfg, bwd_block_k=tiles[0], bwd_stages=tiles[1])
+
+
+# Fields whose value decides the dq kernel's tiles (_bwd_tiles).
+_BWD_TILE_KEYS = ("bwd_schedule", "bwd_pair", "bwd_qdo_regs")
+
+
+def replace_config(cfg, q_shape, **overrides):
+    """dataclasses.replace(cfg, **overrides) for a variant of a default config: an override
+    that changes what the dq kernel's tiles depend on (bwd_schedule, bwd_pair) without naming
+    bwd_block_k / bwd_stages re-picks them for the new kernel (_bwd_tiles at D = q_shape[3]),
+    so that e.g. bwd_schedule="alternate" on top of a 3-stage lockstep default gets its even
+    ring depth instead of a ValueError. Tiles named in the overrides are kept as given."""
+    kw = dict(overrides)
+    changed = any(k in kw and kw[k] != getattr(cfg, k) for k in _BWD_TILE_KEYS)
+    if changed and "bwd_block_k" not in kw and "bwd_stages" not in kw and not _amd():
+        tiles = _bwd_tiles(q_shape[3], kw.get("bwd_schedule", cfg.bwd_schedule),
+                           kw.get("bwd_pair", cfg.bwd_pair),
+                           bool(kw.get("bwd_qdo_regs", cfg.bwd_qdo_regs)))
+        if tiles is not None:
+            kw["bwd_block_k"], kw["bwd_stages"] = tiles
+    return dataclasses.replace(cfg, **kw)
 
 
 def _device():
@@ -592,7 +661,10 @@ def backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, interpret, config):
                              producer_regs=config.producer_regs, prefetch=config.bwd_prefetch,
                              ablate=config.bwd_ablate, qdo=config.bwd_qdo,
                              dq_operand=config.bwd_dq_operand, pair=config.bwd_pair,
-                             fuse_delta=config.bwd_fuse_delta, schedule=config.bwd_schedule,
+                             fuse_delta=config.bwd_fuse_delta,
+                             dq_pipeline=config.bwd_pipeline, qdo_regs=config.bwd_qdo_regs,
+                             scores_ahead=config.bwd_scores_ahead,
+                             schedule=config.bwd_schedule,
                              alt_regs=config.bwd_alt_regs, alt_order=config.bwd_alt_order,
                              interm=config.bwd_interm,
                              interm_operand=config.bwd_interm_operand,

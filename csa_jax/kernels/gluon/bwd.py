@@ -98,6 +98,16 @@ def _dq_pair_producer(q_ptr, do_ptr, kv_ptr, idx_ptr, qdo_smem, ring, full, cons
     src = gl.where((plane == 0)[:, None], q_ptr + off, do_ptr + off)
     async_copy.async_copy_global_to_shared(qdo_smem, src)
     async_copy.mbarrier_arrive(q_bar, increment_count=False)
+    _kv_ring(kv_ptr, idx_ptr, ring, full, consumed, b, ntiles, N, D, K, BK, STAGES)
+
+
+@gluon.jit
+def _kv_ring(kv_ptr, idx_ptr, ring, full, consumed, b, ntiles, N: gl.constexpr,
+             D: gl.constexpr, K: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr):
+    """The paired producers' kv ring: tile i's BK rows gathered with cp.async into stage
+    i % STAGES once its previous tile was consumed (row ids loaded per tile, -1 zero-filled)."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [PRODUCER_WARPS, 1], [1, 0])
+    cols = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
     krows = gl.arange(0, BK, layout=gl.SliceLayout(1, layout))
     kv_base = kv_ptr + b.to(gl.int64) * (N * D)
     for i in range(ntiles):
@@ -386,13 +396,20 @@ def _dq_consumer(idx_ptr, lse_ptr, dc_ptr, fz, dq_ptr, dsp_ptr, qdo_ptr, qdo_sme
     _store_dq(dq_ptr, acc, row, D, HBC, SCALE, DQ_OP)
 
 
+# Config.bwd_pipeline's consumers and its bwd_qdo_regs kernel (bwd_pipe.py uses the helpers
+# above).
+from csa_jax.kernels.gluon.bwd_pipe import _dq_pipe_consumer  # noqa: E402
+from csa_jax.kernels.gluon.bwd_pipe import csa_dq_blk_kernel as _dq_blk_kernel  # noqa: E402
+
+
 @gluon.jit
 def csa_dq_kernel(q_ptr, do_ptr, kv_ptr, idx_ptr, ntiles_ptr, lse_ptr, dc_ptr, o_ptr, dq_ptr,
                   dsp_ptr, qdo_ptr, dcout_ptr, T: gl.constexpr, N: gl.constexpr, NHB: gl.constexpr, D: gl.constexpr,
                   K: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, EW_C: gl.constexpr,
                   QK_SCALE: gl.constexpr, SCALE: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                   PREFETCH: gl.constexpr, ABLATE: gl.constexpr, QDO: gl.constexpr,
-                  DQ_OP: gl.constexpr, PAIR: gl.constexpr, FUSE: gl.constexpr):
+                  DQ_OP: gl.constexpr, PAIR: gl.constexpr, FUSE: gl.constexpr,
+                  PIPE: gl.constexpr, AREG: gl.constexpr, AHEAD: gl.constexpr):
     row, tok, hb, b, ntiles, idx_tok = _program(ntiles_ptr, idx_ptr, T, NHB, K)
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     HBC: gl.constexpr = 64
@@ -419,7 +436,16 @@ def csa_dq_kernel(q_ptr, do_ptr, kv_ptr, idx_ptr, ntiles_ptr, lse_ptr, dc_ptr, o
         mbarrier.init(full.index(s), count=PRODUCER_WARPS * 32)
         mbarrier.init(consumed.index(s), count=1)
     fz = (o_ptr, do_ptr, dcout_ptr)    # Config.bwd_fuse_delta's operands (FUSE only)
-    if PAIR:
+    if PIPE:    # Config.bwd_pipeline (bwd_pipe.py; paired rows)
+        gl.warp_specialize([
+            (_dq_pipe_consumer, (idx_tok, lse_ptr, dc_ptr, fz, dq_ptr, dsp_ptr, qdo_ptr,
+                                 qdo_smem, ring, full, consumed, q_bar, ds_smem, row, tok, hb,
+                                 ntiles, D, K, NHB * HBC, BK, STAGES, HBC, QK_SCALE, SCALE, QDO,
+                                 FUSE, False, False)),
+            (_dq_pair_producer, (q_ptr, do_ptr, kv_ptr, idx_tok, qdo_smem, ring, full, consumed,
+                                 q_bar, row, b, ntiles, N, D, K, BK, STAGES, HBC)),
+        ], [PRODUCER_WARPS], [PRODUCER_REGS])
+    elif PAIR:
         gl.warp_specialize([
             (_dq_pair_consumer, (idx_tok, lse_ptr, dc_ptr, fz, dq_ptr, dsp_ptr, qdo_ptr,
                                  qdo_smem, ring, full, consumed, q_bar, ds_smem, row, tok, hb,
@@ -459,18 +485,23 @@ DQ_OPERANDS = ("desc", "desc_a", "ldsm_trans", "movmatrix")     # Config.bwd_dq_
 
 
 def constexprs(*, T, N, NHB, D, K, BK, stages, scale, producer_regs, prefetch=False, ablate=0,
-               qdo=False, dq_operand="desc", pair=False, fuse_delta=False):
+               qdo=False, dq_operand="desc", pair=False, fuse_delta=False, pipeline=False,
+               qdo_regs=0, scores_ahead=False):
     """The dq kernel's compile-time parameters (also used by the CPU compile checks)."""
     return dict(T=T, N=N, NHB=NHB, D=D, K=K, BK=BK, STAGES=stages, EW_C=ew_cols(BK),
                 QK_SCALE=float(scale) * LOG2E, SCALE=float(scale), PRODUCER_REGS=producer_regs,
                 PREFETCH=bool(prefetch), ABLATE=int(ablate), QDO=bool(qdo),
-                DQ_OP=DQ_OPERANDS.index(dq_operand), PAIR=bool(pair), FUSE=bool(fuse_delta))
+                DQ_OP=DQ_OPERANDS.index(dq_operand), PAIR=bool(pair), FUSE=bool(fuse_delta),
+                PIPE=bool(pipeline) and bool(pair), AREG=int(qdo_regs),
+                AHEAD=bool(scores_ahead))
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_k", "stages", "producer_regs",
                                              "prefetch", "ablate", "qdo", "dq_operand", "pair",
-                                             "fuse_delta", "schedule", "alt_regs",
-                                             "alt_order",
+                                             "fuse_delta", "dq_pipeline", "qdo_regs",
+                                             "scores_ahead",
+                                             "schedule",
+                                             "alt_regs", "alt_order",
                                              "interm", "interm_operand", "interm_stages",
                                              "interm_pipeline",
                                              "narrow_keys",
@@ -478,7 +509,9 @@ def constexprs(*, T, N, NHB, D, K, BK, stages, scale, producer_regs, prefetch=Fa
                                              "interpret_reduce", "amd"))
 def backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, block_k, stages, producer_regs,
              prefetch=False, ablate=0, qdo=False, dq_operand="desc", pair=False,
-             fuse_delta=False, schedule="lockstep", alt_regs=232, alt_order="s_first",
+             fuse_delta=False, dq_pipeline=False, qdo_regs=0, scores_ahead=False,
+             schedule="lockstep", alt_regs=232,
+             alt_order="s_first",
              interm="xla",
              interm_operand="desc", interm_stages=4, interm_pipeline=False, narrow_keys=False,
              reduce="pallas_triton", block_r=0, reduce_warps=0, interpret_reduce=False,
@@ -488,7 +521,8 @@ def backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, block_k, stages, prod
     sanitized (-1 for every empty or out-of-range slot). The keywords are the Config.bwd_*
     fields of the same names (block_k, stages, producer_regs, prefetch, ablate, qdo, dq_operand,
     pair, fuse_delta, schedule, alt_regs, alt_order, interm*, narrow_keys, reduce, block_r,
-    reduce_warps;
+    reduce_warps; dq_pipeline, qdo_regs, scores_ahead are Config.bwd_pipeline, bwd_qdo_regs,
+    bwd_scores_ahead;
     see Config); interpret_reduce runs the Pallas reduce in its interpreter (the CPU test of
     this wrapper, with the dq kernel emulated). amd: a gfx architecture (amd_bwd.DQ_DEFAULTS)
     -> amd_bwd.csa_dq_amd_kernel, same contract, at block_k / stages (producer_regs, prefetch,
@@ -509,9 +543,13 @@ def backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, block_k, stages, prod
     # exact zeros for the padding; padded slots are -1, in no inverse-map row).
     Hp, Dp, Kp = padded_dims(H, D, K, 128 if interm == "gluon" else block_k)
     alt = schedule == "alternate" and amd is None
+    blk = bool(dq_pipeline and pair and qdo_regs) and amd is None    # bwd_pipe's blocked kernel
     if alt:
         from csa_jax.kernels.gluon import bwd_alt
         need = bwd_alt.shared_bytes(padded_dims(H, D, K, block_k)[1], block_k, stages)
+    elif blk:
+        from csa_jax.kernels.gluon.dims import dq_blk_shared_bytes
+        need = dq_blk_shared_bytes(D, block_k, stages)
     else:
         need = shared_bytes(D, block_k, stages, pair=pair)
     if amd is None and need > SMEM_LIMIT:
@@ -542,10 +580,15 @@ def backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, block_k, stages, prod
                                         qdo=qdo, fuse_delta=fuse_delta, order=alt_order)
         else:
             kernel, warps, name = csa_dq_kernel, CONSUMER_WARPS, "csa_gluon_dq"
+            if blk:
+                kernel, name = _dq_blk_kernel, "csa_gluon_dq_blk"
+            # scores_ahead's consumers need 232 registers (0 spills): the producer gets 40
             consts = constexprs(T=T, N=N, NHB=nhb, D=Dp, K=Kp, BK=block_k, stages=stages,
-                                scale=scale, producer_regs=producer_regs, prefetch=prefetch,
+                                scale=scale, producer_regs=40 if blk and scores_ahead else
+                                producer_regs, prefetch=prefetch,
                                 ablate=ablate, qdo=qdo, dq_operand=dq_operand, pair=pair,
-                                fuse_delta=fuse_delta)
+                                fuse_delta=fuse_delta, pipeline=dq_pipeline,
+                                qdo_regs=qdo_regs, scores_ahead=scores_ahead and blk)
         outs = [(B * T * Hp, Dp), dsp_shape, qdo_shape]
         # o (read only with fuse_delta; else dO stands in, never read) and the dcout output
         extra_in = [(pad(pad(o, 3, Dp), 2, Hp) if fuse_delta else do_p).reshape(-1, Dp)]

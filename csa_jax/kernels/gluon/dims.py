@@ -26,6 +26,14 @@ def dq_shared_bytes(D, block_k, stages, itemsize=2, pair=False):
             + HB * block_k * itemsize + 8 * (2 * stages + 2))
 
 
+def dq_blk_shared_bytes(D, block_k, stages, itemsize=2):
+    """Shared memory of the dq kernel with bwd_pipeline + bwd_qdo_regs (bwd_pipe.py
+    csa_dq_blk_kernel): [q; dO] in 64-column blocks, the ring, the barriers; dS lives in the
+    [q; dO] block held in registers."""
+    Dp = padded_dims(HB, D, block_k, block_k)[1]
+    return (2 * HB + stages * block_k) * Dp * itemsize + 8 * (2 * stages + 1)
+
+
 def dq_alt_shared_bytes(D, block_k, stages, itemsize=2):
     """Shared memory of the alternating dq kernel (bwd_alt.py): [q; dO], the ring, the two dS
     buffers, the barriers."""
