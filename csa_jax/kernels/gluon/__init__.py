@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from csa_jax.kernels.gluon.adapter import missing as _missing_triton
-from csa_jax.kernels.gluon.dims import AMD_DEFAULTS, AMD_DQ_DEFAULTS, amd_arch
+from csa_jax.kernels.gluon.dims import AMD_DEFAULTS, AMD_DQ_DEFAULTS, amd_arch, check_bwd_win
 
 _GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 
@@ -159,6 +159,12 @@ class Config:
         first, both waited and the other's stage released before the element-wise work:
         fwd_alt's pv_first; bwd_alt.py).
     bwd_narrow_keys: the dkv inverse map sorts int16 keys when N < 2**15 (same map).
+    bwd_win: window reuse in the backward, layout="cr0" only (bwd_win.py: a 16-token block's
+        window union resident, [q; dO] of 32 heads streamed per token; dkv by the same
+        deterministic path on the canonical window index list). bwd_qdo, bwd_fuse_delta, the
+        reduce options and win_programs apply, the gather kernel's tiles and modes do not.
+        NVIDIA only; off by default (docs/perf/gluon_bwd_h200.md, part 4a).
+        bwd_win_producer_regs: its producer's registers (56: no spills at D = 512).
     bwd_reduce: the dkv gather-reduce kernel: "pallas_triton" (the Pallas Triton impl's) or
         "gluon" (kernels/gluon/dkv.py: 16-byte loads, two chunks of rows in flight, f32 [R, D]
         partials summed once); both deterministic, with different (fixed) summation orders.
@@ -211,10 +217,13 @@ class Config:
     bwd_reduce: str = "pallas_triton"
     bwd_block_r: int = 0
     bwd_reduce_warps: int = 0
+    bwd_win: bool = False
+    bwd_win_producer_regs: int = 56
 
     def __post_init__(self):
         if self.bwd not in ("gluon", "pallas_triton"):
             raise ValueError(f"bwd={self.bwd!r} must be 'gluon' or 'pallas_triton'")
+        check_bwd_win(self)
         if self.bwd_block_k not in (16, 32, 64):
             raise ValueError(f"bwd_block_k={self.bwd_block_k!r} must be 16, 32 or 64")
         if isinstance(self.bwd_stages, bool) or self.bwd_stages not in (1, 2, 3, 4):
@@ -585,6 +594,10 @@ def forward(q, kv, idx, sink, *, scale, interpret, config):
 def backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, interpret, config):
     """(dq, dkv, dsink): Config.bwd picks the Gluon dq kernel or the pallas_triton backward."""
     _check(q, kv, idx, interpret)
+    if config.bwd_win:
+        from csa_jax.kernels.gluon import bwd_win as _bw
+        return _bw.checked_backward(q, kv, idx, sink, o, lse, do, dlse, scale=scale,
+                                    config=config, amd=_amd())
     if config.bwd == "gluon":
         from csa_jax.kernels.gluon import bwd as _bwd
         return _bwd.backward(q, kv, idx, sink, o, lse, do, dlse, scale=float(scale),
@@ -605,3 +618,4 @@ def backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, interpret, config):
     cfg = pt.default_config(q.shape, kv.shape, idx.shape, q.dtype)
     return pt.backward(q, kv, idx, sink, o, lse, do, dlse, scale=scale, interpret=False,
                        config=cfg)
+
