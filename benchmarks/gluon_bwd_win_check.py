@@ -6,12 +6,17 @@ Parts:
   grad    the backward alone on cr0-layout problems (the window slots in a random order per
           token, -1 for rows < 0, slots past the window -1 when K > window; both cotangents,
           with and without sink, H 16 / 64 / 128, D 64 / 512, window 64 / 128, T not a multiple
-          of 16), gluon with bwd_win=True (on top of default_config, layout="cr0") and the
-          gluon default (the gather kernel) against impl="xla"'s backward on the same (o, lse):
+          of 16), gluon with bwd_win=True (on top of default_config, layout="cr0") and, with
+          --variants bwd_win,gather, the gluon default (the gather kernel) against impl="xla"'s
+          backward on the same (o, lse):
           dq, dkv, dsink by max-abs error over max-abs reference;
   det     dq, dkv, dsink of bwd_win bit-identical across two runs;
   poison  a traced idx with one token breaking the promise: that token's dq is NaN, a token
-          outside its reach finite; a concrete one: ValueError from check_layout.
+          outside its reach finite; a concrete one: ValueError from check_layout;
+  time    at V4 cr0 shapes (--shapes flash:4096,pro:16384; bench_csa's cr0 inputs), the whole
+          backward and the dq kernel alone (only dq kept: XLA drops the dkv work) of the gluon
+          default (gather dq kernel, layout="cr0") and bwd_win, median of --reps after a warm
+          run, bwd_win checked against the default in the same call (dO and dlse cotangents).
 One JSON line per check (gluon_check's helpers); exits non-zero if any check fails.
 """
 from __future__ import annotations
@@ -79,7 +84,7 @@ def _prepare(seed, case):
     return g, x, (q, kv, idx, s, o, lse, do, dlse), scale
 
 
-def part_grad(seed, cases):
+def part_grad(seed, cases, variants):
     for case in CASES:
         name, B, T, H, D, N, W, K, dt, sink = case
         if cases and name not in cases:
@@ -87,6 +92,8 @@ def part_grad(seed, cases):
         g, x, args, scale = _prepare(seed, case)
         ref = _bwd(x, x.Config(), args, scale)
         for vname, cfg in _cfgs(g, args[0], W).items():
+            if vname not in variants:
+                continue
             try:
                 got = _bwd(g, cfg, args, scale)
             except Exception as e:  # noqa: BLE001
@@ -129,10 +136,53 @@ def part_poison(seed):
         report(part="poison_concrete", ok=f"idx[0, {t_bad}]" in str(e), error=str(e)[:300])
 
 
+def part_time(seed, shapes, reps):
+    from benchmarks.gluon_bwd_check import time_ms
+    from csa_jax import problems
+    from csa_jax.config import preset
+    g, _ = _mods()
+    for family, T in shapes:
+        c = preset(family, 0)
+        pr = problems.make_problem(c, T, B=1, seed=seed, index_mode="causal")
+        cfgs = _cfgs(g, pr.q, c.window)
+        o, lse = jax.jit(lambda *a: g.forward(*a, scale=c.scale, interpret=False,
+                                              config=cfgs["gather"]))(pr.q, pr.kv, pr.idx,
+                                                                       pr.sink)
+        args = (pr.q, pr.kv, pr.idx, pr.sink, o, lse, pr.do, pr.dlse)
+        ref = None
+        for vname in ("gather", "bwd_win"):
+            cfg = cfgs[vname]
+            try:
+                f = jax.jit(lambda *a, cfg=cfg: g.backward(*a, scale=c.scale, interpret=False,
+                                                          config=cfg))
+                fdq = jax.jit(lambda *a, cfg=cfg: g.backward(*a, scale=c.scale,
+                                                            interpret=False, config=cfg)[0])
+                row = dict(part="time", family=family, T=T, variant=vname,
+                           bwd_ms=time_ms(f, args, reps), dq_ms=time_ms(fdq, args, reps))
+                out = f(*args)
+                if ref is None:
+                    ref = out
+                else:
+                    row["err_vs_gather"] = {n: rel(a, b) for n, a, b in
+                                            zip(("dq", "dkv", "dsink"), out, ref)}
+                    row["ok"] = all(np.isfinite(e) and e <= 2e-2
+                                    for e in row["err_vs_gather"].values())
+                report(**row)
+            except Exception as e:  # noqa: BLE001
+                traceback.print_exc(limit=4)
+                report(part="time", family=family, T=T, variant=vname, ok=False,
+                       error=f"{type(e).__name__}: {e}"[:400])
+        del ref, args, o, lse, pr
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--parts", default="grad,det,poison")
     ap.add_argument("--cases", default="", help="comma list of CASES names (default all)")
+    ap.add_argument("--variants", default="bwd_win",
+                    help="grad part: bwd_win and / or gather (the default gluon backward)")
+    ap.add_argument("--shapes", default="flash:4096,pro:16384", help="time part: family:T,...")
+    ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--seed", type=int, default=int(time.time()) % 100000)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -142,9 +192,11 @@ def main(argv=None):
     if set(cases) - {c[0] for c in CASES}:
         ap.error(f"--cases {args.cases!r}: cases are {[c[0] for c in CASES]}")
     return run_parts(args.parts.split(","), {
-        "grad": lambda: part_grad(args.seed, cases),
+        "grad": lambda: part_grad(args.seed, cases, args.variants.split(",")),
         "det": lambda: part_det(args.seed),
         "poison": lambda: part_poison(args.seed),
+        "time": lambda: part_time(args.seed, [(f, int(t)) for f, t in (
+            x.split(":") for x in args.shapes.split(",") if x)], args.reps),
     }, seed=args.seed, out=args.out)
 
 
