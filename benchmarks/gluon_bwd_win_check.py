@@ -16,7 +16,8 @@ Parts:
   time    at V4 cr0 shapes (--shapes flash:4096,pro:16384; bench_csa's cr0 inputs), the whole
           backward and the dq kernel alone (only dq kept: XLA drops the dkv work) of the gluon
           default (gather dq kernel, layout="cr0") and bwd_win, median of --reps after a warm
-          run, bwd_win checked against the default in the same call (dO and dlse cotangents).
+          run, bwd_win checked against the default in the same call (dO and dlse cotangents);
+          --win-variants adds rows on top of bwd_win (e.g. its benchmark-only bwd_win_ablate).
 One JSON line per check (gluon_check's helpers); exits non-zero if any check fails.
 """
 from __future__ import annotations
@@ -32,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.common import parse_variants
 from benchmarks.gluon_check import TOL, rel, report, run_parts
 
 # name, B, T, H, D, N (kv rows >= T), window, K, dtype, sink
@@ -66,7 +68,7 @@ def _mods():
 def _cfgs(g, q, W):
     base = g.default_config(q.shape, None, None, q.dtype)
     gather = dataclasses.replace(base, layout="cr0", window=W)
-    return {"bwd_win": dataclasses.replace(gather, bwd_win=True), "gather": gather}
+    return {"gather": gather, "bwd_win": dataclasses.replace(gather, bwd_win=True)}
 
 
 def _bwd(mod, cfg, args, scale, jit=True):
@@ -136,7 +138,7 @@ def part_poison(seed):
         report(part="poison_concrete", ok=f"idx[0, {t_bad}]" in str(e), error=str(e)[:300])
 
 
-def part_time(seed, shapes, reps):
+def part_time(seed, shapes, reps, win_variants=""):
     from benchmarks.gluon_bwd_check import time_ms
     from csa_jax import problems
     from csa_jax.config import preset
@@ -149,19 +151,23 @@ def part_time(seed, shapes, reps):
                                               config=cfgs["gather"]))(pr.q, pr.kv, pr.idx,
                                                                        pr.sink)
         args = (pr.q, pr.kv, pr.idx, pr.sink, o, lse, pr.do, pr.dlse)
+        for name, kw in parse_variants(win_variants)[1:]:    # on top of bwd_win
+            cfgs[name] = dataclasses.replace(cfgs["bwd_win"], **kw)
         ref = None
-        for vname in ("gather", "bwd_win"):
-            cfg = cfgs[vname]
+        for vname, cfg in cfgs.items():
             try:
                 f = jax.jit(lambda *a, cfg=cfg: g.backward(*a, scale=c.scale, interpret=False,
                                                           config=cfg))
                 fdq = jax.jit(lambda *a, cfg=cfg: g.backward(*a, scale=c.scale,
                                                             interpret=False, config=cfg)[0])
                 row = dict(part="time", family=family, T=T, variant=vname,
-                           bwd_ms=time_ms(f, args, reps), dq_ms=time_ms(fdq, args, reps))
+                           bwd_ms=time_ms(f, args, reps),
+                           dq_ms=None if cfg.bwd_win_ablate else time_ms(fdq, args, reps))
                 out = f(*args)
                 if ref is None:
                     ref = out
+                elif cfg.bwd_win_ablate:
+                    row["ablated"] = cfg.bwd_win_ablate        # wrong results by design
                 else:
                     row["err_vs_gather"] = {n: rel(a, b) for n, a, b in
                                             zip(("dq", "dkv", "dsink"), out, ref)}
@@ -183,6 +189,8 @@ def main(argv=None):
                     help="grad part: bwd_win and / or gather (the default gluon backward)")
     ap.add_argument("--shapes", default="flash:4096,pro:16384", help="time part: family:T,...")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--win-variants", default="",
+                    help="time part: more bwd_win rows, 'name:key=val,...;...' on top of it")
     ap.add_argument("--seed", type=int, default=int(time.time()) % 100000)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -196,7 +204,7 @@ def main(argv=None):
         "det": lambda: part_det(args.seed),
         "poison": lambda: part_poison(args.seed),
         "time": lambda: part_time(args.seed, [(f, int(t)) for f, t in (
-            x.split(":") for x in args.shapes.split(",") if x)], args.reps),
+            x.split(":") for x in args.shapes.split(",") if x)], args.reps, args.win_variants),
     }, seed=args.seed, out=args.out)
 
 

@@ -43,7 +43,9 @@ def test_window_dq_kernel_compiles_sm90(qdo, fuse):
 
 
 def _emulated_win_kernel(q, do, kv, lse, dc, o, *, kernel, out_shape, grid, num_warps, name,
-                         T, N, NH2, D, W, G, QK_SCALE, SCALE, PRODUCER_REGS, QDO, FUSE):
+                         T, N, NH2, D, W, G, QK_SCALE, SCALE, PRODUCER_REGS, QDO, FUSE,
+                         ABLATE):
+    assert ABLATE == 0
     """What csa_dq_win_kernel computes, in jnp: per token its window rows t - W + 1 + j."""
     from csa_jax.indices import window_indices
     assert kernel is bwd_win.csa_dq_win_kernel
@@ -128,7 +130,9 @@ def test_bwd_win_config_and_refusals():
                     (dict(layout="cr0", bwd_win=1), "must be a bool"),
                     (dict(layout="cr0", bwd_win=True, bwd_interm="gluon"), "bwd_interm='xla'"),
                     (dict(layout="cr0", bwd_win=True, bwd_ablate=1), "bwd_ablate"),
-                    (dict(bwd_win_producer_regs=50), "bwd_win_producer_regs=50")):
+                    (dict(bwd_win_producer_regs=50), "bwd_win_producer_regs=50"),
+                    (dict(bwd_win_ablate=1), "bwd_win=True only"),
+                    (dict(layout="cr0", bwd_win=True, bwd_win_ablate=4), "bwd_win_ablate=4")):
         with pytest.raises(ValueError, match=re.escape(msg)):
             gluon.Config(**kw)
     z = jnp.zeros((1, 16, 64, 512), jnp.bfloat16)

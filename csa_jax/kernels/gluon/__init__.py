@@ -165,6 +165,8 @@ class Config:
         reduce options and win_programs apply, the gather kernel's tiles and modes do not.
         NVIDIA only; off by default (docs/perf/gluon_bwd_h200.md, part 4a).
         bwd_win_producer_regs: its producer's registers (56: no spills at D = 512).
+        bwd_win_ablate: BENCHMARK ONLY, wrong results: 1 = no dsp / [q; dO] stores, 2 = no dq
+        product, 3 = the consumers only wait for and release the copies (their pace).
     bwd_reduce: the dkv gather-reduce kernel: "pallas_triton" (the Pallas Triton impl's) or
         "gluon" (kernels/gluon/dkv.py: 16-byte loads, two chunks of rows in flight, f32 [R, D]
         partials summed once); both deterministic, with different (fixed) summation orders.
@@ -219,6 +221,7 @@ class Config:
     bwd_reduce_warps: int = 0
     bwd_win: bool = False
     bwd_win_producer_regs: int = 56
+    bwd_win_ablate: int = 0
 
     def __post_init__(self):
         if self.bwd not in ("gluon", "pallas_triton"):

@@ -137,75 +137,93 @@ def _store_dsp(dsp_ptr, base, hrows, cols, shift, c_lo, c_hi, p, ds, KC: gl.cons
 
 
 @gluon.jit
+def _token(lse_ptr, dc_ptr, fz, dq_ptr, dsp_ptr, qdo_ptr, qdo_smem, win_a, win_b, dsa, dsb,
+           q_ready, q_free, acc0, it, i, t0, tok, h2, NH2: gl.constexpr, D: gl.constexpr,
+           W: gl.constexpr, QK_SCALE: gl.constexpr, SCALE: gl.constexpr, QDO: gl.constexpr,
+           FUSE: gl.constexpr, ABLATE: gl.constexpr):
+    """One token of a block (token i of block t0, the it-th of the program): scores on the
+    resident span, p / dS, dsp stores, dq^T = span^T dS^T, dq store. ABLATE (benchmark only,
+    wrong results): 1 = no dsp / qdo stores, 2 = no dq product (dq stored as 0)."""
+    HP: gl.constexpr = NH2 * H2
+    dt: gl.constexpr = dsp_ptr.dtype.element_ty
+    lrow: gl.constexpr = gl.SliceLayout(1, gl.BlockedLayout([1, 1], [32, 1], [gl.num_warps(), 1],
+                                                            [1, 0]))
+    hb = h2 // 2                                  # the 64-head block (dsp / qdo layout)
+    half = h2 % 2
+    if FUSE:     # delta = sum(o * dO) formed here (bwd._load_dc): dlse - delta -> dcout
+        _load_dc(dc_ptr, fz, tok * NH2 + h2, gl.arange(0, H2, layout=lrow), D, H2, True)
+        dsrc = fz[2]
+    else:
+        dsrc = dc_ptr
+    mbarrier.wait(q_ready, it & 1)
+    fence_async_shared()              # cp.async (generic proxy) -> wgmma
+    if QDO and ABLATE != 1:    # the interm GEMM's [q; dO] operand: qdo [B*T, NHB, 2, 64, D]
+        blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1],
+                                             [1, 0])
+        r = gl.arange(0, 2 * H2, layout=gl.SliceLayout(1, blk))
+        cc = gl.arange(0, D, layout=gl.SliceLayout(0, blk))
+        plane, head = _qdo_row(r, H2, True)
+        dst = (qdo_ptr + (tok * (NH2 // 2) + hb).to(gl.int64) * (2 * HBC * D)
+               + (plane * HBC + half * H2 + head)[:, None] * D + cc[None, :])
+        gl.store(dst, qdo_smem.load(blk))
+    sa = _scores(qdo_smem, win_a, W)
+    sb = _scores(qdo_smem, win_b, BT)
+    sa, sb = warpgroup_mma_wait(0, deps=[sa, sb])
+    # every consumer warp is past its [q; dO] reads (and past the previous token's dq
+    # product, which read dS): the next [q; dO] may load, dS may be overwritten
+    _release(q_free)
+    hoff = tok * HP + h2 * H2
+    # win_a column c = kv row t0 - W + c: the window's rows t - W + 1 .. t0 - 1 there
+    # (rows < 0 were zero-filled: masked), canonical slot j = c - i - 1
+    pa, dsa_v, hra, ca = _p_ds_cols(sa, lse_ptr, dsrc, hoff,
+                                    gl.maximum(i + 1, W - t0), W - 1, W, QK_SCALE)
+    # win_b column c = kv row t0 + c: rows t0 .. t, slot j = W - 1 - i + c
+    pb, dsb_v, hrb, cb = _p_ds_cols(sb, lse_ptr, dsrc, hoff, 0, i, BT, QK_SCALE)
+    if QDO:      # dsp [B*T, NHB, 2, 64, W]
+        base = (tok * (NH2 // 2) + hb).to(gl.int64) * (2 * HBC * W) + half * H2 * W
+        PSTRIDE: gl.constexpr = HBC * W
+    else:        # dsp [B*T, 2, HP, W]
+        base = tok.to(gl.int64) * (2 * HP * W) + h2 * H2 * W
+        PSTRIDE: gl.constexpr = HP * W
+    if ABLATE != 1:  # every canonical slot 0 .. W - 1 written once (0 where the row < 0)
+        _store_dsp(dsp_ptr, base, hra, ca, -i - 1, i + 1, W - 1, pa, dsa_v, W, PSTRIDE,
+                   SCALE)
+        _store_dsp(dsp_ptr, base, hrb, cb, W - 1 - i, 0, i, pb, dsb_v, W, PSTRIDE, SCALE)
+    dsa.store(dsa_v.to(dt))
+    dsb.store(dsb_v.to(dt))
+    fence_async_shared()              # generic-proxy stores -> wgmma reads
+    gl.thread_barrier()
+    # dq^T [D, 32] = span^T dS^T: A = the span (MN-major), B = dS^T (K-major)
+    acc = acc0
+    if ABLATE != 2:
+        acc = warpgroup_mma(win_a.permute((1, 0)), dsa.permute((1, 0)), acc0,
+                            use_acc=False)
+        acc = warpgroup_mma(win_b.permute((1, 0)), dsb.permute((1, 0)), acc)
+    _store_dq(dq_ptr, acc, tok * NH2 + h2, D, H2, SCALE, 1)
+
+
+@gluon.jit
 def _consumer(lse_ptr, dc_ptr, fz, dq_ptr, dsp_ptr, qdo_ptr, qdo_smem, win_a, win_b, dsa, dsb,
               q_ready, q_free, span_ready, span_free, b, h2, g, nblk, T: gl.constexpr,
               NH2: gl.constexpr, D: gl.constexpr, W: gl.constexpr, G: gl.constexpr,
               QK_SCALE: gl.constexpr, SCALE: gl.constexpr, QDO: gl.constexpr,
-              FUSE: gl.constexpr):
-    HP: gl.constexpr = NH2 * H2
-    lrow: gl.constexpr = gl.SliceLayout(1, gl.BlockedLayout([1, 1], [32, 1], [gl.num_warps(), 1],
-                                                            [1, 0]))
-    dt: gl.constexpr = dsp_ptr.dtype.element_ty
+              FUSE: gl.constexpr, ABLATE: gl.constexpr):
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, H2, 16])
     acc0 = gl.zeros([D, H2], gl.float32, acc_layout)
-    hb = h2 // 2                                  # the 64-head block (dsp / qdo layout)
-    half = h2 % 2
     for k in range(nblk):
         t0 = (g + k * G) * BT
         mbarrier.wait(span_ready, k & 1)
         for i in range(gl.minimum(T - t0, BT)):
-            t = t0 + i
             it = k * BT + i
-            tok = b * T + t
-            if FUSE:     # delta = sum(o * dO) formed here (bwd._load_dc): dlse - delta -> dcout
-                _load_dc(dc_ptr, fz, tok * NH2 + h2, gl.arange(0, H2, layout=lrow), D, H2, True)
-                dsrc = fz[2]
+            tok = b * T + t0 + i
+            if ABLATE == 3:  # benchmark only: no compute, the copies' pace
+                mbarrier.wait(q_ready, it & 1)
+                _release(q_free)
             else:
-                dsrc = dc_ptr
-            mbarrier.wait(q_ready, it & 1)
-            fence_async_shared()              # cp.async (generic proxy) -> wgmma
-            if QDO:      # the interm GEMM's [q; dO] operand: qdo [B*T, NHB, 2, 64, D]
-                blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1],
-                                                     [1, 0])
-                r = gl.arange(0, 2 * H2, layout=gl.SliceLayout(1, blk))
-                cc = gl.arange(0, D, layout=gl.SliceLayout(0, blk))
-                plane, head = _qdo_row(r, H2, True)
-                dst = (qdo_ptr + (tok * (NH2 // 2) + hb).to(gl.int64) * (2 * HBC * D)
-                       + (plane * HBC + half * H2 + head)[:, None] * D + cc[None, :])
-                gl.store(dst, qdo_smem.load(blk))
-            sa = _scores(qdo_smem, win_a, W)
-            sb = _scores(qdo_smem, win_b, BT)
-            sa, sb = warpgroup_mma_wait(0, deps=[sa, sb])
-            # every consumer warp is past its [q; dO] reads (and past the previous token's dq
-            # product, which read dS): the next [q; dO] may load, dS may be overwritten
-            _release(q_free)
-            hoff = tok * HP + h2 * H2
-            # win_a column c = kv row t0 - W + c: the window's rows t - W + 1 .. t0 - 1 there
-            # (rows < 0 were zero-filled: masked), canonical slot j = c - i - 1
-            pa, dsa_v, hra, ca = _p_ds_cols(sa, lse_ptr, dsrc, hoff,
-                                            gl.maximum(i + 1, W - t0), W - 1, W, QK_SCALE)
-            # win_b column c = kv row t0 + c: rows t0 .. t, slot j = W - 1 - i + c
-            pb, dsb_v, hrb, cb = _p_ds_cols(sb, lse_ptr, dsrc, hoff, 0, i, BT, QK_SCALE)
-            if QDO:      # dsp [B*T, NHB, 2, 64, W]
-                base = (tok * (NH2 // 2) + hb).to(gl.int64) * (2 * HBC * W) + half * H2 * W
-                PSTRIDE: gl.constexpr = HBC * W
-            else:        # dsp [B*T, 2, HP, W]
-                base = tok.to(gl.int64) * (2 * HP * W) + h2 * H2 * W
-                PSTRIDE: gl.constexpr = HP * W
-            # every canonical slot 0 .. W - 1 written once (zeros where the row is < 0)
-            _store_dsp(dsp_ptr, base, hra, ca, -i - 1, i + 1, W - 1, pa, dsa_v, W, PSTRIDE,
-                       SCALE)
-            _store_dsp(dsp_ptr, base, hrb, cb, W - 1 - i, 0, i, pb, dsb_v, W, PSTRIDE, SCALE)
-            dsa.store(dsa_v.to(dt))
-            dsb.store(dsb_v.to(dt))
-            fence_async_shared()              # generic-proxy stores -> wgmma reads
-            gl.thread_barrier()
-            # dq^T [D, 32] = span^T dS^T: A = the span (MN-major), B = dS^T (K-major)
-            acc = warpgroup_mma(win_a.permute((1, 0)), dsa.permute((1, 0)), acc0,
-                                use_acc=False)
-            acc = warpgroup_mma(win_b.permute((1, 0)), dsb.permute((1, 0)), acc)
-            _store_dq(dq_ptr, acc, tok * NH2 + h2, D, H2, SCALE, 1)
+                _token(lse_ptr, dc_ptr, fz, dq_ptr, dsp_ptr, qdo_ptr, qdo_smem, win_a, win_b,
+                       dsa, dsb, q_ready, q_free, acc0, it, i, t0, tok, h2, NH2, D, W,
+                       QK_SCALE, SCALE, QDO, FUSE, ABLATE)
         _release(span_free)
 
 
@@ -214,7 +232,7 @@ def csa_dq_win_kernel(q_ptr, do_ptr, kv_ptr, lse_ptr, dc_ptr, o_ptr, dq_ptr, dsp
                       dcout_ptr, T: gl.constexpr, N: gl.constexpr, NH2: gl.constexpr,
                       D: gl.constexpr, W: gl.constexpr, G: gl.constexpr,
                       QK_SCALE: gl.constexpr, SCALE: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                      QDO: gl.constexpr, FUSE: gl.constexpr):
+                      QDO: gl.constexpr, FUSE: gl.constexpr, ABLATE: gl.constexpr):
     h2, g, b, nblk = _program_blocks(T, NH2, G)
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     qdo_smem = gl.allocate_shared_memory(
@@ -239,7 +257,7 @@ def csa_dq_win_kernel(q_ptr, do_ptr, kv_ptr, lse_ptr, dc_ptr, o_ptr, dq_ptr, dsp
     gl.warp_specialize([
         (_consumer, (lse_ptr, dc_ptr, (o_ptr, do_ptr, dcout_ptr), dq_ptr, dsp_ptr, qdo_ptr,
                      qdo_smem, win_a, win_b, dsa, dsb, q_ready, q_free, span_ready, span_free,
-                     b, h2, g, nblk, T, NH2, D, W, G, QK_SCALE, SCALE, QDO, FUSE)),
+                     b, h2, g, nblk, T, NH2, D, W, G, QK_SCALE, SCALE, QDO, FUSE, ABLATE)),
         (_producer, (q_ptr, do_ptr, kv_ptr, qdo_smem, win_a, win_b, q_ready, q_free,
                      span_ready, span_free, b, h2, g, nblk, T, N, NH2, D, W, G)),
     ], [PRODUCER_WARPS], [PRODUCER_REGS])
@@ -253,16 +271,17 @@ def arg_types(dt="bf16"):
             f"*{dt}", "*fp32"]
 
 
-def constexprs(*, T, N, NH2, D, window, G, scale, producer_regs, qdo=True, fuse_delta=False):
+def constexprs(*, T, N, NH2, D, window, G, scale, producer_regs, qdo=True, fuse_delta=False,
+               ablate=0):
     return dict(T=T, N=N, NH2=NH2, D=D, W=window, G=G, QK_SCALE=float(scale) * LOG2E,
                 SCALE=float(scale), PRODUCER_REGS=producer_regs, QDO=bool(qdo),
-                FUSE=bool(fuse_delta))
+                FUSE=bool(fuse_delta), ABLATE=int(ablate))
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "window", "qdo", "fuse_delta",
-                                             "producer_regs", "programs_per"))
+                                             "producer_regs", "programs_per", "ablate"))
 def dq_window(q, kv, lse, do, dc, o, *, scale, window, qdo=True, fuse_delta=False,
-              producer_regs=56, programs_per=0):
+              producer_regs=56, programs_per=0, ablate=0):
     """(dq [B, T, H, D], dsp, qdo copy or None, dc) of the cr0 window dq kernel. dc: dlse -
     delta [B, T, H] f32, or with fuse_delta dlse alone (the kernel forms delta from o and dO;
     the returned dc is then the kernel's dlse - delta). dsp is [B*T, NHB, 2, 64, window] with
@@ -297,7 +316,8 @@ def dq_window(q, kv, lse, do, dc, o, *, scale, window, qdo=True, fuse_delta=Fals
                    jax.ShapeDtypeStruct((B * T * Hp,) if fuse_delta else (8,), f32)],
         grid=(B * G * nh2,), num_warps=CONSUMER_WARPS, name="csa_gluon_dq_win",
         **constexprs(T=T, N=N, NH2=nh2, D=Dp, window=window, G=G, scale=scale,
-                     producer_regs=producer_regs, qdo=qdo, fuse_delta=fuse_delta))
+                     producer_regs=producer_regs, qdo=qdo, fuse_delta=fuse_delta,
+                     ablate=ablate))
     if fuse_delta:
         dc = dcout.reshape(B, T, Hp)[:, :, :H]
     return dq.reshape(B, T, Hp, Dp)[:, :, :H, :D], dsp, (qdo_st if qdo else None), dc
@@ -323,7 +343,8 @@ def backward(q, kv, sink, o, lse, do, dlse, bad, *, scale, config):
     dq, dsp, qdo_st, dc = dq_window(q, kv, lse, do, dc, o, scale=scale, window=W,
                                     qdo=config.bwd_qdo, fuse_delta=fuse,
                                     producer_regs=config.bwd_win_producer_regs,
-                                    programs_per=config.win_programs)
+                                    programs_per=config.win_programs,
+                                    ablate=config.bwd_win_ablate)
     Hp, Dp, _ = padded_dims(H, D, 1, 1)
     from csa_jax.indices import window_indices
     idx_c = jnp.broadcast_to(window_indices(T, W), (B, T, W))     # the canonical slot order

@@ -50,7 +50,12 @@ def check_bwd_win(c):
     r = c.bwd_win_producer_regs
     if isinstance(r, bool) or not isinstance(r, int) or r % 8 or not 24 <= r <= 256:
         raise ValueError(f"bwd_win_producer_regs={r!r} must be a multiple of 8 in 24..256")
+    if isinstance(c.bwd_win_ablate, bool) or c.bwd_win_ablate not in (0, 1, 2, 3):
+        raise ValueError(f"bwd_win_ablate={c.bwd_win_ablate!r} must be 0 (off) or 1..3 "
+                         f"(benchmark only)")
     if not c.bwd_win:
+        if c.bwd_win_ablate:
+            raise ValueError("bwd_win_ablate applies to bwd_win=True only")
         return
     if c.layout != "cr0":
         raise ValueError(f"bwd_win=True needs layout='cr0' (the window dq kernel covers the "
