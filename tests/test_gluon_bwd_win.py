@@ -26,7 +26,7 @@ from csa_jax.kernels.gluon import adapter, bwd_win, dims  # noqa: E402
 from test_gluon_bwd import _emulated_reduce_kernel  # noqa: E402
 
 
-@pytest.mark.parametrize("qdo,fuse", [(True, True), (False, False)])
+@pytest.mark.parametrize("qdo,fuse", [(True, 1), (False, 0), (True, 2)])
 def test_window_dq_kernel_compiles_sm90(qdo, fuse):
     consts = bwd_win.constexprs(T=4096, N=4096, NH2=4, D=512, window=128, G=33,
                                 scale=512 ** -0.5, producer_regs=56, qdo=qdo, fuse_delta=fuse)
@@ -95,8 +95,8 @@ def _cr0_problem(rng, B, T, H, D, W, K):
     return f(B, T, H, D), f(B, T + 3, D), jnp.asarray(idx), f(H), f(B, T, H, D), f(B, T, H)
 
 
-@pytest.mark.parametrize("H,D,qdo,fuse,reduce", [(70, 24, True, True, "gluon"),
-                                                 (20, 40, False, False, "gluon")])
+@pytest.mark.parametrize("H,D,qdo,fuse,reduce", [(70, 24, True, "global", "gluon"),
+                                                 (20, 40, False, None, "gluon")])
 def test_window_wrapper_against_dense_oracle(rng, monkeypatch, H, D, qdo, fuse, reduce):
     """bwd_win.backward with the kernel emulated: dq, dkv (the dkv path on the canonical window
     index list, whatever order idx holds the window in), dsink against the oracle on idx; a
@@ -106,7 +106,8 @@ def test_window_wrapper_against_dense_oracle(rng, monkeypatch, H, D, qdo, fuse, 
     q, kv, idx, sink, do, dlse = _cr0_problem(rng, B, T, H, D, W, W + 3)
     scale = 0.7 * D ** -0.5
     o, lse = (jnp.asarray(x, jnp.float32) for x in dense_oracle(q, kv, idx, sink, scale))
-    cfg = gluon.Config(layout="cr0", window=W, bwd_win=True, bwd_qdo=qdo, bwd_fuse_delta=fuse,
+    cfg = gluon.Config(layout="cr0", window=W, bwd_win=True, bwd_qdo=qdo,
+                       bwd_fuse_delta=fuse is not None, bwd_win_delta=fuse or "global",
                        bwd_reduce=reduce)
     f = jax.jit(lambda idx: bwd_win.checked_backward(q, kv, idx, sink, o, lse, do, dlse,
                                                      scale=scale, config=cfg))
@@ -132,6 +133,7 @@ def test_bwd_win_config_and_refusals():
                     (dict(layout="cr0", bwd_win=True, bwd_ablate=1), "bwd_ablate"),
                     (dict(bwd_win_producer_regs=50), "bwd_win_producer_regs=50"),
                     (dict(bwd_win_ablate=1), "bwd_win=True only"),
+                    (dict(bwd_win_delta="x"), "bwd_win_delta='x'"),
                     (dict(layout="cr0", bwd_win=True, bwd_win_ablate=4), "bwd_win_ablate=4")):
         with pytest.raises(ValueError, match=re.escape(msg)):
             gluon.Config(**kw)

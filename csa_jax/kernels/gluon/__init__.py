@@ -165,6 +165,9 @@ class Config:
         reduce options and win_programs apply, the gather kernel's tiles and modes do not.
         NVIDIA only; off by default (docs/perf/gluon_bwd_h200.md, part 4a).
         bwd_win_producer_regs: its producer's registers (56: no spills at D = 512).
+        bwd_win_delta (with bwd_fuse_delta): "global" (o and dO read from global memory per
+        token, bwd.py's way) or "smem" (o loads issued before the [q; dO] wait, dO read from
+        the resident buffer).
         bwd_win_ablate: BENCHMARK ONLY, wrong results: 1 = no dsp / [q; dO] stores, 2 = no dq
         product, 3 = the consumers only wait for and release the copies (their pace).
     bwd_reduce: the dkv gather-reduce kernel: "pallas_triton" (the Pallas Triton impl's) or
@@ -222,6 +225,7 @@ class Config:
     bwd_win: bool = False
     bwd_win_producer_regs: int = 56
     bwd_win_ablate: int = 0
+    bwd_win_delta: str = "global"
 
     def __post_init__(self):
         if self.bwd not in ("gluon", "pallas_triton"):

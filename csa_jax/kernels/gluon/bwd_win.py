@@ -137,6 +137,13 @@ def _store_dsp(dsp_ptr, base, hrows, cols, shift, c_lo, c_hi, p, ds, KC: gl.cons
 
 
 @gluon.jit
+def _delta8(dlse_ptr, dcout_ptr, hrow, o, do_view, layout: gl.constexpr):
+    """dcout = dlse - sum(o * dO) of 8 heads (rows hrow), dO from the resident [q; dO]."""
+    d = gl.sum(o.to(gl.float32) * do_view.load(layout).to(gl.float32), axis=1)
+    gl.store(dcout_ptr + hrow, gl.load(dlse_ptr + hrow) - d)
+
+
+@gluon.jit
 def _token(lse_ptr, dc_ptr, fz, dq_ptr, dsp_ptr, qdo_ptr, qdo_smem, win_a, win_b, dsa, dsb,
            q_ready, q_free, acc0, it, i, t0, tok, h2, NH2: gl.constexpr, D: gl.constexpr,
            W: gl.constexpr, QK_SCALE: gl.constexpr, SCALE: gl.constexpr, QDO: gl.constexpr,
@@ -150,13 +157,30 @@ def _token(lse_ptr, dc_ptr, fz, dq_ptr, dsp_ptr, qdo_ptr, qdo_smem, win_a, win_b
                                                             [1, 0]))
     hb = h2 // 2                                  # the 64-head block (dsp / qdo layout)
     half = h2 % 2
-    if FUSE:     # delta = sum(o * dO) formed here (bwd._load_dc): dlse - delta -> dcout
+    if FUSE == 1:    # delta = sum(o * dO) formed here (bwd._load_dc): dlse - delta -> dcout
         _load_dc(dc_ptr, fz, tok * NH2 + h2, gl.arange(0, H2, layout=lrow), D, H2, True)
         dsrc = fz[2]
+    elif FUSE == 2:  # the same from o (loads issued before the wait) and the resident dO
+        dsrc = fz[2]
+        o8: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [gl.num_warps(), 1], [1, 0])
+        r8 = gl.arange(0, 8, layout=gl.SliceLayout(1, o8))
+        c8 = gl.arange(0, D, layout=gl.SliceLayout(0, o8))
+        obase = fz[0] + (tok * HP + h2 * H2).to(gl.int64) * D
+        o0 = gl.load(obase + (r8 + 0)[:, None] * D + c8[None, :])
+        o1 = gl.load(obase + (r8 + 8)[:, None] * D + c8[None, :])
+        o2 = gl.load(obase + (r8 + 16)[:, None] * D + c8[None, :])
+        o3 = gl.load(obase + (r8 + 24)[:, None] * D + c8[None, :])
     else:
         dsrc = dc_ptr
     mbarrier.wait(q_ready, it & 1)
     fence_async_shared()              # cp.async (generic proxy) -> wgmma
+    if FUSE == 2:    # heads 8a .. 8a + 7: dO in rows 16a + 8 .. of the paired buffer
+        hrow = tok * HP + h2 * H2 + r8
+        _delta8(dc_ptr, dsrc, hrow + 0, o0, qdo_smem.slice(8, 8), o8)
+        _delta8(dc_ptr, dsrc, hrow + 8, o1, qdo_smem.slice(24, 8), o8)
+        _delta8(dc_ptr, dsrc, hrow + 16, o2, qdo_smem.slice(40, 8), o8)
+        _delta8(dc_ptr, dsrc, hrow + 24, o3, qdo_smem.slice(56, 8), o8)
+        gl.thread_barrier()           # dcout visible to every consumer thread
     if QDO and ABLATE != 1:    # the interm GEMM's [q; dO] operand: qdo [B*T, NHB, 2, 64, D]
         blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1],
                                              [1, 0])
@@ -271,20 +295,23 @@ def arg_types(dt="bf16"):
             f"*{dt}", "*fp32"]
 
 
-def constexprs(*, T, N, NH2, D, window, G, scale, producer_regs, qdo=True, fuse_delta=False,
+def constexprs(*, T, N, NH2, D, window, G, scale, producer_regs, qdo=True, fuse_delta=0,
                ablate=0):
+    """fuse_delta: 0 delta from XLA (dc = dlse - delta in), 1 the kernel forms it from o and dO
+    in global memory (bwd._load_dc), 2 from o (issued before the [q; dO] wait) and the resident
+    dO (Config.bwd_win_delta="smem")."""
     return dict(T=T, N=N, NH2=NH2, D=D, W=window, G=G, QK_SCALE=float(scale) * LOG2E,
                 SCALE=float(scale), PRODUCER_REGS=producer_regs, QDO=bool(qdo),
-                FUSE=bool(fuse_delta), ABLATE=int(ablate))
+                FUSE=int(fuse_delta), ABLATE=int(ablate))
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "window", "qdo", "fuse_delta",
                                              "producer_regs", "programs_per", "ablate"))
-def dq_window(q, kv, lse, do, dc, o, *, scale, window, qdo=True, fuse_delta=False,
+def dq_window(q, kv, lse, do, dc, o, *, scale, window, qdo=True, fuse_delta=0,
               producer_regs=56, programs_per=0, ablate=0):
     """(dq [B, T, H, D], dsp, qdo copy or None, dc) of the cr0 window dq kernel. dc: dlse -
-    delta [B, T, H] f32, or with fuse_delta dlse alone (the kernel forms delta from o and dO;
-    the returned dc is then the kernel's dlse - delta). dsp is [B*T, NHB, 2, 64, window] with
+    delta [B, T, H] f32, or with fuse_delta (1, 2: constexprs) dlse alone (the kernel forms
+    delta from o and dO; the returned dc is then the kernel's dlse - delta). dsp is [B*T, NHB, 2, 64, window] with
     qdo (head block first, as bwd.py's QDO layout; the qdo copy [B*T, NHB, 2, 64, Dp]), else
     [B*T, 2, Hp, window]; slot j of token t = kv row t - window + 1 + j. CUDA only."""
     import jax.numpy as jnp
@@ -336,7 +363,7 @@ def backward(q, kv, sink, o, lse, do, dlse, bad, *, scale, config):
     B, T, H, D = q.shape
     N, W = kv.shape[1], config.window
     lse = jnp.where(jnp.asarray(bad, bool)[..., None], jnp.nan, lse.astype(f32))
-    fuse = config.bwd_fuse_delta
+    fuse = (2 if config.bwd_win_delta == "smem" else 1) if config.bwd_fuse_delta else 0
     dc = dlse.astype(f32)
     if not fuse:
         dc = dc - jnp.sum(o.astype(f32) * do.astype(f32), axis=-1)
