@@ -16,7 +16,8 @@ Parts:
   time    at V4 cr0 shapes (--shapes flash:4096,pro:16384; bench_csa's cr0 inputs), the whole
           backward and the dq kernel alone (only dq kept: XLA drops the dkv work) of the gluon
           default (gather dq kernel, layout="cr0") and bwd_win, median of --reps after a warm
-          run, bwd_win checked against the default in the same call (dO and dlse cotangents);
+          run, bwd_win checked against the default in the same call (dO and dlse cotangents)
+          and bit-identical across two runs;
           --win-variants adds rows on top of bwd_win (e.g. its benchmark-only bwd_win_ablate).
 One JSON line per check (gluon_check's helpers); exits non-zero if any check fails.
 """
@@ -171,8 +172,13 @@ def part_time(seed, shapes, reps, win_variants=""):
                 else:
                     row["err_vs_gather"] = {n: rel(a, b) for n, a, b in
                                             zip(("dq", "dkv", "dsink"), out, ref)}
+                    again = f(*args)                            # a second run: the same bits
+                    row["bit_identical"] = {n: bool(jnp.array_equal(a, b)) for n, a, b in
+                                            zip(("dq", "dkv", "dsink"), out, again)}
                     row["ok"] = all(np.isfinite(e) and e <= 2e-2
-                                    for e in row["err_vs_gather"].values())
+                                    for e in row["err_vs_gather"].values()) and all(
+                        row["bit_identical"].values())
+                    del again
                 report(**row)
             except Exception as e:  # noqa: BLE001
                 traceback.print_exc(limit=4)

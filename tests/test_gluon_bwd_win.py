@@ -26,10 +26,12 @@ from csa_jax.kernels.gluon import adapter, bwd_win, dims  # noqa: E402
 from test_gluon_bwd import _emulated_reduce_kernel  # noqa: E402
 
 
-@pytest.mark.parametrize("qdo,fuse", [(True, 1), (False, 0), (True, 2)])
-def test_window_dq_kernel_compiles_sm90(qdo, fuse):
+@pytest.mark.parametrize("qdo,fuse,overlap", [(True, 1, True), (False, 0, True),
+                                              (True, 2, True), (True, 1, False)])
+def test_window_dq_kernel_compiles_sm90(qdo, fuse, overlap):
     consts = bwd_win.constexprs(T=4096, N=4096, NH2=4, D=512, window=128, G=33,
-                                scale=512 ** -0.5, producer_regs=56, qdo=qdo, fuse_delta=fuse)
+                                scale=512 ** -0.5, producer_regs=56, qdo=qdo, fuse_delta=fuse,
+                                overlap=overlap)
     c = adapter.compile_kernel(bwd_win.csa_dq_win_kernel, bwd_win.arg_types("bf16"), consts,
                                target="sm_90a", num_warps=bwd_win.CONSUMER_WARPS)
     r = adapter.resources(c, "sm_90a")
@@ -44,8 +46,8 @@ def test_window_dq_kernel_compiles_sm90(qdo, fuse):
 
 def _emulated_win_kernel(q, do, kv, lse, dc, o, *, kernel, out_shape, grid, num_warps, name,
                          T, N, NH2, D, W, G, QK_SCALE, SCALE, PRODUCER_REGS, QDO, FUSE,
-                         ABLATE):
-    assert ABLATE == 0
+                         ABLATE, OVERLAP):
+    assert ABLATE == 0 and OVERLAP in (True, False)
     """What csa_dq_win_kernel computes, in jnp: per token its window rows t - W + 1 + j."""
     from csa_jax.indices import window_indices
     assert kernel is bwd_win.csa_dq_win_kernel
@@ -134,6 +136,7 @@ def test_bwd_win_config_and_refusals():
                     (dict(bwd_win_producer_regs=50), "bwd_win_producer_regs=50"),
                     (dict(bwd_win_ablate=1), "bwd_win=True only"),
                     (dict(bwd_win_delta="x"), "bwd_win_delta='x'"),
+                    (dict(bwd_win_overlap=1), "bwd_win_overlap=1"),
                     (dict(layout="cr0", bwd_win=True, bwd_win_ablate=4), "bwd_win_ablate=4")):
         with pytest.raises(ValueError, match=re.escape(msg)):
             gluon.Config(**kw)

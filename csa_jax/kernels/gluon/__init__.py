@@ -168,6 +168,8 @@ class Config:
         bwd_win_delta (with bwd_fuse_delta): "global" (o and dO read from global memory per
         token, bwd.py's way) or "smem" (o loads issued before the [q; dO] wait, dO read from
         the resident buffer).
+        bwd_win_overlap: the [q; dO] copy-out under the async score products and the dsp
+        stores under the async dq product (False: each after the other, round 1's order).
         bwd_win_ablate: BENCHMARK ONLY, wrong results: 1 = no dsp / [q; dO] stores, 2 = no dq
         product, 3 = the consumers only wait for and release the copies (their pace).
     bwd_reduce: the dkv gather-reduce kernel: "pallas_triton" (the Pallas Triton impl's) or
@@ -226,6 +228,7 @@ class Config:
     bwd_win_producer_regs: int = 56
     bwd_win_ablate: int = 0
     bwd_win_delta: str = "global"
+    bwd_win_overlap: bool = True
 
     def __post_init__(self):
         if self.bwd not in ("gluon", "pallas_triton"):

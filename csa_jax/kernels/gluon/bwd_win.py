@@ -137,6 +137,20 @@ def _store_dsp(dsp_ptr, base, hrows, cols, shift, c_lo, c_hi, p, ds, KC: gl.cons
 
 
 @gluon.jit
+def _copy_qdo(qdo_ptr, qdo_smem, tok, hb, half, NH2: gl.constexpr, D: gl.constexpr):
+    """The resident [q; dO] (paired rows) to the interm GEMM's operand qdo [B*T, NHB, 2, 64, D]
+    (q's rows, then dO's, of this program's 32 heads of head block hb), 32 rows at a time."""
+    blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
+    cc = gl.arange(0, D, layout=gl.SliceLayout(0, blk))
+    base = qdo_ptr + (tok * (NH2 // 2) + hb).to(gl.int64) * (2 * HBC * D)
+    for j in gl.static_range(2):
+        r = 32 * j + gl.arange(0, 32, layout=gl.SliceLayout(1, blk))
+        plane, head = _qdo_row(r, H2, True)
+        gl.store(base + (plane * HBC + half * H2 + head)[:, None] * D + cc[None, :],
+                 qdo_smem.slice(32 * j, 32).load(blk))
+
+
+@gluon.jit
 def _delta8(dlse_ptr, dcout_ptr, hrow, o, do_view, layout: gl.constexpr):
     """dcout = dlse - sum(o * dO) of 8 heads (rows hrow), dO from the resident [q; dO]."""
     d = gl.sum(o.to(gl.float32) * do_view.load(layout).to(gl.float32), axis=1)
@@ -147,7 +161,7 @@ def _delta8(dlse_ptr, dcout_ptr, hrow, o, do_view, layout: gl.constexpr):
 def _token(lse_ptr, dc_ptr, fz, dq_ptr, dsp_ptr, qdo_ptr, qdo_smem, win_a, win_b, dsa, dsb,
            q_ready, q_free, acc0, it, i, t0, tok, h2, NH2: gl.constexpr, D: gl.constexpr,
            W: gl.constexpr, QK_SCALE: gl.constexpr, SCALE: gl.constexpr, QDO: gl.constexpr,
-           FUSE: gl.constexpr, ABLATE: gl.constexpr):
+           FUSE: gl.constexpr, ABLATE: gl.constexpr, OVERLAP: gl.constexpr):
     """One token of a block (token i of block t0, the it-th of the program): scores on the
     resident span, p / dS, dsp stores, dq^T = span^T dS^T, dq store. ABLATE (benchmark only,
     wrong results): 1 = no dsp / qdo stores, 2 = no dq product (dq stored as 0)."""
@@ -181,17 +195,12 @@ def _token(lse_ptr, dc_ptr, fz, dq_ptr, dsp_ptr, qdo_ptr, qdo_smem, win_a, win_b
         _delta8(dc_ptr, dsrc, hrow + 16, o2, qdo_smem.slice(40, 8), o8)
         _delta8(dc_ptr, dsrc, hrow + 24, o3, qdo_smem.slice(56, 8), o8)
         gl.thread_barrier()           # dcout visible to every consumer thread
-    if QDO and ABLATE != 1:    # the interm GEMM's [q; dO] operand: qdo [B*T, NHB, 2, 64, D]
-        blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1],
-                                             [1, 0])
-        r = gl.arange(0, 2 * H2, layout=gl.SliceLayout(1, blk))
-        cc = gl.arange(0, D, layout=gl.SliceLayout(0, blk))
-        plane, head = _qdo_row(r, H2, True)
-        dst = (qdo_ptr + (tok * (NH2 // 2) + hb).to(gl.int64) * (2 * HBC * D)
-               + (plane * HBC + half * H2 + head)[:, None] * D + cc[None, :])
-        gl.store(dst, qdo_smem.load(blk))
+    if not OVERLAP and QDO and ABLATE != 1:
+        _copy_qdo(qdo_ptr, qdo_smem, tok, hb, half, NH2, D)
     sa = _scores(qdo_smem, win_a, W)
     sb = _scores(qdo_smem, win_b, BT)
+    if OVERLAP and QDO and ABLATE != 1:    # under the score products (both only read it)
+        _copy_qdo(qdo_ptr, qdo_smem, tok, hb, half, NH2, D)
     sa, sb = warpgroup_mma_wait(0, deps=[sa, sb])
     # every consumer warp is past its [q; dO] reads (and past the previous token's dq
     # product, which read dS): the next [q; dO] may load, dS may be overwritten
@@ -209,7 +218,7 @@ def _token(lse_ptr, dc_ptr, fz, dq_ptr, dsp_ptr, qdo_ptr, qdo_smem, win_a, win_b
     else:        # dsp [B*T, 2, HP, W]
         base = tok.to(gl.int64) * (2 * HP * W) + h2 * H2 * W
         PSTRIDE: gl.constexpr = HP * W
-    if ABLATE != 1:  # every canonical slot 0 .. W - 1 written once (0 where the row < 0)
+    if not OVERLAP and ABLATE != 1:  # every canonical slot 0 .. W - 1 written once
         _store_dsp(dsp_ptr, base, hra, ca, -i - 1, i + 1, W - 1, pa, dsa_v, W, PSTRIDE,
                    SCALE)
         _store_dsp(dsp_ptr, base, hrb, cb, W - 1 - i, 0, i, pb, dsb_v, W, PSTRIDE, SCALE)
@@ -217,12 +226,20 @@ def _token(lse_ptr, dc_ptr, fz, dq_ptr, dsp_ptr, qdo_ptr, qdo_smem, win_a, win_b
     dsb.store(dsb_v.to(dt))
     fence_async_shared()              # generic-proxy stores -> wgmma reads
     gl.thread_barrier()
-    # dq^T [D, 32] = span^T dS^T: A = the span (MN-major), B = dS^T (K-major)
+    # dq^T [D, 32] = span^T dS^T: A = the span (MN-major), B = dS^T (K-major); with OVERLAP
+    # issued async, the dsp stores (0 where the row < 0) under it
     acc = acc0
     if ABLATE != 2:
         acc = warpgroup_mma(win_a.permute((1, 0)), dsa.permute((1, 0)), acc0,
-                            use_acc=False)
-        acc = warpgroup_mma(win_b.permute((1, 0)), dsb.permute((1, 0)), acc)
+                            use_acc=False, is_async=OVERLAP)
+        acc = warpgroup_mma(win_b.permute((1, 0)), dsb.permute((1, 0)), acc,
+                            is_async=OVERLAP)
+    if OVERLAP and ABLATE != 1:
+        _store_dsp(dsp_ptr, base, hra, ca, -i - 1, i + 1, W - 1, pa, dsa_v, W, PSTRIDE,
+                   SCALE)
+        _store_dsp(dsp_ptr, base, hrb, cb, W - 1 - i, 0, i, pb, dsb_v, W, PSTRIDE, SCALE)
+    if OVERLAP and ABLATE != 2:
+        acc = warpgroup_mma_wait(0, deps=[acc])
     _store_dq(dq_ptr, acc, tok * NH2 + h2, D, H2, SCALE, 1)
 
 
@@ -231,7 +248,7 @@ def _consumer(lse_ptr, dc_ptr, fz, dq_ptr, dsp_ptr, qdo_ptr, qdo_smem, win_a, wi
               q_ready, q_free, span_ready, span_free, b, h2, g, nblk, T: gl.constexpr,
               NH2: gl.constexpr, D: gl.constexpr, W: gl.constexpr, G: gl.constexpr,
               QK_SCALE: gl.constexpr, SCALE: gl.constexpr, QDO: gl.constexpr,
-              FUSE: gl.constexpr, ABLATE: gl.constexpr):
+              FUSE: gl.constexpr, ABLATE: gl.constexpr, OVERLAP: gl.constexpr):
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, H2, 16])
     acc0 = gl.zeros([D, H2], gl.float32, acc_layout)
@@ -247,7 +264,7 @@ def _consumer(lse_ptr, dc_ptr, fz, dq_ptr, dsp_ptr, qdo_ptr, qdo_smem, win_a, wi
             else:
                 _token(lse_ptr, dc_ptr, fz, dq_ptr, dsp_ptr, qdo_ptr, qdo_smem, win_a, win_b,
                        dsa, dsb, q_ready, q_free, acc0, it, i, t0, tok, h2, NH2, D, W,
-                       QK_SCALE, SCALE, QDO, FUSE, ABLATE)
+                       QK_SCALE, SCALE, QDO, FUSE, ABLATE, OVERLAP)
         _release(span_free)
 
 
@@ -256,7 +273,8 @@ def csa_dq_win_kernel(q_ptr, do_ptr, kv_ptr, lse_ptr, dc_ptr, o_ptr, dq_ptr, dsp
                       dcout_ptr, T: gl.constexpr, N: gl.constexpr, NH2: gl.constexpr,
                       D: gl.constexpr, W: gl.constexpr, G: gl.constexpr,
                       QK_SCALE: gl.constexpr, SCALE: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                      QDO: gl.constexpr, FUSE: gl.constexpr, ABLATE: gl.constexpr):
+                      QDO: gl.constexpr, FUSE: gl.constexpr, ABLATE: gl.constexpr,
+                      OVERLAP: gl.constexpr):
     h2, g, b, nblk = _program_blocks(T, NH2, G)
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     qdo_smem = gl.allocate_shared_memory(
@@ -281,7 +299,8 @@ def csa_dq_win_kernel(q_ptr, do_ptr, kv_ptr, lse_ptr, dc_ptr, o_ptr, dq_ptr, dsp
     gl.warp_specialize([
         (_consumer, (lse_ptr, dc_ptr, (o_ptr, do_ptr, dcout_ptr), dq_ptr, dsp_ptr, qdo_ptr,
                      qdo_smem, win_a, win_b, dsa, dsb, q_ready, q_free, span_ready, span_free,
-                     b, h2, g, nblk, T, NH2, D, W, G, QK_SCALE, SCALE, QDO, FUSE, ABLATE)),
+                     b, h2, g, nblk, T, NH2, D, W, G, QK_SCALE, SCALE, QDO, FUSE, ABLATE,
+                     OVERLAP)),
         (_producer, (q_ptr, do_ptr, kv_ptr, qdo_smem, win_a, win_b, q_ready, q_free,
                      span_ready, span_free, b, h2, g, nblk, T, N, NH2, D, W, G)),
     ], [PRODUCER_WARPS], [PRODUCER_REGS])
@@ -296,19 +315,20 @@ def arg_types(dt="bf16"):
 
 
 def constexprs(*, T, N, NH2, D, window, G, scale, producer_regs, qdo=True, fuse_delta=0,
-               ablate=0):
+               ablate=0, overlap=True):
     """fuse_delta: 0 delta from XLA (dc = dlse - delta in), 1 the kernel forms it from o and dO
     in global memory (bwd._load_dc), 2 from o (issued before the [q; dO] wait) and the resident
     dO (Config.bwd_win_delta="smem")."""
     return dict(T=T, N=N, NH2=NH2, D=D, W=window, G=G, QK_SCALE=float(scale) * LOG2E,
                 SCALE=float(scale), PRODUCER_REGS=producer_regs, QDO=bool(qdo),
-                FUSE=int(fuse_delta), ABLATE=int(ablate))
+                FUSE=int(fuse_delta), ABLATE=int(ablate), OVERLAP=bool(overlap))
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "window", "qdo", "fuse_delta",
-                                             "producer_regs", "programs_per", "ablate"))
+                                             "producer_regs", "programs_per", "ablate",
+                                             "overlap"))
 def dq_window(q, kv, lse, do, dc, o, *, scale, window, qdo=True, fuse_delta=0,
-              producer_regs=56, programs_per=0, ablate=0):
+              producer_regs=56, programs_per=0, ablate=0, overlap=True):
     """(dq [B, T, H, D], dsp, qdo copy or None, dc) of the cr0 window dq kernel. dc: dlse -
     delta [B, T, H] f32, or with fuse_delta (1, 2: constexprs) dlse alone (the kernel forms
     delta from o and dO; the returned dc is then the kernel's dlse - delta). dsp is [B*T, NHB, 2, 64, window] with
@@ -344,7 +364,7 @@ def dq_window(q, kv, lse, do, dc, o, *, scale, window, qdo=True, fuse_delta=0,
         grid=(B * G * nh2,), num_warps=CONSUMER_WARPS, name="csa_gluon_dq_win",
         **constexprs(T=T, N=N, NH2=nh2, D=Dp, window=window, G=G, scale=scale,
                      producer_regs=producer_regs, qdo=qdo, fuse_delta=fuse_delta,
-                     ablate=ablate))
+                     ablate=ablate, overlap=overlap))
     if fuse_delta:
         dc = dcout.reshape(B, T, Hp)[:, :, :H]
     return dq.reshape(B, T, Hp, Dp)[:, :, :H, :D], dsp, (qdo_st if qdo else None), dc
@@ -371,7 +391,8 @@ def backward(q, kv, sink, o, lse, do, dlse, bad, *, scale, config):
                                     qdo=config.bwd_qdo, fuse_delta=fuse,
                                     producer_regs=config.bwd_win_producer_regs,
                                     programs_per=config.win_programs,
-                                    ablate=config.bwd_win_ablate)
+                                    ablate=config.bwd_win_ablate,
+                                    overlap=config.bwd_win_overlap)
     Hp, Dp, _ = padded_dims(H, D, 1, 1)
     from csa_jax.indices import window_indices
     idx_c = jnp.broadcast_to(window_indices(T, W), (B, T, W))     # the canonical slot order
