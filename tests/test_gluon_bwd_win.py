@@ -26,12 +26,12 @@ from csa_jax.kernels.gluon import adapter, bwd_win, dims  # noqa: E402
 from test_gluon_bwd import _emulated_reduce_kernel  # noqa: E402
 
 
-@pytest.mark.parametrize("qdo,fuse,overlap", [(True, 1, True), (False, 0, True),
-                                              (True, 2, True), (True, 1, False)])
-def test_window_dq_kernel_compiles_sm90(qdo, fuse, overlap):
+@pytest.mark.parametrize("qdo,fuse,overlap,mm", [(True, 1, True, False), (False, 0, True, False),
+                                                 (True, 2, True, True), (True, 1, False, False)])
+def test_window_dq_kernel_compiles_sm90(qdo, fuse, overlap, mm):
     consts = bwd_win.constexprs(T=4096, N=4096, NH2=4, D=512, window=128, G=33,
                                 scale=512 ** -0.5, producer_regs=56, qdo=qdo, fuse_delta=fuse,
-                                overlap=overlap)
+                                overlap=overlap, dq_mm=mm)
     c = adapter.compile_kernel(bwd_win.csa_dq_win_kernel, bwd_win.arg_types("bf16"), consts,
                                target="sm_90a", num_warps=bwd_win.CONSUMER_WARPS)
     r = adapter.resources(c, "sm_90a")
@@ -42,12 +42,15 @@ def test_window_dq_kernel_compiles_sm90(qdo, fuse, overlap):
     # scores: N = 128 / 16 split over the warpgroups (n64, n8); dq^T: n32 (32 heads)
     assert set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16", ptx)) == {
         "64", "8", "32"}
+    # dq: 64 bf16 per thread, 2-byte stores, or (movmatrix) 32 4-byte stores after 32 movmatrix
+    assert ptx.count("movmatrix") == (32 if mm else 0)
+    assert ptx.count("st.global.b16") == (36 if mm else 100)
 
 
 def _emulated_win_kernel(q, do, kv, lse, dc, o, *, kernel, out_shape, grid, num_warps, name,
                          T, N, NH2, D, W, G, QK_SCALE, SCALE, PRODUCER_REGS, QDO, FUSE,
-                         ABLATE, OVERLAP):
-    assert ABLATE == 0 and OVERLAP in (True, False)
+                         ABLATE, OVERLAP, DQ_MM):
+    assert ABLATE == 0 and OVERLAP in (True, False) and DQ_MM in (True, False)
     """What csa_dq_win_kernel computes, in jnp: per token its window rows t - W + 1 + j."""
     from csa_jax.indices import window_indices
     assert kernel is bwd_win.csa_dq_win_kernel
@@ -137,6 +140,7 @@ def test_bwd_win_config_and_refusals():
                     (dict(bwd_win_ablate=1), "bwd_win=True only"),
                     (dict(bwd_win_delta="x"), "bwd_win_delta='x'"),
                     (dict(bwd_win_overlap=1), "bwd_win_overlap=1"),
+                    (dict(bwd_win_dq_movmatrix=1), "bwd_win_dq_movmatrix=1"),
                     (dict(layout="cr0", bwd_win=True, bwd_win_ablate=4), "bwd_win_ablate=4")):
         with pytest.raises(ValueError, match=re.escape(msg)):
             gluon.Config(**kw)

@@ -170,6 +170,8 @@ class Config:
         the resident buffer).
         bwd_win_overlap: the [q; dO] copy-out under the async score products and the dsp
         stores under the async dq product (False: each after the other, round 1's order).
+        bwd_win_dq_movmatrix: dq leaves in 4-byte stores, its bf16 8 x 8 blocks transposed in
+        registers (PTX movmatrix) first (False: 2-byte stores from the accumulator layout).
         bwd_win_ablate: BENCHMARK ONLY, wrong results: 1 = no dsp / [q; dO] stores, 2 = no dq
         product, 3 = the consumers only wait for and release the copies (their pace).
     bwd_reduce: the dkv gather-reduce kernel: "pallas_triton" (the Pallas Triton impl's) or
@@ -229,6 +231,7 @@ class Config:
     bwd_win_ablate: int = 0
     bwd_win_delta: str = "global"
     bwd_win_overlap: bool = True
+    bwd_win_dq_movmatrix: bool = False
 
     def __post_init__(self):
         if self.bwd not in ("gluon", "pallas_triton"):

@@ -151,6 +151,23 @@ def _copy_qdo(qdo_ptr, qdo_smem, tok, hb, half, NH2: gl.constexpr, D: gl.constex
 
 
 @gluon.jit
+def _store_dq_mm(dq_ptr, acc, row, D: gl.constexpr, SCALE: gl.constexpr):
+    """dq [32, D] = scale * acc^T from acc = dq^T [D, 32] (the wgmma accumulator layout) with
+    4-byte stores: the bf16 values' 8 x 8 blocks transposed across the warp by movmatrix (as
+    regtrans.transpose_load), so a thread's register pair holds 2 consecutive d of one head;
+    the value at position (d, h) is then dq[8 (h // 8) + d % 8, 8 (d // 8) + h % 8]."""
+    layout: gl.constexpr = acc.type.layout
+    x = (acc * SCALE).to(dq_ptr.dtype.element_ty)
+    z = gl.inline_asm_elementwise("movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;", "=r,r",
+                                  [x], dtype=x.dtype, is_pure=True, pack=2)
+    d = gl.arange(0, D, layout=gl.SliceLayout(1, layout))[:, None]
+    h = gl.arange(0, H2, layout=gl.SliceLayout(0, layout))[None, :]
+    head = (h // 8) * 8 + d % 8
+    col = (d // 8) * 8 + h % 8
+    gl.store(dq_ptr + (row * H2 + head).to(gl.int64) * D + col, z)
+
+
+@gluon.jit
 def _delta8(dlse_ptr, dcout_ptr, hrow, o, do_view, layout: gl.constexpr):
     """dcout = dlse - sum(o * dO) of 8 heads (rows hrow), dO from the resident [q; dO]."""
     d = gl.sum(o.to(gl.float32) * do_view.load(layout).to(gl.float32), axis=1)
@@ -161,7 +178,8 @@ def _delta8(dlse_ptr, dcout_ptr, hrow, o, do_view, layout: gl.constexpr):
 def _token(lse_ptr, dc_ptr, fz, dq_ptr, dsp_ptr, qdo_ptr, qdo_smem, win_a, win_b, dsa, dsb,
            q_ready, q_free, acc0, it, i, t0, tok, h2, NH2: gl.constexpr, D: gl.constexpr,
            W: gl.constexpr, QK_SCALE: gl.constexpr, SCALE: gl.constexpr, QDO: gl.constexpr,
-           FUSE: gl.constexpr, ABLATE: gl.constexpr, OVERLAP: gl.constexpr):
+           FUSE: gl.constexpr, ABLATE: gl.constexpr, OVERLAP: gl.constexpr,
+           DQ_MM: gl.constexpr):
     """One token of a block (token i of block t0, the it-th of the program): scores on the
     resident span, p / dS, dsp stores, dq^T = span^T dS^T, dq store. ABLATE (benchmark only,
     wrong results): 1 = no dsp / qdo stores, 2 = no dq product (dq stored as 0)."""
@@ -240,7 +258,10 @@ def _token(lse_ptr, dc_ptr, fz, dq_ptr, dsp_ptr, qdo_ptr, qdo_smem, win_a, win_b
         _store_dsp(dsp_ptr, base, hrb, cb, W - 1 - i, 0, i, pb, dsb_v, W, PSTRIDE, SCALE)
     if OVERLAP and ABLATE != 2:
         acc = warpgroup_mma_wait(0, deps=[acc])
-    _store_dq(dq_ptr, acc, tok * NH2 + h2, D, H2, SCALE, 1)
+    if DQ_MM:
+        _store_dq_mm(dq_ptr, acc, tok * NH2 + h2, D, SCALE)
+    else:
+        _store_dq(dq_ptr, acc, tok * NH2 + h2, D, H2, SCALE, 1)
 
 
 @gluon.jit
@@ -248,7 +269,8 @@ def _consumer(lse_ptr, dc_ptr, fz, dq_ptr, dsp_ptr, qdo_ptr, qdo_smem, win_a, wi
               q_ready, q_free, span_ready, span_free, b, h2, g, nblk, T: gl.constexpr,
               NH2: gl.constexpr, D: gl.constexpr, W: gl.constexpr, G: gl.constexpr,
               QK_SCALE: gl.constexpr, SCALE: gl.constexpr, QDO: gl.constexpr,
-              FUSE: gl.constexpr, ABLATE: gl.constexpr, OVERLAP: gl.constexpr):
+              FUSE: gl.constexpr, ABLATE: gl.constexpr, OVERLAP: gl.constexpr,
+              DQ_MM: gl.constexpr):
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, H2, 16])
     acc0 = gl.zeros([D, H2], gl.float32, acc_layout)
@@ -264,7 +286,7 @@ def _consumer(lse_ptr, dc_ptr, fz, dq_ptr, dsp_ptr, qdo_ptr, qdo_smem, win_a, wi
             else:
                 _token(lse_ptr, dc_ptr, fz, dq_ptr, dsp_ptr, qdo_ptr, qdo_smem, win_a, win_b,
                        dsa, dsb, q_ready, q_free, acc0, it, i, t0, tok, h2, NH2, D, W,
-                       QK_SCALE, SCALE, QDO, FUSE, ABLATE, OVERLAP)
+                       QK_SCALE, SCALE, QDO, FUSE, ABLATE, OVERLAP, DQ_MM)
         _release(span_free)
 
 
@@ -274,7 +296,7 @@ def csa_dq_win_kernel(q_ptr, do_ptr, kv_ptr, lse_ptr, dc_ptr, o_ptr, dq_ptr, dsp
                       D: gl.constexpr, W: gl.constexpr, G: gl.constexpr,
                       QK_SCALE: gl.constexpr, SCALE: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                       QDO: gl.constexpr, FUSE: gl.constexpr, ABLATE: gl.constexpr,
-                      OVERLAP: gl.constexpr):
+                      OVERLAP: gl.constexpr, DQ_MM: gl.constexpr):
     h2, g, b, nblk = _program_blocks(T, NH2, G)
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     qdo_smem = gl.allocate_shared_memory(
@@ -300,7 +322,7 @@ def csa_dq_win_kernel(q_ptr, do_ptr, kv_ptr, lse_ptr, dc_ptr, o_ptr, dq_ptr, dsp
         (_consumer, (lse_ptr, dc_ptr, (o_ptr, do_ptr, dcout_ptr), dq_ptr, dsp_ptr, qdo_ptr,
                      qdo_smem, win_a, win_b, dsa, dsb, q_ready, q_free, span_ready, span_free,
                      b, h2, g, nblk, T, NH2, D, W, G, QK_SCALE, SCALE, QDO, FUSE, ABLATE,
-                     OVERLAP)),
+                     OVERLAP, DQ_MM)),
         (_producer, (q_ptr, do_ptr, kv_ptr, qdo_smem, win_a, win_b, q_ready, q_free,
                      span_ready, span_free, b, h2, g, nblk, T, N, NH2, D, W, G)),
     ], [PRODUCER_WARPS], [PRODUCER_REGS])
@@ -315,20 +337,21 @@ def arg_types(dt="bf16"):
 
 
 def constexprs(*, T, N, NH2, D, window, G, scale, producer_regs, qdo=True, fuse_delta=0,
-               ablate=0, overlap=True):
+               ablate=0, overlap=True, dq_mm=False):
     """fuse_delta: 0 delta from XLA (dc = dlse - delta in), 1 the kernel forms it from o and dO
     in global memory (bwd._load_dc), 2 from o (issued before the [q; dO] wait) and the resident
     dO (Config.bwd_win_delta="smem")."""
     return dict(T=T, N=N, NH2=NH2, D=D, W=window, G=G, QK_SCALE=float(scale) * LOG2E,
                 SCALE=float(scale), PRODUCER_REGS=producer_regs, QDO=bool(qdo),
-                FUSE=int(fuse_delta), ABLATE=int(ablate), OVERLAP=bool(overlap))
+                FUSE=int(fuse_delta), ABLATE=int(ablate), OVERLAP=bool(overlap),
+                DQ_MM=bool(dq_mm))
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "window", "qdo", "fuse_delta",
                                              "producer_regs", "programs_per", "ablate",
-                                             "overlap"))
+                                             "overlap", "dq_mm"))
 def dq_window(q, kv, lse, do, dc, o, *, scale, window, qdo=True, fuse_delta=0,
-              producer_regs=56, programs_per=0, ablate=0, overlap=True):
+              producer_regs=56, programs_per=0, ablate=0, overlap=True, dq_mm=False):
     """(dq [B, T, H, D], dsp, qdo copy or None, dc) of the cr0 window dq kernel. dc: dlse -
     delta [B, T, H] f32, or with fuse_delta (1, 2: constexprs) dlse alone (the kernel forms
     delta from o and dO; the returned dc is then the kernel's dlse - delta). dsp is [B*T, NHB, 2, 64, window] with
@@ -364,7 +387,7 @@ def dq_window(q, kv, lse, do, dc, o, *, scale, window, qdo=True, fuse_delta=0,
         grid=(B * G * nh2,), num_warps=CONSUMER_WARPS, name="csa_gluon_dq_win",
         **constexprs(T=T, N=N, NH2=nh2, D=Dp, window=window, G=G, scale=scale,
                      producer_regs=producer_regs, qdo=qdo, fuse_delta=fuse_delta,
-                     ablate=ablate, overlap=overlap))
+                     ablate=ablate, overlap=overlap, dq_mm=dq_mm))
     if fuse_delta:
         dc = dcout.reshape(B, T, Hp)[:, :, :H]
     return dq.reshape(B, T, Hp, Dp)[:, :, :H, :D], dsp, (qdo_st if qdo else None), dc
@@ -392,7 +415,8 @@ def backward(q, kv, sink, o, lse, do, dlse, bad, *, scale, config):
                                     producer_regs=config.bwd_win_producer_regs,
                                     programs_per=config.win_programs,
                                     ablate=config.bwd_win_ablate,
-                                    overlap=config.bwd_win_overlap)
+                                    overlap=config.bwd_win_overlap,
+                                    dq_mm=config.bwd_win_dq_movmatrix)
     Hp, Dp, _ = padded_dims(H, D, 1, 1)
     from csa_jax.indices import window_indices
     idx_c = jnp.broadcast_to(window_indices(T, W), (B, T, W))     # the canonical slot order

@@ -53,8 +53,9 @@ def check_bwd_win(c):
     if isinstance(c.bwd_win_ablate, bool) or c.bwd_win_ablate not in (0, 1, 2, 3):
         raise ValueError(f"bwd_win_ablate={c.bwd_win_ablate!r} must be 0 (off) or 1..3 "
                          f"(benchmark only)")
-    if not isinstance(c.bwd_win_overlap, bool):
-        raise ValueError(f"bwd_win_overlap={c.bwd_win_overlap!r} must be a bool")
+    for name in ("bwd_win_overlap", "bwd_win_dq_movmatrix"):
+        if not isinstance(getattr(c, name), bool):
+            raise ValueError(f"{name}={getattr(c, name)!r} must be a bool")
     if c.bwd_win_delta not in ("global", "smem"):
         raise ValueError(f"bwd_win_delta={c.bwd_win_delta!r} must be 'global' or 'smem'")
     if not c.bwd_win:
