@@ -26,12 +26,13 @@ from csa_jax.kernels.gluon import adapter, bwd_win, dims  # noqa: E402
 from test_gluon_bwd import _emulated_reduce_kernel  # noqa: E402
 
 
-@pytest.mark.parametrize("qdo,fuse,overlap,mm", [(True, 1, True, False), (False, 0, True, False),
-                                                 (True, 2, True, True), (True, 1, False, False)])
-def test_window_dq_kernel_compiles_sm90(qdo, fuse, overlap, mm):
+@pytest.mark.parametrize("qdo,fuse,overlap,mm,blk", [
+    (True, 1, True, False, False), (False, 0, True, False, False), (True, 2, True, True, True),
+    (True, 1, False, False, False)])
+def test_window_dq_kernel_compiles_sm90(qdo, fuse, overlap, mm, blk):
     consts = bwd_win.constexprs(T=4096, N=4096, NH2=4, D=512, window=128, G=33,
                                 scale=512 ** -0.5, producer_regs=56, qdo=qdo, fuse_delta=fuse,
-                                overlap=overlap, dq_mm=mm)
+                                overlap=overlap, dq_mm=mm, dsp_block=blk)
     c = adapter.compile_kernel(bwd_win.csa_dq_win_kernel, bwd_win.arg_types("bf16"), consts,
                                target="sm_90a", num_warps=bwd_win.CONSUMER_WARPS)
     r = adapter.resources(c, "sm_90a")
@@ -44,20 +45,21 @@ def test_window_dq_kernel_compiles_sm90(qdo, fuse, overlap, mm):
         "64", "8", "32"}
     # dq: 64 bf16 per thread, 2-byte stores, or (movmatrix) 32 4-byte stores after 32 movmatrix
     assert ptx.count("movmatrix") == (32 if mm else 0)
-    assert ptx.count("st.global.b16") == (36 if mm else 100)
+    # dsp: 36 shifted 2-byte stores, or ("block") win_a's 32 in 16 4-byte stores + win_b's 4
+    assert ptx.count("st.global.b16") == (4 if blk else 36) + (0 if mm else 64)
+    assert ptx.count("st.global.b32") == 4 * fuse // max(fuse, 1) + 32 * mm + 16 * blk
 
 
 def _emulated_win_kernel(q, do, kv, lse, dc, o, *, kernel, out_shape, grid, num_warps, name,
                          T, N, NH2, D, W, G, QK_SCALE, SCALE, PRODUCER_REGS, QDO, FUSE,
-                         ABLATE, OVERLAP, DQ_MM):
+                         ABLATE, OVERLAP, DQ_MM, DSP_BLOCK):
     assert ABLATE == 0 and OVERLAP in (True, False) and DQ_MM in (True, False)
     """What csa_dq_win_kernel computes, in jnp: per token its window rows t - W + 1 + j."""
-    from csa_jax.indices import window_indices
     assert kernel is bwd_win.csa_dq_win_kernel
     Hp = NH2 * bwd_win.HEADS
     B = q.shape[0] // (T * Hp)
     assert grid == (B * G * NH2,)
-    rows = window_indices(T, W)                                          # [T, W]
+    rows = bwd_win.slot_rows(T, W, "block" if DSP_BLOCK else "canonical")        # [T, W]
     valid = rows >= 0
     kvg = kv.reshape(B, N, D)[:, jnp.where(valid, rows, 0)] * valid[None, :, :, None]
     qh, doh, oh = (x.reshape(B, T, Hp, D) for x in (q, do, o))
@@ -100,9 +102,9 @@ def _cr0_problem(rng, B, T, H, D, W, K):
     return f(B, T, H, D), f(B, T + 3, D), jnp.asarray(idx), f(H), f(B, T, H, D), f(B, T, H)
 
 
-@pytest.mark.parametrize("H,D,qdo,fuse,reduce", [(70, 24, True, "global", "gluon"),
-                                                 (20, 40, False, None, "gluon")])
-def test_window_wrapper_against_dense_oracle(rng, monkeypatch, H, D, qdo, fuse, reduce):
+@pytest.mark.parametrize("H,D,qdo,fuse,dsp", [(70, 24, True, "global", "canonical"),
+                                              (20, 40, False, None, "block")])
+def test_window_wrapper_against_dense_oracle(rng, monkeypatch, H, D, qdo, fuse, dsp):
     """bwd_win.backward with the kernel emulated: dq, dkv (the dkv path on the canonical window
     index list, whatever order idx holds the window in), dsink against the oracle on idx; a
     traced idx with a broken token gives NaN for its dq and finite dq elsewhere."""
@@ -113,7 +115,7 @@ def test_window_wrapper_against_dense_oracle(rng, monkeypatch, H, D, qdo, fuse, 
     o, lse = (jnp.asarray(x, jnp.float32) for x in dense_oracle(q, kv, idx, sink, scale))
     cfg = gluon.Config(layout="cr0", window=W, bwd_win=True, bwd_qdo=qdo,
                        bwd_fuse_delta=fuse is not None, bwd_win_delta=fuse or "global",
-                       bwd_reduce=reduce)
+                       bwd_reduce="gluon", bwd_win_dsp=dsp)
     f = jax.jit(lambda idx: bwd_win.checked_backward(q, kv, idx, sink, o, lse, do, dlse,
                                                      scale=scale, config=cfg))
     dq, dkv, dsink = f(idx)
@@ -141,6 +143,7 @@ def test_bwd_win_config_and_refusals():
                     (dict(bwd_win_delta="x"), "bwd_win_delta='x'"),
                     (dict(bwd_win_overlap=1), "bwd_win_overlap=1"),
                     (dict(bwd_win_dq_movmatrix=1), "bwd_win_dq_movmatrix=1"),
+                    (dict(bwd_win_dsp="x"), "bwd_win_dsp='x'"),
                     (dict(layout="cr0", bwd_win=True, bwd_win_ablate=4), "bwd_win_ablate=4")):
         with pytest.raises(ValueError, match=re.escape(msg)):
             gluon.Config(**kw)

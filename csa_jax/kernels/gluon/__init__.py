@@ -172,6 +172,9 @@ class Config:
         stores under the async dq product (False: each after the other, round 1's order).
         bwd_win_dq_movmatrix: dq leaves in 4-byte stores, its bf16 8 x 8 blocks transposed in
         registers (PTX movmatrix) first (False: 2-byte stores from the accumulator layout).
+        bwd_win_dsp: dsp's slot order, "canonical" (slot j = row t - window + 1 + j; per-token
+        shifted 2-byte stores) or "block" (slot j = span column j: aligned 4-byte stores; the
+        dkv path then uses that order's index list, bwd_win.slot_rows).
         bwd_win_ablate: BENCHMARK ONLY, wrong results: 1 = no dsp / [q; dO] stores, 2 = no dq
         product, 3 = the consumers only wait for and release the copies (their pace).
     bwd_reduce: the dkv gather-reduce kernel: "pallas_triton" (the Pallas Triton impl's) or
@@ -232,6 +235,7 @@ class Config:
     bwd_win_delta: str = "global"
     bwd_win_overlap: bool = True
     bwd_win_dq_movmatrix: bool = False
+    bwd_win_dsp: str = "canonical"
 
     def __post_init__(self):
         if self.bwd not in ("gluon", "pallas_triton"):

@@ -48,7 +48,7 @@ from csa_jax.kernels.gluon.fwd import CONSUMER_WARPS, LOG2E, PRODUCER_WARPS, _re
 from csa_jax.kernels.gluon.window import BLOCK_T, _copy_rows, programs
 
 __all__ = ["csa_dq_win_kernel", "arg_types", "constexprs", "dq_window", "backward",
-           "checked_backward", "HEADS"]
+           "checked_backward", "slot_rows", "HEADS"]
 
 HEADS = 32                     # heads per program
 H2 = gl.constexpr(HEADS)
@@ -137,6 +137,21 @@ def _store_dsp(dsp_ptr, base, hrows, cols, shift, c_lo, c_hi, p, ds, KC: gl.cons
 
 
 @gluon.jit
+def _store_dsp_block(dsp_ptr, base, hra, ca, hrb, cb, i, pa, dsa_v, pb, dsb_v, KC: gl.constexpr,
+                     PSTRIDE: gl.constexpr, SCALE: gl.constexpr):
+    """Config.bwd_win_dsp="block": slot j = span column j (win_a column j for j > i, win_b
+    column j for j <= i): win_a's tile whole and unmasked (aligned 4-byte stores; its columns
+    j <= i are 0 there), then, after a partition barrier (the later write wins), win_b's
+    columns 0 .. i over them."""
+    dt: gl.constexpr = dsp_ptr.dtype.element_ty
+    pa_ptrs = dsp_ptr + base + hra.to(gl.int64)[:, None] * KC + ca[None, :]
+    gl.store(pa_ptrs, (dsa_v * SCALE).to(dt))
+    gl.store(pa_ptrs + PSTRIDE, pa.to(dt))
+    gl.thread_barrier()
+    _store_dsp(dsp_ptr, base, hrb, cb, 0, 0, i, pb, dsb_v, KC, PSTRIDE, SCALE)
+
+
+@gluon.jit
 def _copy_qdo(qdo_ptr, qdo_smem, tok, hb, half, NH2: gl.constexpr, D: gl.constexpr):
     """The resident [q; dO] (paired rows) to the interm GEMM's operand qdo [B*T, NHB, 2, 64, D]
     (q's rows, then dO's, of this program's 32 heads of head block hb), 32 rows at a time."""
@@ -179,7 +194,7 @@ def _token(lse_ptr, dc_ptr, fz, dq_ptr, dsp_ptr, qdo_ptr, qdo_smem, win_a, win_b
            q_ready, q_free, acc0, it, i, t0, tok, h2, NH2: gl.constexpr, D: gl.constexpr,
            W: gl.constexpr, QK_SCALE: gl.constexpr, SCALE: gl.constexpr, QDO: gl.constexpr,
            FUSE: gl.constexpr, ABLATE: gl.constexpr, OVERLAP: gl.constexpr,
-           DQ_MM: gl.constexpr):
+           DQ_MM: gl.constexpr, DSP_BLOCK: gl.constexpr):
     """One token of a block (token i of block t0, the it-th of the program): scores on the
     resident span, p / dS, dsp stores, dq^T = span^T dS^T, dq store. ABLATE (benchmark only,
     wrong results): 1 = no dsp / qdo stores, 2 = no dq product (dq stored as 0)."""
@@ -236,10 +251,15 @@ def _token(lse_ptr, dc_ptr, fz, dq_ptr, dsp_ptr, qdo_ptr, qdo_smem, win_a, win_b
     else:        # dsp [B*T, 2, HP, W]
         base = tok.to(gl.int64) * (2 * HP * W) + h2 * H2 * W
         PSTRIDE: gl.constexpr = HP * W
-    if not OVERLAP and ABLATE != 1:  # every canonical slot 0 .. W - 1 written once
-        _store_dsp(dsp_ptr, base, hra, ca, -i - 1, i + 1, W - 1, pa, dsa_v, W, PSTRIDE,
-                   SCALE)
-        _store_dsp(dsp_ptr, base, hrb, cb, W - 1 - i, 0, i, pb, dsb_v, W, PSTRIDE, SCALE)
+    if not OVERLAP and ABLATE != 1:
+        if DSP_BLOCK:
+            _store_dsp_block(dsp_ptr, base, hra, ca, hrb, cb, i, pa, dsa_v, pb, dsb_v, W,
+                             PSTRIDE, SCALE)
+        else:
+            _store_dsp(dsp_ptr, base, hra, ca, -i - 1, i + 1, W - 1, pa, dsa_v, W, PSTRIDE,
+                       SCALE)
+            _store_dsp(dsp_ptr, base, hrb, cb, W - 1 - i, 0, i, pb, dsb_v, W, PSTRIDE,
+                       SCALE)
     dsa.store(dsa_v.to(dt))
     dsb.store(dsb_v.to(dt))
     fence_async_shared()              # generic-proxy stores -> wgmma reads
@@ -253,9 +273,14 @@ def _token(lse_ptr, dc_ptr, fz, dq_ptr, dsp_ptr, qdo_ptr, qdo_smem, win_a, win_b
         acc = warpgroup_mma(win_b.permute((1, 0)), dsb.permute((1, 0)), acc,
                             is_async=OVERLAP)
     if OVERLAP and ABLATE != 1:
-        _store_dsp(dsp_ptr, base, hra, ca, -i - 1, i + 1, W - 1, pa, dsa_v, W, PSTRIDE,
-                   SCALE)
-        _store_dsp(dsp_ptr, base, hrb, cb, W - 1 - i, 0, i, pb, dsb_v, W, PSTRIDE, SCALE)
+        if DSP_BLOCK:
+            _store_dsp_block(dsp_ptr, base, hra, ca, hrb, cb, i, pa, dsa_v, pb, dsb_v, W,
+                             PSTRIDE, SCALE)
+        else:
+            _store_dsp(dsp_ptr, base, hra, ca, -i - 1, i + 1, W - 1, pa, dsa_v, W, PSTRIDE,
+                       SCALE)
+            _store_dsp(dsp_ptr, base, hrb, cb, W - 1 - i, 0, i, pb, dsb_v, W, PSTRIDE,
+                       SCALE)
     if OVERLAP and ABLATE != 2:
         acc = warpgroup_mma_wait(0, deps=[acc])
     if DQ_MM:
@@ -270,7 +295,7 @@ def _consumer(lse_ptr, dc_ptr, fz, dq_ptr, dsp_ptr, qdo_ptr, qdo_smem, win_a, wi
               NH2: gl.constexpr, D: gl.constexpr, W: gl.constexpr, G: gl.constexpr,
               QK_SCALE: gl.constexpr, SCALE: gl.constexpr, QDO: gl.constexpr,
               FUSE: gl.constexpr, ABLATE: gl.constexpr, OVERLAP: gl.constexpr,
-              DQ_MM: gl.constexpr):
+              DQ_MM: gl.constexpr, DSP_BLOCK: gl.constexpr):
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, H2, 16])
     acc0 = gl.zeros([D, H2], gl.float32, acc_layout)
@@ -286,7 +311,7 @@ def _consumer(lse_ptr, dc_ptr, fz, dq_ptr, dsp_ptr, qdo_ptr, qdo_smem, win_a, wi
             else:
                 _token(lse_ptr, dc_ptr, fz, dq_ptr, dsp_ptr, qdo_ptr, qdo_smem, win_a, win_b,
                        dsa, dsb, q_ready, q_free, acc0, it, i, t0, tok, h2, NH2, D, W,
-                       QK_SCALE, SCALE, QDO, FUSE, ABLATE, OVERLAP, DQ_MM)
+                       QK_SCALE, SCALE, QDO, FUSE, ABLATE, OVERLAP, DQ_MM, DSP_BLOCK)
         _release(span_free)
 
 
@@ -296,7 +321,7 @@ def csa_dq_win_kernel(q_ptr, do_ptr, kv_ptr, lse_ptr, dc_ptr, o_ptr, dq_ptr, dsp
                       D: gl.constexpr, W: gl.constexpr, G: gl.constexpr,
                       QK_SCALE: gl.constexpr, SCALE: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                       QDO: gl.constexpr, FUSE: gl.constexpr, ABLATE: gl.constexpr,
-                      OVERLAP: gl.constexpr, DQ_MM: gl.constexpr):
+                      OVERLAP: gl.constexpr, DQ_MM: gl.constexpr, DSP_BLOCK: gl.constexpr):
     h2, g, b, nblk = _program_blocks(T, NH2, G)
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     qdo_smem = gl.allocate_shared_memory(
@@ -322,7 +347,7 @@ def csa_dq_win_kernel(q_ptr, do_ptr, kv_ptr, lse_ptr, dc_ptr, o_ptr, dq_ptr, dsp
         (_consumer, (lse_ptr, dc_ptr, (o_ptr, do_ptr, dcout_ptr), dq_ptr, dsp_ptr, qdo_ptr,
                      qdo_smem, win_a, win_b, dsa, dsb, q_ready, q_free, span_ready, span_free,
                      b, h2, g, nblk, T, NH2, D, W, G, QK_SCALE, SCALE, QDO, FUSE, ABLATE,
-                     OVERLAP, DQ_MM)),
+                     OVERLAP, DQ_MM, DSP_BLOCK)),
         (_producer, (q_ptr, do_ptr, kv_ptr, qdo_smem, win_a, win_b, q_ready, q_free,
                      span_ready, span_free, b, h2, g, nblk, T, N, NH2, D, W, G)),
     ], [PRODUCER_WARPS], [PRODUCER_REGS])
@@ -337,21 +362,38 @@ def arg_types(dt="bf16"):
 
 
 def constexprs(*, T, N, NH2, D, window, G, scale, producer_regs, qdo=True, fuse_delta=0,
-               ablate=0, overlap=True, dq_mm=False):
+               ablate=0, overlap=True, dq_mm=False, dsp_block=False):
     """fuse_delta: 0 delta from XLA (dc = dlse - delta in), 1 the kernel forms it from o and dO
     in global memory (bwd._load_dc), 2 from o (issued before the [q; dO] wait) and the resident
     dO (Config.bwd_win_delta="smem")."""
     return dict(T=T, N=N, NH2=NH2, D=D, W=window, G=G, QK_SCALE=float(scale) * LOG2E,
                 SCALE=float(scale), PRODUCER_REGS=producer_regs, QDO=bool(qdo),
                 FUSE=int(fuse_delta), ABLATE=int(ablate), OVERLAP=bool(overlap),
-                DQ_MM=bool(dq_mm))
+                DQ_MM=bool(dq_mm), DSP_BLOCK=bool(dsp_block))
+
+
+def slot_rows(T, window, order="canonical"):
+    """[T, window] int32: the kv row of each dsp slot the window dq kernel writes (-1 for rows
+    < 0). "canonical": slot j of token t = row t - window + 1 + j (indices.window_indices);
+    "block" (Config.bwd_win_dsp): slot j = span column j of t's 16-token block t0 = 16 (t // 16),
+    i = t - t0: row t0 - window + j for j > i, row t0 + j for j <= i (the same row set)."""
+    import jax.numpy as jnp
+    from csa_jax.indices import window_indices
+    if order == "canonical":
+        return window_indices(T, window)
+    t = jnp.arange(T, dtype=jnp.int32)[:, None]
+    j = jnp.arange(window, dtype=jnp.int32)[None, :]
+    t0, i = t - t % BLOCK_T, t % BLOCK_T
+    rows = jnp.where(j > i, t0 - window + j, t0 + j)
+    return jnp.where(rows >= 0, rows, -1)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "window", "qdo", "fuse_delta",
                                              "producer_regs", "programs_per", "ablate",
-                                             "overlap", "dq_mm"))
+                                             "overlap", "dq_mm", "dsp_block"))
 def dq_window(q, kv, lse, do, dc, o, *, scale, window, qdo=True, fuse_delta=0,
-              producer_regs=56, programs_per=0, ablate=0, overlap=True, dq_mm=False):
+              producer_regs=56, programs_per=0, ablate=0, overlap=True, dq_mm=False,
+              dsp_block=False):
     """(dq [B, T, H, D], dsp, qdo copy or None, dc) of the cr0 window dq kernel. dc: dlse -
     delta [B, T, H] f32, or with fuse_delta (1, 2: constexprs) dlse alone (the kernel forms
     delta from o and dO; the returned dc is then the kernel's dlse - delta). dsp is [B*T, NHB, 2, 64, window] with
@@ -387,7 +429,7 @@ def dq_window(q, kv, lse, do, dc, o, *, scale, window, qdo=True, fuse_delta=0,
         grid=(B * G * nh2,), num_warps=CONSUMER_WARPS, name="csa_gluon_dq_win",
         **constexprs(T=T, N=N, NH2=nh2, D=Dp, window=window, G=G, scale=scale,
                      producer_regs=producer_regs, qdo=qdo, fuse_delta=fuse_delta,
-                     ablate=ablate, overlap=overlap, dq_mm=dq_mm))
+                     ablate=ablate, overlap=overlap, dq_mm=dq_mm, dsp_block=dsp_block))
     if fuse_delta:
         dc = dcout.reshape(B, T, Hp)[:, :, :H]
     return dq.reshape(B, T, Hp, Dp)[:, :, :H, :D], dsp, (qdo_st if qdo else None), dc
@@ -416,10 +458,10 @@ def backward(q, kv, sink, o, lse, do, dlse, bad, *, scale, config):
                                     programs_per=config.win_programs,
                                     ablate=config.bwd_win_ablate,
                                     overlap=config.bwd_win_overlap,
-                                    dq_mm=config.bwd_win_dq_movmatrix)
+                                    dq_mm=config.bwd_win_dq_movmatrix,
+                                    dsp_block=config.bwd_win_dsp == "block")
     Hp, Dp, _ = padded_dims(H, D, 1, 1)
-    from csa_jax.indices import window_indices
-    idx_c = jnp.broadcast_to(window_indices(T, W), (B, T, W))     # the canonical slot order
+    idx_c = jnp.broadcast_to(slot_rows(T, W, config.bwd_win_dsp), (B, T, W))
     q_p = do_p = None
     if not config.bwd_qdo:          # XLA stacks [q; dO] for the interm GEMM
         pad = lambda x: jnp.pad(x, [(0, 0), (0, 0), (0, Hp - H), (0, Dp - D)])

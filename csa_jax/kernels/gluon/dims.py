@@ -56,6 +56,8 @@ def check_bwd_win(c):
     for name in ("bwd_win_overlap", "bwd_win_dq_movmatrix"):
         if not isinstance(getattr(c, name), bool):
             raise ValueError(f"{name}={getattr(c, name)!r} must be a bool")
+    if c.bwd_win_dsp not in ("canonical", "block"):
+        raise ValueError(f"bwd_win_dsp={c.bwd_win_dsp!r} must be 'canonical' or 'block'")
     if c.bwd_win_delta not in ("global", "smem"):
         raise ValueError(f"bwd_win_delta={c.bwd_win_delta!r} must be 'global' or 'smem'")
     if not c.bwd_win:
