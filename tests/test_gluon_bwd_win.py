@@ -152,3 +152,16 @@ def test_bwd_win_config_and_refusals():
         bwd_win.checked_backward(z, z[:, :, 0], jnp.zeros((1, 16, 128), jnp.int32),
                                  jnp.zeros(64), z, z[..., 0], z, z[..., 0], scale=0.1,
                                  config=ok, amd="gfx950")
+
+
+def test_slot_orders_hold_the_same_window():
+    """bwd_win.slot_rows: the "block" order holds each token's window rows, once each, as the
+    canonical order does (a partial last block and tokens with rows < 0 included)."""
+    from csa_jax.indices import window_indices
+    T, W = 75, 64
+    canon = np.asarray(bwd_win.slot_rows(T, W, "canonical"))
+    block = np.asarray(bwd_win.slot_rows(T, W, "block"))
+    assert (canon == np.asarray(window_indices(T, W))).all()
+    for t in range(T):
+        assert sorted(block[t]) == sorted(canon[t]), t
+        assert block[t][t % 16] == t                     # slot i of token t0 + i: row t itself
