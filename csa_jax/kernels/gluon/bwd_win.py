@@ -29,7 +29,12 @@ heads (the layout docs/perf/gluon_bwd_h200.md part 3 found to fit):
 - the producer partition (4 warps) copies [q; dO] per token and the span once per block (after
   the block's first [q; dO]; the span of block k + 1 waits for the last dq product of block k).
 
-cr128 (the pool slots) and AMD are refused (bwd.py's gather kernel runs those).
+Options (Config.bwd_win_*; docs/perf/gluon_bwd_h200.md part 4a): OVERLAP (default) issues the
+[q; dO] copy-out under the async score products and the dsp stores under the async dq product;
+FUSE 2 forms delta from o and the resident dO; DQ_MM stores dq in 4-byte stores after a register
+transpose (movmatrix); DSP_BLOCK writes dsp in span-column order (slot_rows "block": aligned
+4-byte stores); ABLATE is benchmark-only. cr128 (the pool slots) and AMD are refused (the
+gather kernel of bwd.py runs those).
 """
 from __future__ import annotations
 
