@@ -50,7 +50,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from csa_jax.kernels.gluon.bwd import _load_dc, _qdo_row, _split_sd, _store_dq
 from csa_jax.kernels.gluon.dims import HB, SMEM_LIMIT, dq_win_shared_bytes, padded_dims
 from csa_jax.kernels.gluon.fwd import CONSUMER_WARPS, LOG2E, PRODUCER_WARPS, _release
-from csa_jax.kernels.gluon.window import BLOCK_T, _copy_rows, programs
+from csa_jax.kernels.gluon.window import BLOCK_T, _copy_rows, _program_blocks, programs
 
 __all__ = ["csa_dq_win_kernel", "arg_types", "constexprs", "dq_window", "backward",
            "checked_backward", "slot_rows", "HEADS"]
@@ -60,16 +60,6 @@ H2 = gl.constexpr(HEADS)
 BT = gl.constexpr(BLOCK_T)
 _LOG2E = gl.constexpr(LOG2E)
 HBC = gl.constexpr(HB)          # heads of a dsp / qdo head block (64)
-
-
-@gluon.jit
-def _program_blocks(T: gl.constexpr, NH2: gl.constexpr, G: gl.constexpr):
-    """(32-head block, g, sequence, number of blocks) of this program: program = (b, g, head
-    block), head block fastest; it owns the 16-token blocks g, g + G, ..."""
-    pid = gl.program_id(0)
-    NBLK: gl.constexpr = (T + BT - 1) // BT
-    g = (pid // NH2) % G
-    return pid % NH2, g, pid // (NH2 * G), gl.cdiv(NBLK - g, G)
 
 
 @gluon.jit
@@ -154,6 +144,20 @@ def _store_dsp_block(dsp_ptr, base, hra, ca, hrb, cb, i, pa, dsa_v, pb, dsb_v, K
     gl.store(pa_ptrs + PSTRIDE, pa.to(dt))
     gl.thread_barrier()
     _store_dsp(dsp_ptr, base, hrb, cb, 0, 0, i, pb, dsb_v, KC, PSTRIDE, SCALE)
+
+
+@gluon.jit
+def _dsp_out(dsp_ptr, base, hra, ca, hrb, cb, i, pa, dsa_v, pb, dsb_v, W: gl.constexpr,
+             PSTRIDE: gl.constexpr, SCALE: gl.constexpr, DSP_BLOCK: gl.constexpr):
+    """The token's dsp: win_a's (columns ca) and win_b's (cb) tiles in the slot order of
+    slot_rows ("block" with DSP_BLOCK, else "canonical": slot j = c - i - 1 of win_a's column c,
+    W - 1 - i + c of win_b's; every slot 0 .. W - 1 written once, 0 where the row is < 0)."""
+    if DSP_BLOCK:
+        _store_dsp_block(dsp_ptr, base, hra, ca, hrb, cb, i, pa, dsa_v, pb, dsb_v, W, PSTRIDE,
+                         SCALE)
+    else:
+        _store_dsp(dsp_ptr, base, hra, ca, -i - 1, i + 1, W - 1, pa, dsa_v, W, PSTRIDE, SCALE)
+        _store_dsp(dsp_ptr, base, hrb, cb, W - 1 - i, 0, i, pb, dsb_v, W, PSTRIDE, SCALE)
 
 
 @gluon.jit
@@ -257,14 +261,8 @@ def _token(lse_ptr, dc_ptr, fz, dq_ptr, dsp_ptr, qdo_ptr, qdo_smem, win_a, win_b
         base = tok.to(gl.int64) * (2 * HP * W) + h2 * H2 * W
         PSTRIDE: gl.constexpr = HP * W
     if not OVERLAP and ABLATE != 1:
-        if DSP_BLOCK:
-            _store_dsp_block(dsp_ptr, base, hra, ca, hrb, cb, i, pa, dsa_v, pb, dsb_v, W,
-                             PSTRIDE, SCALE)
-        else:
-            _store_dsp(dsp_ptr, base, hra, ca, -i - 1, i + 1, W - 1, pa, dsa_v, W, PSTRIDE,
-                       SCALE)
-            _store_dsp(dsp_ptr, base, hrb, cb, W - 1 - i, 0, i, pb, dsb_v, W, PSTRIDE,
-                       SCALE)
+        _dsp_out(dsp_ptr, base, hra, ca, hrb, cb, i, pa, dsa_v, pb, dsb_v, W, PSTRIDE, SCALE,
+                 DSP_BLOCK)
     dsa.store(dsa_v.to(dt))
     dsb.store(dsb_v.to(dt))
     fence_async_shared()              # generic-proxy stores -> wgmma reads
@@ -278,14 +276,8 @@ def _token(lse_ptr, dc_ptr, fz, dq_ptr, dsp_ptr, qdo_ptr, qdo_smem, win_a, win_b
         acc = warpgroup_mma(win_b.permute((1, 0)), dsb.permute((1, 0)), acc,
                             is_async=OVERLAP)
     if OVERLAP and ABLATE != 1:
-        if DSP_BLOCK:
-            _store_dsp_block(dsp_ptr, base, hra, ca, hrb, cb, i, pa, dsa_v, pb, dsb_v, W,
-                             PSTRIDE, SCALE)
-        else:
-            _store_dsp(dsp_ptr, base, hra, ca, -i - 1, i + 1, W - 1, pa, dsa_v, W, PSTRIDE,
-                       SCALE)
-            _store_dsp(dsp_ptr, base, hrb, cb, W - 1 - i, 0, i, pb, dsb_v, W, PSTRIDE,
-                       SCALE)
+        _dsp_out(dsp_ptr, base, hra, ca, hrb, cb, i, pa, dsa_v, pb, dsb_v, W, PSTRIDE, SCALE,
+                 DSP_BLOCK)
     if OVERLAP and ABLATE != 2:
         acc = warpgroup_mma_wait(0, deps=[acc])
     if DQ_MM:
@@ -413,8 +405,7 @@ def dq_window(q, kv, lse, do, dc, o, *, scale, window, qdo=True, fuse_delta=0,
     if need > SMEM_LIMIT:
         raise NotImplementedError(f"bwd_win at D={D}, window={window}: the window dq kernel "
                                   f"needs {need} B of shared memory, over the {SMEM_LIMIT} B")
-    pad = lambda x, axis, size: x if x.shape[axis] == size else jnp.pad(
-        x, [(0, size - x.shape[a]) if a == axis else (0, 0) for a in range(x.ndim)])
+    from csa_jax.kernels.triton.plan import _pad_to as pad   # (bwd.py's padding helper)
     rows = lambda x: pad(pad(x, 3, Dp), 2, Hp).reshape(B * T * Hp, Dp)
     f32 = jnp.float32
     nh2 = Hp // HEADS
@@ -469,8 +460,8 @@ def backward(q, kv, sink, o, lse, do, dlse, bad, *, scale, config):
     idx_c = jnp.broadcast_to(slot_rows(T, W, config.bwd_win_dsp), (B, T, W))
     q_p = do_p = None
     if not config.bwd_qdo:          # XLA stacks [q; dO] for the interm GEMM
-        pad = lambda x: jnp.pad(x, [(0, 0), (0, 0), (0, Hp - H), (0, Dp - D)])
-        q_p, do_p = pad(q), pad(do)
+        from csa_jax.kernels.triton.plan import _pad_to
+        q_p, do_p = (_pad_to(_pad_to(x, 3, Dp), 2, Hp) for x in (q, do))
     return (dq,) + dkv_dsink(
         dsp, qdo_st, q_p, do_p, idx_c, _Dims(B, T, H, D, N, W, Hp, Dp, W), kv.dtype, sink, lse,
         dc, idx_shape=idx_c.shape, qdo=config.bwd_qdo, interm="xla", interm_operand="desc",
