@@ -156,6 +156,15 @@ def gluon_nv_kernels(variants):
     yield ("csa_window[cr0,overlap]", False, None,
            _gluon(window_xchg.csa_window_xchg_kernel, window.arg_types(),
                   {**consts, "OVERLAP": True, "CONSUMER_REGS": 224}, window_xchg.NUM_WARPS))
+    # the cr0 window dq kernel (Config.bwd_win, opt-in): gating, 0 spills
+    from csa_jax.kernels.gluon import bwd_win
+    consts = bwd_win.constexprs(T=4096, N=4096, NH2=4, D=512, window=base.window,
+                                G=window.programs(1, 4096, 4), scale=512 ** -0.5,
+                                producer_regs=base.bwd_win_producer_regs, qdo=base.bwd_qdo,
+                                fuse_delta=base.bwd_fuse_delta)
+    yield ("csa_dq[bwd_win,cr0]", True, None,
+           _gluon(bwd_win.csa_dq_win_kernel, bwd_win.arg_types(), consts,
+                  bwd_win.CONSUMER_WARPS))
     yield ("ring_gather_probe", False, None,
            _gluon(ring_gather_kernel, ["*bf16", "*i32", "*bf16"],
                   dict(NT=4, BK=16, D=512, STAGES=2), 4))

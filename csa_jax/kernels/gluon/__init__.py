@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from csa_jax.kernels.gluon.adapter import missing as _missing_triton
-from csa_jax.kernels.gluon.dims import AMD_DEFAULTS, AMD_DQ_DEFAULTS, amd_arch
+from csa_jax.kernels.gluon.dims import AMD_DEFAULTS, AMD_DQ_DEFAULTS, amd_arch, check_bwd_win
 
 _GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 
@@ -172,6 +172,24 @@ class Config:
         first, both waited and the other's stage released before the element-wise work:
         fwd_alt's pv_first; bwd_alt.py).
     bwd_narrow_keys: the dkv inverse map sorts int16 keys when N < 2**15 (same map).
+    bwd_win: window reuse in the backward, layout="cr0" only (bwd_win.py: a 16-token block's
+        window union resident, [q; dO] of 32 heads streamed per token; dkv by the same
+        deterministic path on the canonical window index list). bwd_qdo, bwd_fuse_delta, the
+        reduce options and win_programs apply, the gather kernel's tiles and modes do not.
+        NVIDIA only; off by default (docs/perf/gluon_bwd_h200.md, part 4a).
+        bwd_win_producer_regs: its producer's registers (56: no spills at D = 512).
+        bwd_win_delta (with bwd_fuse_delta): "global" (o and dO read from global memory per
+        token, bwd.py's way) or "smem" (o loads issued before the [q; dO] wait, dO read from
+        the resident buffer).
+        bwd_win_overlap: the [q; dO] copy-out under the async score products and the dsp
+        stores under the async dq product (False: each after the other, round 1's order).
+        bwd_win_dq_movmatrix: dq leaves in 4-byte stores, its bf16 8 x 8 blocks transposed in
+        registers (PTX movmatrix) first (False: 2-byte stores from the accumulator layout).
+        bwd_win_dsp: dsp's slot order, "canonical" (slot j = row t - window + 1 + j; per-token
+        shifted 2-byte stores) or "block" (slot j = span column j: aligned 4-byte stores; the
+        dkv path then uses that order's index list, bwd_win.slot_rows).
+        bwd_win_ablate: BENCHMARK ONLY, wrong results: 1 = no dsp / [q; dO] stores, 2 = no dq
+        product, 3 = the consumers only wait for and release the copies (their pace).
     bwd_reduce: the dkv gather-reduce kernel: "pallas_triton" (the Pallas Triton impl's) or
         "gluon" (kernels/gluon/dkv.py: 16-byte loads, two chunks of rows in flight, f32 [R, D]
         partials summed once); both deterministic, with different (fixed) summation orders.
@@ -227,10 +245,18 @@ class Config:
     bwd_reduce: str = "pallas_triton"
     bwd_block_r: int = 0
     bwd_reduce_warps: int = 0
+    bwd_win: bool = False
+    bwd_win_producer_regs: int = 56
+    bwd_win_ablate: int = 0
+    bwd_win_delta: str = "global"
+    bwd_win_overlap: bool = True
+    bwd_win_dq_movmatrix: bool = False
+    bwd_win_dsp: str = "canonical"
 
     def __post_init__(self):
         if self.bwd not in ("gluon", "pallas_triton"):
             raise ValueError(f"bwd={self.bwd!r} must be 'gluon' or 'pallas_triton'")
+        check_bwd_win(self)
         if self.bwd_block_k not in (16, 32, 64):
             raise ValueError(f"bwd_block_k={self.bwd_block_k!r} must be 16, 32 or 64")
         if isinstance(self.bwd_stages, bool) or self.bwd_stages not in (1, 2, 3, 4):
@@ -654,6 +680,10 @@ def forward(q, kv, idx, sink, *, scale, interpret, config):
 def backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, interpret, config):
     """(dq, dkv, dsink): Config.bwd picks the Gluon dq kernel or the pallas_triton backward."""
     _check(q, kv, idx, interpret)
+    if config.bwd_win:
+        from csa_jax.kernels.gluon import bwd_win as _bw
+        return _bw.checked_backward(q, kv, idx, sink, o, lse, do, dlse, scale=scale,
+                                    config=config, amd=_amd())
     if config.bwd == "gluon":
         from csa_jax.kernels.gluon import bwd as _bwd
         return _bwd.backward(q, kv, idx, sink, o, lse, do, dlse, scale=float(scale),
@@ -677,3 +707,4 @@ def backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, interpret, config):
     cfg = pt.default_config(q.shape, kv.shape, idx.shape, q.dtype)
     return pt.backward(q, kv, idx, sink, o, lse, do, dlse, scale=scale, interpret=False,
                        config=cfg)
+

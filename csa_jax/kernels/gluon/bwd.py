@@ -34,7 +34,6 @@ an XLA reduction, delta = sum(o * dO) too unless fused.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -532,8 +531,7 @@ def backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, block_k, stages, prod
     from csa_jax.kernels.gluon.adapter import gluon_call
     # The Pallas Triton impl's padding helpers and its dkv path (kernels/triton: plan.py,
     # backward.py), shared rather than copied.
-    from csa_jax.kernels.triton import default_config as pt_default_config
-    from csa_jax.kernels.triton.backward import _interm_gemm, _inverse_map, _reduce_call
+    from csa_jax.kernels.gluon.dkv import dkv_dsink
     from csa_jax.kernels.triton.plan import _Dims, _ntiles, _pad_to, _prep_idx
     f32 = jnp.float32
     B, T, H, D = q.shape
@@ -625,28 +623,11 @@ def backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, block_k, stages, prod
         dc = rest[1].reshape(B, T, Hp)[:, :, :H]
     else:
         dc = dlse - delta
-    # dkv: the Pallas Triton impl's deterministic per-slot GEMM + inverse-map gather-reduce.
-    ptc = pt_default_config(q.shape, kv.shape, idx.shape, q.dtype)
-    if interm == "gluon":
-        from csa_jax.kernels.gluon import interm as _interm
-        per_slot = _interm.interm(dsp, q_p, do_p, stages=interm_stages, operand=interm_operand,
-                                  pipeline=interm_pipeline)
-    elif qdo:   # interm[t] = dsp[t]^T qdo[t], contracting (head block, plane, head) = 2 * Hp
-        per_slot = jax.lax.dot_general(dsp.reshape(B, T, 2 * Hp, Kp),
-                                       qdo_st.reshape(B, T, 2 * Hp, Dp),
-                                       (((2,), (2,)), ((0, 1), (0, 1))),
-                                       preferred_element_type=q.dtype)
-    else:
-        per_slot = _interm_gemm(dsp.reshape(B, T, 2, Hp, Kp), q_p, do_p, None, q.dtype)
-    if reduce == "gluon":
-        from csa_jax.kernels.gluon import dkv as _dkv
-        offsets, perm = _inverse_map(idx_p, N, narrow_keys)
-        dkv = _dkv.reduce_rows(offsets, perm, per_slot.reshape(B, T * Kp, Dp), kv.dtype,
-                               block_r=block_r or 16, num_warps=reduce_warps or 4)
-    else:
-        ptc = dataclasses.replace(ptc, block_r=block_r or ptc.block_r,
-                                  num_warps_reduce=reduce_warps or ptc.num_warps_reduce)
-        dkv = _reduce_call(d, ptc, interpret_reduce, idx_p, per_slot, kv.dtype, narrow_keys)
-    w = jnp.exp(sink[None, None, :] - lse)
-    dsink = jnp.sum(w * dc, axis=(0, 1))
-    return dq.reshape(B, T, Hp, Dp)[:, :, :H, :D], dkv[:, :, :D], dsink
+    dkv, dsink = dkv_dsink(dsp, qdo_st, q_p, do_p, idx_p, d, kv.dtype, sink, lse, dc,
+                           idx_shape=idx.shape, qdo=qdo, interm=interm,
+                           interm_operand=interm_operand, interm_stages=interm_stages,
+                           interm_pipeline=interm_pipeline, narrow_keys=narrow_keys,
+                           reduce=reduce, block_r=block_r, reduce_warps=reduce_warps,
+                           interpret_reduce=interpret_reduce)
+    return dq.reshape(B, T, Hp, Dp)[:, :, :H, :D], dkv, dsink
+

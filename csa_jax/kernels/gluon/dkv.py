@@ -14,10 +14,13 @@ out-of-range slots are in no row's range and contribute nothing; a row with no e
 """
 from __future__ import annotations
 
+import dataclasses
+
+import jax
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-__all__ = ["csa_dkv_reduce_kernel", "reduce_rows", "arg_types", "constexprs"]
+__all__ = ["csa_dkv_reduce_kernel", "reduce_rows", "dkv_dsink", "arg_types", "constexprs"]
 
 
 @gluon.jit
@@ -85,3 +88,38 @@ def reduce_rows(offsets, perm, interm, dtype, *, block_r=16, num_warps=4):
         kernel=csa_dkv_reduce_kernel,
         out_shape=jax.ShapeDtypeStruct((B * N, D), dtype), grid=(B * N,), num_warps=num_warps,
         name="csa_gluon_dkv_reduce", **constexprs(N=N, E=E, D=D, R=block_r)).reshape(B, N, D)
+
+
+def dkv_dsink(dsp, qdo_st, q_p, do_p, idx_p, d, kv_dtype, sink, lse, dc, *, idx_shape, qdo,
+              interm, interm_operand, interm_stages, interm_pipeline, narrow_keys, reduce,
+              block_r, reduce_warps, interpret_reduce):
+    """(dkv [B, N, D], dsink) from a dq kernel's dsp (and qdo copy): the Pallas Triton impl's
+    deterministic per-slot GEMM + inverse-map gather-reduce over idx_p [B, T, Kp] (the slot
+    order dsp was written in; bwd_win.py passes its canonical window), dsink in XLA."""
+    import jax.numpy as jnp
+    from csa_jax.kernels.triton import default_config as pt_default_config
+    from csa_jax.kernels.triton.backward import _interm_gemm, _inverse_map, _reduce_call
+    B, T, Hp, Dp, Kp = d.B, d.T, d.Hp, d.Dp, d.Kp
+    dt = dsp.dtype                                   # q.dtype
+    ptc = pt_default_config((B, T, d.H, d.D), (B, d.N, d.D), idx_shape, dt)
+    if interm == "gluon":
+        from csa_jax.kernels.gluon import interm as _interm
+        per_slot = _interm.interm(dsp, q_p, do_p, stages=interm_stages, operand=interm_operand,
+                                  pipeline=interm_pipeline)
+    elif qdo:   # interm[t] = dsp[t]^T qdo[t], contracting (head block, plane, head) = 2 * Hp
+        per_slot = jax.lax.dot_general(dsp.reshape(B, T, 2 * Hp, Kp),
+                                       qdo_st.reshape(B, T, 2 * Hp, Dp),
+                                       (((2,), (2,)), ((0, 1), (0, 1))),
+                                       preferred_element_type=dt)
+    else:
+        per_slot = _interm_gemm(dsp.reshape(B, T, 2, Hp, Kp), q_p, do_p, None, dt)
+    if reduce == "gluon":
+        offsets, perm = _inverse_map(idx_p, d.N, narrow_keys)
+        dkv = reduce_rows(offsets, perm, per_slot.reshape(B, T * Kp, Dp), kv_dtype,
+                               block_r=block_r or 16, num_warps=reduce_warps or 4)
+    else:
+        ptc = dataclasses.replace(ptc, block_r=block_r or ptc.block_r,
+                                  num_warps_reduce=reduce_warps or ptc.num_warps_reduce)
+        dkv = _reduce_call(d, ptc, interpret_reduce, idx_p, per_slot, kv_dtype, narrow_keys)
+    w = jnp.exp(sink[None, None, :] - lse)
+    return dkv[:, :, :d.D], jnp.sum(w * dc, axis=(0, 1))
