@@ -33,12 +33,13 @@ class TestContract(ImplContract):
 
 
 @pytest.mark.parametrize("interm,split,slot_major", [("gemm", 1, False), ("kernel", 1, False),
-                                                     ("kernel", 2, False), ("gemm", 1, True)])
+                                                     ("kernel", 2, False), ("gemm", 1, True),
+                                                     ("dq", 1, True)])
 def test_structured_layout_matches_reference(rng, interm, split, slot_major):
     """A window + causal pool list (the shape the benchmark runs) against the XLA impl, with the
-    per-slot intermediate from the GEMM path and from the interm kernel (split=2: its
-    accumulator's columns split over two programs); slot_major: the forward's and the dq
-    kernel's scores formed as (rows q^T)^T."""
+    per-slot intermediate from the GEMM path, from the interm kernel (split=2: its
+    accumulator's columns split over two programs) and from the dq kernel itself ("dq");
+    slot_major: the forward's and the dq kernel's scores formed as (rows q^T)^T."""
     T, P, H, D = 48, 12, 16, 32
     idx = jnp.broadcast_to(csa_jax.build_indices(T, 4, window=16,
                                                  pool_topk=csa_jax.pool_indices(T, 4)), (1, T, 28))

@@ -77,7 +77,10 @@ class Config:
               stores scale * dS and P [B, T, 2, H, K] (q's dtype, as the kernel path rounds them
               before its dots) and one batched GEMM per token in XLA contracts them with
               [q; dO] over the heads. "kernel": the interm kernel above recomputes the scores
-              slot-major (7 products instead of 5, no [B, T, 2, H, K] buffer).
+              slot-major (7 products instead of 5, no [B, T, 2, H, K] buffer). "dq" (needs
+              all heads in one dq program, H <= block_h_dq): the dq kernel forms each tile's
+              intermediate from the dS and P it holds (two more products per tile, the GEMM
+              path's roundings) and writes it: no [B, T, 2, H, K] buffer, no GEMM, no [q; dO].
 
     Row and head blocks are >= 16 (Triton's dot minimum). Shared memory per program is about
     (resident operands + num_stages * streamed tile) bytes: e.g. the dq kernel holds q and dO
@@ -129,8 +132,8 @@ class Config:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name}={v!r} must be an int >= 1")
-        if self.interm not in ("gemm", "kernel"):
-            raise ValueError(f"interm={self.interm!r} must be 'gemm' or 'kernel'")
+        if self.interm not in ("gemm", "kernel", "dq"):
+            raise ValueError(f"interm={self.interm!r} must be 'gemm', 'kernel' or 'dq'")
         for name in ("interm_f32", "slot_major", "slot_major_dq", "narrow_keys", "qdo",
                      "dq_delta"):
             if not isinstance(getattr(self, name), bool):
