@@ -77,6 +77,11 @@ def test_config_validation_and_defaults():
         pallas_triton.Config(dkv_split_d=3)
     with pytest.raises(ValueError, match="interm='scatter'"):
         pallas_triton.Config(interm="scatter")
+    with pytest.raises(ValueError, match=r"interm='dq' needs all heads in one dq program: H=32"):
+        q, kv, idx, sink = random_problem(np.random.default_rng(0), B=1, T=4, H=32, D=16, K=16)
+        lse = jnp.zeros(q.shape[:3], jnp.float32)
+        pallas_triton.backward(q, kv, jnp.maximum(idx, -1), sink, q, lse, q, lse, scale=0.25,
+                               interpret=True, config=dataclasses.replace(SMALL, interm="dq"))
     with pytest.raises(ValueError, match="slot_major_dq=1"):
         pallas_triton.Config(slot_major_dq=1)
     with pytest.raises(ValueError, match="reduce_split=24"):
@@ -244,13 +249,15 @@ def test_reduce_split_sums_hot_rows_exactly_once(rng, split):
     assert (np.asarray(offsets)[0, 3, 1] - np.asarray(offsets)[0, 3, 0]) > 2 * split
 
 
-@pytest.mark.parametrize("split,narrow,qdo,own_delta", [(8, False, False, False),
-                                                     (0, True, True, True),
-                                                     (8, True, True, False)])
-def test_reduce_split_gradients_match_reference(rng, split, narrow, qdo, own_delta):
+@pytest.mark.parametrize("split,narrow,qdo,own_delta,interm", [(8, False, False, False, "gemm"),
+                                                            (0, True, True, True, "gemm"),
+                                                            (8, True, True, False, "gemm"),
+                                                            (8, False, False, True, "dq")])
+def test_reduce_split_gradients_match_reference(rng, split, narrow, qdo, own_delta, interm):
     """The whole op with reduce_split, the int16-key inverse map, the dq kernel's [q; dO] output
-    (qdo) and/or its own delta (dq_delta) on a window + HCA list (pool row 0 seen by every later
-    token), both outputs' cotangents: gradients as the XLA impl's."""
+    (qdo), its own delta (dq_delta) and/or its own per-slot intermediate (interm="dq") on a
+    window + HCA list (pool row 0 seen by every later token, early tokens' tail tiles empty),
+    both outputs' cotangents: gradients as the XLA impl's."""
     T, P, H, D = 64, 4, 16, 32
     idx = csa_jax.build_indices(T, 16, window=16)
     idx = jnp.broadcast_to(idx, (1,) + idx.shape[-2:])
@@ -260,7 +267,7 @@ def test_reduce_split_gradients_match_reference(rng, split, narrow, qdo, own_del
     do = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
     dlse = jnp.asarray(rng.standard_normal(q.shape[:3]), jnp.float32)
     cfg = dataclasses.replace(SMALL, reduce_split=split, narrow_keys=narrow, qdo=qdo,
-                              dq_delta=own_delta)
+                              dq_delta=own_delta, interm=interm)
     _, _, grads = value_and_grads(q, kv, idx, sink, do, dlse, scale=D ** -0.5,
                                   impl="pallas_triton", interpret=True, config=cfg)
     _, _, ref = value_and_grads(q, kv, idx, sink, do, dlse, scale=D ** -0.5, impl="xla")
