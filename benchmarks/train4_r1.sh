@@ -11,6 +11,7 @@
 #       dqd:  dq + dq_delta (delta = rowsum(o dO) formed in the dq kernel)
 #       dq32: dq with 32-slot dq tiles (184 -> 128 registers on the CPU compile report)
 #       dqw8: dq with 8 dq warps;  r64 / rw8: the dkv reduce with 64-entry steps / 8 warps
+#       dqs:  dq with the dkv reduce split in 256-entry chunks (cr4's popular pool rows)
 #  2. bench_train small T=8192 B=1 pallas_triton, variant "dq" (config.interm=dq) only (the
 #     default's step is call A's 37.9 ms at 397a79a, the same code but this option): 5 timed
 #     steps, then a 3-step profile; trace_breakdown of it in a background process (CPU)
@@ -33,13 +34,14 @@ def log(msg):
 log("probe")
 names = ",".join(f"attn_cr{r}_{v}_bwd" for r, v in (
     (4, "default"), (4, "dq"), (128, "default"), (128, "dq"), (0, "default"), (0, "dq"),
-    (4, "dqd"), (4, "dq32"), (4, "dqw8"), (4, "r64"), (4, "rw8"), (128, "dqd"), (0, "dqd")))
+    (4, "dqd"), (4, "dqs"), (4, "dq32"), (4, "dqw8"), (4, "r64"), (4, "rw8"), (128, "dqd"),
+    (0, "dqd")))
 try:
     train_ops_probe.main(["--preset", preset, "--seq-len", str(T), "--reps", "10",
                           "--time-cap", "0.3", "--budget-s", os.environ["T4_PROBE_S"],
                           "--no-ops", "--only", names, "--attn-impl", "pallas_triton",
                           "--attn-ratios", "4,128,0", "--attn-check", "xla",
-                          "--attn-variants", "default:; dq:interm=dq; dqd:interm=dq,dq_delta=true; dq32:interm=dq,block_k_dq=32; dqw8:interm=dq,num_warps_dq=8; r64:block_r=64; rw8:num_warps_reduce=8",
+                          "--attn-variants", "default:; dq:interm=dq; dqd:interm=dq,dq_delta=true; dq32:interm=dq,block_k_dq=32; dqw8:interm=dq,num_warps_dq=8; dqs:interm=dq,reduce_split=256; r64:block_r=64; rw8:num_warps_reduce=8",
                           "--out", f"{out}/probe.json"])
 except Exception as e:
     log(f"probe failed: {type(e).__name__}: {str(e)[:400]}")
