@@ -162,6 +162,25 @@ def test_lowers_to_triton_ir(kind, platform):
         assert _ir_problems(kernels, want) == [], (cfg, kernels)
 
 
+@pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
+def test_fused_interm_lowers_with_its_products_in_the_loop():
+    """interm="dq" at small's widths (H = 16, D = 128) lowers for the H200 to two kernels: the dq
+    kernel with all five products in its tile loop (its own q rows^T, dO rows^T, ds rows, and
+    the intermediate's ds^T q, p^T dO) and the reduce; no per-slot GEMM outside them."""
+    S = jax.ShapeDtypeStruct
+    q, kv = S((1, 64, 16, 128), jnp.bfloat16), S((1, 80, 128), jnp.bfloat16)
+    idx, sink, lse = S((1, 64, 640), jnp.int32), S((16,), jnp.float32), S((1, 64, 16), jnp.float32)
+    cfg = pallas_triton.Config(block_k_dq=64, block_h_dq=16, block_h=16, num_stages=2,
+                               interm="dq")
+    bwd = lambda *a: pallas_triton.backward(*a, scale=0.05, interpret=False, config=cfg)
+    text = _lower(bwd, (q, kv, idx, sink, q, lse, q, lse), "NVIDIA H200", "cuda")
+    kernels = triton_ir.kernel_ops(text)
+    assert set(kernels) == {"csa_triton_dq", "csa_triton_dkv_reduce"}, sorted(kernels)
+    dq = kernels["csa_triton_dq"]
+    assert dq.total["tt.dot"] == dq.in_loop["tt.dot"] == 5, dq.total
+    assert "stablehlo.dot_general" not in text      # the GEMM path's per-slot product is gone
+
+
 def _fwd_without_pv(ntiles_ref, idx_ref, q_ref, kv_ref, sink_ref, o_ref, lse_ref, *, scale, bk,
                     precision):
     """The forward kernel with its p @ rows product left out: lowers fine, computes nonsense."""
