@@ -93,18 +93,18 @@ def test_config_validation_and_defaults():
     assert cfg.block_k <= 64 and cfg.num_stages >= 2 and cfg.block_h <= 64
     tiny = pallas_triton.default_config((2, 40, 4, 128), (2, 50, 128), (2, 40, 20), jnp.float32)
     assert tiny.block_k == 32 and tiny.block_h == 16      # K = 20 -> one tile of 32 slots
-    # small's layers (H = 16): 4 forward warps, 64-slot dq tiles; the reduce split only where
+    # small's layers (H = 16): 4 forward warps, 64-slot dq tiles, interm="dq"; the reduce split only where
     # every pool row is in every list (cr128: P = 64 <= K = 192; cr4: P = 2048 > K = 640)
     bf = jnp.bfloat16
     cr128 = pallas_triton.default_config((1, 8192, 16, 128), (1, 8256, 128), (1, 8192, 192), bf)
     cr4 = pallas_triton.default_config((1, 8192, 16, 128), (1, 10240, 128), (1, 8192, 640), bf)
     cr0 = pallas_triton.default_config((1, 8192, 16, 128), (1, 8192, 128), (1, 8192, 128), bf)
-    knobs = lambda c: (c.num_warps, c.block_k_dq, c.reduce_split, c.qdo)  # noqa: E731
-    assert knobs(cr128) == (4, 64, 128, True) and knobs(cr4) == (4, 64, 0, True)
+    knobs = lambda c: (c.num_warps, c.block_k_dq, c.reduce_split, c.qdo, c.interm)  # noqa: E731
+    assert knobs(cr128) == (4, 64, 128, True, "dq") and knobs(cr4) == (4, 64, 0, True, "dq")
     assert cr0.reduce_split == 0
     # Pro cr4 at T = 4096 (H = 128, D = 512): the V4 defaults; hot rows (P = 1024 <= K = 1152)
     # but D = 512, where the split is not measured
-    assert knobs(cfg) == (8, 32, 0, False)
+    assert knobs(cfg) == (8, 32, 0, False, "gemm")
 
 
 # ----------------------------------------------------------------------------- lowering
@@ -269,9 +269,8 @@ def test_reduce_split_sums_hot_rows_exactly_once(rng, split):
 
 
 @pytest.mark.parametrize("split,narrow,qdo,own_delta,interm", [(8, False, False, False, "gemm"),
-                                                            (0, True, True, True, "gemm"),
-                                                            (8, True, True, False, "gemm"),
-                                                            (8, False, False, True, "dq")])
+                                                            (0, True, False, True, "dq"),
+                                                            (8, True, True, False, "gemm")])
 def test_reduce_split_gradients_match_reference(rng, split, narrow, qdo, own_delta, interm):
     """The whole op with reduce_split, the int16-key inverse map, the dq kernel's [q; dO] output
     (qdo), its own delta (dq_delta) and/or its own per-slot intermediate (interm="dq") on a
