@@ -93,18 +93,21 @@ def test_config_validation_and_defaults():
     assert cfg.block_k <= 64 and cfg.num_stages >= 2 and cfg.block_h <= 64
     tiny = pallas_triton.default_config((2, 40, 4, 128), (2, 50, 128), (2, 40, 20), jnp.float32)
     assert tiny.block_k == 32 and tiny.block_h == 16      # K = 20 -> one tile of 32 slots
-    # small's layers (H = 16): 4 forward warps, 64-slot dq tiles, interm="dq"; the reduce split only where
+    # small's layers (H = 16): 4 forward warps, 64-slot dq tiles, interm="dq",
+    # 64-entry reduce steps; the reduce split only where
     # every pool row is in every list (cr128: P = 64 <= K = 192; cr4: P = 2048 > K = 640)
     bf = jnp.bfloat16
     cr128 = pallas_triton.default_config((1, 8192, 16, 128), (1, 8256, 128), (1, 8192, 192), bf)
     cr4 = pallas_triton.default_config((1, 8192, 16, 128), (1, 10240, 128), (1, 8192, 640), bf)
     cr0 = pallas_triton.default_config((1, 8192, 16, 128), (1, 8192, 128), (1, 8192, 128), bf)
-    knobs = lambda c: (c.num_warps, c.block_k_dq, c.reduce_split, c.qdo, c.interm)  # noqa: E731
-    assert knobs(cr128) == (4, 64, 128, True, "dq") and knobs(cr4) == (4, 64, 0, True, "dq")
+    knobs = lambda c: (c.num_warps, c.block_k_dq, c.reduce_split, c.qdo, c.interm,  # noqa: E731
+                       c.block_r)
+    assert knobs(cr128) == (4, 64, 128, True, "dq", 64)
+    assert knobs(cr4) == (4, 64, 0, True, "dq", 64)
     assert cr0.reduce_split == 0
     # Pro cr4 at T = 4096 (H = 128, D = 512): the V4 defaults; hot rows (P = 1024 <= K = 1152)
     # but D = 512, where the split is not measured
-    assert knobs(cfg) == (8, 32, 0, False, "gemm")
+    assert knobs(cfg) == (8, 32, 0, False, "gemm", 32)
 
 
 # ----------------------------------------------------------------------------- lowering

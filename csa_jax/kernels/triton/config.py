@@ -193,10 +193,12 @@ def default_config(q_shape, kv_shape, idx_shape, dtype) -> Config:
     stack, 0.97 ms per step, was gone and the 12 dq kernels took 0.1 ms more; kept for
     interm="gemm"), and the per-slot intermediate formed by the dq kernel (interm="dq": the
     `small` step 37.9 -> 36.7 ms, its attention backward 10.9 -> 10.0 ms; the gradients the same
-    bits as the GEMM path's at its layer shapes). Hot kv rows (every pool row in every list:
-    0 < N - T <= K, as in HCA layers, where a pool row gets an entry from each later token) and
-    D <= 128 (where it was measured): the dkv reduce split into chunks of 128 entries (the cr128
-    backward 1.16 ms against 1.48 ms); H200, docs/perf/train_h200.md. (V4's D = 512 layers have
+    bits as the GEMM path's at its layer shapes), and 64-entry dkv reduce steps (a cr4 layer's
+    forward + backward 2.073 -> 1.889 ms; cr128 / cr0 not measured when this was set). Hot kv
+    rows (every pool row in every list: 0 < N - T <= K, as in HCA layers, where a pool row
+    gets an entry from each later token) and D <= 128 (where it was measured): the dkv reduce
+    split into chunks of 128 entries (the cr128 backward 1.16 ms against 1.48 ms); H200,
+    docs/perf/train_h200.md. (V4's D = 512 layers have
     the same hot rows, with 4x the bytes per entry; not measured yet, so not split.)
     """
     platform, kind = _device_kind()
@@ -209,7 +211,8 @@ def default_config(q_shape, kv_shape, idx_shape, dtype) -> Config:
                                   num_stages_dq=2, block_h_dkv=16, num_stages=2,
                                   slot_major_dq=False)
     elif max(16, _next_pow2(H)) <= 16:
-        cfg = dataclasses.replace(cfg, num_warps=4, block_k_dq=64, qdo=True, interm="dq")
+        cfg = dataclasses.replace(cfg, num_warps=4, block_k_dq=64, qdo=True, interm="dq",
+                                  block_r=64)
     if 0 < pool <= K and D <= 128:
         cfg = dataclasses.replace(cfg, reduce_split=128)
     if jnp.dtype(dtype) == jnp.float32:
