@@ -23,7 +23,10 @@ today, on the same inputs:
                              --attn-impl's forward / backward (both cotangents) at the preset's
                              layer shapes (csa_jax.problems, causal cr4 lists), its default
                              config and each --attn-variants override (benchmarks.common specs);
-                             the outputs are checked against the default config's
+                             the outputs are checked against the default config's, and with
+                             --attn-check xla also against impl="xla" on the same inputs
+                             (rel_err_vs_xla: max over the outputs of max-abs error / max-abs
+                             of the xla output; the xla run is not timed)
 
 --budget-s stops starting probes once that many seconds have passed (the JSON is rewritten after
 every probe, so a time limit still leaves what ran).
@@ -94,14 +97,22 @@ def probes(preset, T):
     }
 
 
-def attention_probes(preset, T, impl, ratios, variants):
+def attention_probes(preset, T, impl, ratios, variants, xla_refs=None):
     """{name: (fn, args)} of the forward and backward per layer ratio and config variant; the
-    last element of each name's tuple is a reference key for the output check."""
+    last element of each name's tuple is a reference key for the output check. xla_refs (a
+    dict) receives {reference key: (fn, args)} of impl="xla" on the same inputs."""
     cfg = get_preset(preset, seq_len=T)
     imp = registry.get(impl)
     out = {}
     for r in ratios:
         pr = problems.make_problem(cfg.model.layer(r), T, index_mode="causal", seed=r)
+        if xla_refs is not None:
+            xattn = lambda q, kv, idx, sink: csa_jax.sparse_attention(  # noqa: E731
+                q, kv, idx, sink, impl="xla")
+            xla_refs[f"cr{r}_fwd"] = (jax.jit(lambda *a: xattn(*a)[0]),
+                                      (pr.q, pr.kv, pr.idx, pr.sink))
+            xla_refs[f"cr{r}_bwd"] = (jax.jit(jax.grad(problems.loss_fn(xattn), argnums=(0, 1))),
+                                      (pr.q, pr.kv, pr.sink, pr.idx, pr.do, pr.dlse))
         base = imp.default_config(pr.q.shape, pr.kv.shape, pr.idx.shape, pr.q.dtype)
         for name, over in parse_variants(variants):
             conf = dataclasses.replace(base, **over)
@@ -144,18 +155,21 @@ def main(argv=None):
     p.add_argument("--attn-impl", default="", help="e.g. pallas_triton (default: none)")
     p.add_argument("--attn-ratios", default="4,128,0")
     p.add_argument("--attn-variants", default="", help="'NAME:k=v,k=v; ...' config overrides")
+    p.add_argument("--attn-check", choices=["none", "xla"], default="none",
+                   help="xla: also check every attention probe's outputs against impl='xla'")
     p.add_argument("--budget-s", type=float, default=1e9)
     p.add_argument("--out", default="train_ops_probe.json")
     args = p.parse_args(argv)
     t_start = time.perf_counter()
     only = set(filter(None, args.only.split(",")))
-    todo = {}
+    todo, xla_refs, xla_out = {}, {}, {}
     if not args.no_ops:
         todo.update({k: v + (None,) for k, v in probes(args.preset, args.seq_len).items()})
     if args.attn_impl:
         ratios = [int(r) for r in args.attn_ratios.split(",") if r]
         todo.update(attention_probes(args.preset, args.seq_len, args.attn_impl, ratios,
-                                     args.attn_variants))
+                                     args.attn_variants,
+                                     xla_refs if args.attn_check == "xla" else None))
     names = list(todo) + (["optimizer"] if args.optimizer else [])
     if only:   # in the order given (a time budget stops the tail of the list)
         names = [n for n in args.only.split(",") if n in names]
@@ -186,8 +200,19 @@ def main(argv=None):
                     jax.tree.leaves(res), jax.tree.leaves(refs[ref])))
             else:
                 refs[ref] = res
+        if ref in xla_refs:
+            try:
+                if ref not in xla_out:
+                    fn_x, args_x = xla_refs[ref]
+                    xla_out[ref] = jax.block_until_ready(fn_x(*args_x))
+                row["rel_err_vs_xla"] = max(problems.rel_err(a, b) for a, b in zip(
+                    jax.tree.leaves(res), jax.tree.leaves(xla_out[ref])))
+            except Exception as e:  # report and go on
+                row["xla_check_error"] = f"{type(e).__name__}: {str(e)[:300]}"
         rows.append(row)
         err = f" | err {row['rel_err_vs_default']:.1e}" if "rel_err_vs_default" in row else ""
+        if "rel_err_vs_xla" in row:
+            err += f" | vs xla {row['rel_err_vs_xla']:.1e}"
         print(f"| {name} | {ms:.3f} ms | {n} reps | first call {first:.1f} s{err} |", flush=True)
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(dict(meta, rows=rows), indent=2))

@@ -33,12 +33,13 @@ class TestContract(ImplContract):
 
 
 @pytest.mark.parametrize("interm,split,slot_major", [("gemm", 1, False), ("kernel", 1, False),
-                                                     ("kernel", 2, False), ("gemm", 1, True)])
+                                                     ("kernel", 2, False), ("gemm", 1, True),
+                                                     ("dq", 1, True)])
 def test_structured_layout_matches_reference(rng, interm, split, slot_major):
     """A window + causal pool list (the shape the benchmark runs) against the XLA impl, with the
-    per-slot intermediate from the GEMM path and from the interm kernel (split=2: its
-    accumulator's columns split over two programs); slot_major: the forward's and the dq
-    kernel's scores formed as (rows q^T)^T."""
+    per-slot intermediate from the GEMM path, from the interm kernel (split=2: its
+    accumulator's columns split over two programs) and from the dq kernel itself ("dq");
+    slot_major: the forward's and the dq kernel's scores formed as (rows q^T)^T."""
     T, P, H, D = 48, 12, 16, 32
     idx = jnp.broadcast_to(csa_jax.build_indices(T, 4, window=16,
                                                  pool_topk=csa_jax.pool_indices(T, 4)), (1, T, 28))
@@ -76,6 +77,11 @@ def test_config_validation_and_defaults():
         pallas_triton.Config(dkv_split_d=3)
     with pytest.raises(ValueError, match="interm='scatter'"):
         pallas_triton.Config(interm="scatter")
+    with pytest.raises(ValueError, match=r"interm='dq' needs all heads in one dq program: H=32"):
+        q, kv, idx, sink = random_problem(np.random.default_rng(0), B=1, T=4, H=32, D=16, K=16)
+        lse = jnp.zeros(q.shape[:3], jnp.float32)
+        pallas_triton.backward(q, kv, jnp.maximum(idx, -1), sink, q, lse, q, lse, scale=0.25,
+                               interpret=True, config=dataclasses.replace(SMALL, interm="dq"))
     with pytest.raises(ValueError, match="slot_major_dq=1"):
         pallas_triton.Config(slot_major_dq=1)
     with pytest.raises(ValueError, match="reduce_split=24"):
@@ -87,18 +93,21 @@ def test_config_validation_and_defaults():
     assert cfg.block_k <= 64 and cfg.num_stages >= 2 and cfg.block_h <= 64
     tiny = pallas_triton.default_config((2, 40, 4, 128), (2, 50, 128), (2, 40, 20), jnp.float32)
     assert tiny.block_k == 32 and tiny.block_h == 16      # K = 20 -> one tile of 32 slots
-    # small's layers (H = 16): 4 forward warps, 64-slot dq tiles; the reduce split only where
+    # small's layers (H = 16): 4 forward warps, 64-slot dq tiles, interm="dq",
+    # 64-entry reduce steps; the reduce split only where
     # every pool row is in every list (cr128: P = 64 <= K = 192; cr4: P = 2048 > K = 640)
     bf = jnp.bfloat16
     cr128 = pallas_triton.default_config((1, 8192, 16, 128), (1, 8256, 128), (1, 8192, 192), bf)
     cr4 = pallas_triton.default_config((1, 8192, 16, 128), (1, 10240, 128), (1, 8192, 640), bf)
     cr0 = pallas_triton.default_config((1, 8192, 16, 128), (1, 8192, 128), (1, 8192, 128), bf)
-    knobs = lambda c: (c.num_warps, c.block_k_dq, c.reduce_split, c.qdo)  # noqa: E731
-    assert knobs(cr128) == (4, 64, 128, True) and knobs(cr4) == (4, 64, 0, True)
+    knobs = lambda c: (c.num_warps, c.block_k_dq, c.reduce_split, c.qdo, c.interm,  # noqa: E731
+                       c.block_r)
+    assert knobs(cr128) == (4, 64, 128, True, "dq", 64)
+    assert knobs(cr4) == (4, 64, 0, True, "dq", 64)
     assert cr0.reduce_split == 0
     # Pro cr4 at T = 4096 (H = 128, D = 512): the V4 defaults; hot rows (P = 1024 <= K = 1152)
     # but D = 512, where the split is not measured
-    assert knobs(cfg) == (8, 32, 0, False)
+    assert knobs(cfg) == (8, 32, 0, False, "gemm", 32)
 
 
 # ----------------------------------------------------------------------------- lowering
@@ -154,6 +163,25 @@ def test_lowers_to_triton_ir(kind, platform):
                    **triton_ir.kernel_ops(_lower(bwd, (q, kv, idx, sink, q, lse, q, lse), kind,
                                                  platform))}
         assert _ir_problems(kernels, want) == [], (cfg, kernels)
+
+
+@pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
+def test_fused_interm_lowers_with_its_products_in_the_loop():
+    """interm="dq" at small's widths (H = 16, D = 128) lowers for the H200 to two kernels: the dq
+    kernel with all five products in its tile loop (its own q rows^T, dO rows^T, ds rows, and
+    the intermediate's ds^T q, p^T dO) and the reduce; no per-slot GEMM outside them."""
+    S = jax.ShapeDtypeStruct
+    q, kv = S((1, 64, 16, 128), jnp.bfloat16), S((1, 80, 128), jnp.bfloat16)
+    idx, sink, lse = S((1, 64, 640), jnp.int32), S((16,), jnp.float32), S((1, 64, 16), jnp.float32)
+    cfg = pallas_triton.Config(block_k_dq=64, block_h_dq=16, block_h=16, num_stages=2,
+                               interm="dq")
+    bwd = lambda *a: pallas_triton.backward(*a, scale=0.05, interpret=False, config=cfg)
+    text = _lower(bwd, (q, kv, idx, sink, q, lse, q, lse), "NVIDIA H200", "cuda")
+    kernels = triton_ir.kernel_ops(text)
+    assert set(kernels) == {"csa_triton_dq", "csa_triton_dkv_reduce"}, sorted(kernels)
+    dq = kernels["csa_triton_dq"]
+    assert dq.total["tt.dot"] == dq.in_loop["tt.dot"] == 5, dq.total
+    assert "stablehlo.dot_general" not in text      # the GEMM path's per-slot product is gone
 
 
 def _fwd_without_pv(ntiles_ref, idx_ref, q_ref, kv_ref, sink_ref, o_ref, lse_ref, *, scale, bk,
@@ -243,13 +271,14 @@ def test_reduce_split_sums_hot_rows_exactly_once(rng, split):
     assert (np.asarray(offsets)[0, 3, 1] - np.asarray(offsets)[0, 3, 0]) > 2 * split
 
 
-@pytest.mark.parametrize("split,narrow,qdo,own_delta", [(8, False, False, False),
-                                                     (0, True, True, True),
-                                                     (8, True, True, False)])
-def test_reduce_split_gradients_match_reference(rng, split, narrow, qdo, own_delta):
+@pytest.mark.parametrize("split,narrow,qdo,own_delta,interm", [(8, False, False, False, "gemm"),
+                                                            (0, True, False, True, "dq"),
+                                                            (8, True, True, False, "gemm")])
+def test_reduce_split_gradients_match_reference(rng, split, narrow, qdo, own_delta, interm):
     """The whole op with reduce_split, the int16-key inverse map, the dq kernel's [q; dO] output
-    (qdo) and/or its own delta (dq_delta) on a window + HCA list (pool row 0 seen by every later
-    token), both outputs' cotangents: gradients as the XLA impl's."""
+    (qdo), its own delta (dq_delta) and/or its own per-slot intermediate (interm="dq") on a
+    window + HCA list (pool row 0 seen by every later token, early tokens' tail tiles empty),
+    both outputs' cotangents: gradients as the XLA impl's."""
     T, P, H, D = 64, 4, 16, 32
     idx = csa_jax.build_indices(T, 16, window=16)
     idx = jnp.broadcast_to(idx, (1,) + idx.shape[-2:])
@@ -259,7 +288,7 @@ def test_reduce_split_gradients_match_reference(rng, split, narrow, qdo, own_del
     do = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
     dlse = jnp.asarray(rng.standard_normal(q.shape[:3]), jnp.float32)
     cfg = dataclasses.replace(SMALL, reduce_split=split, narrow_keys=narrow, qdo=qdo,
-                              dq_delta=own_delta)
+                              dq_delta=own_delta, interm=interm)
     _, _, grads = value_and_grads(q, kv, idx, sink, do, dlse, scale=D ** -0.5,
                                   impl="pallas_triton", interpret=True, config=cfg)
     _, _, ref = value_and_grads(q, kv, idx, sink, do, dlse, scale=D ** -0.5, impl="xla")

@@ -19,27 +19,32 @@ from csa_jax.kernels.triton.plan import (_dims, _gather_rows, _gather_tile, _hea
 
 def _dq_kernel(ntiles_ref, idx_ref, q_ref, do_ref, lse_ref, delta_ref, dlse_ref, kv_ref,  # in
                dq_ref, *extra_refs,                                                       # out
-               scale, bk, precision, slot_major, dsp, qdo, own_delta):
+               scale, bk, precision, slot_major, dsp, qdo, interm, own_delta):
     # q_ref, do_ref [hb, D]; lse/delta/dlse [hb, 1] (own_delta: delta_ref is o's [hb, D] block,
-    # and delta = rowsum(o * dO) is formed here and written out, [hb, 1] f32); extra_refs: dsp
-    # (interm="gemm" only) [2, hb, Kp], this head block's scale * dS and P over all slots, in the
-    # dtype of the interm products; with qdo [2, hb, D], the block's q and dO (the per-slot
-    # GEMM's operand); with own_delta the delta block.
+    # and delta = rowsum(o * dO) is formed here and written out, [hb, 1] f32); extra_refs, in
+    # this order: dsp (interm="gemm" only) [2, hb, Kp], this head block's scale * dS and P over
+    # all slots, in the dtype of the interm products; with qdo [2, hb, D], the block's q and dO
+    # (the per-slot GEMM's operand); with interm (interm="dq": hb = all heads) [Kp, D], the
+    # token's per-slot intermediate scale * dS^T q + P^T dO itself, tile by tile; with
+    # own_delta the delta block.
     q = q_ref[...]
     do = do_ref[...]
     lse = lse_ref[...]
+    extra = list(extra_refs)
+    dsp = extra.pop(0) if dsp else None
+    qdo_ref = extra.pop(0) if qdo else None
+    interm_ref = extra.pop(0) if interm else None
     if own_delta:
         delta = jnp.sum(delta_ref[...].astype(jnp.float32) * do.astype(jnp.float32), axis=-1,
                         keepdims=True)
-        extra_refs[-1][...] = delta
+        extra.pop(0)[...] = delta
     else:
         delta = delta_ref[...]
     dlse = dlse_ref[...]
     ntiles = ntiles_ref[...]
-    dsp = extra_refs[0] if dsp else None
-    if qdo:
-        extra_refs[1][0] = q
-        extra_refs[1][1] = do
+    if qdo_ref is not None:
+        qdo_ref[0] = q
+        qdo_ref[1] = do
 
     def store(i, ds_scaled, p):
         cols = pl.ds(i * bk, bk)
@@ -54,10 +59,18 @@ def _dq_kernel(ntiles_ref, idx_ref, q_ref, do_ref, lse_ref, delta_ref, dlse_ref,
         ds = blockmath.softmax_grad(p, dp, delta, dlse)
         if dsp is not None:
             store(i, ds * scale, p)
+        if interm_ref is not None:
+            # The GEMM path's products, rounded the same way (scale * dS and P to q's dtype,
+            # f32 sums over the heads): [bk, D] = (scale dS)^T q + P^T dO, one writer per slot.
+            g = pltriton.dot((ds * scale).astype(q.dtype), q, trans_a=True, precision=precision)
+            g = g + pltriton.dot(p.astype(do.dtype), do, trans_a=True, precision=precision)
+            interm_ref[pl.ds(i * bk, bk), :] = g.astype(interm_ref.dtype)
         return acc + pltriton.dot(ds.astype(rows.dtype), rows, precision=precision)
 
     acc = lax.fori_loop(0, ntiles, body, jnp.zeros(q.shape, jnp.float32))
     dq_ref[...] = (acc * scale).astype(dq_ref.dtype)
+    # interm: tiles past the token's last non-empty slot are left unwritten: they hold only
+    # empty slots, which the inverse map never lists, so the reduce never reads them.
     if dsp is not None:   # tiles past the token's last non-empty slot: exact zeros, never garbage
         zero = jnp.zeros((q.shape[0], bk), dsp.dtype)
 
@@ -134,14 +147,19 @@ def _inverse_map(idx_p, N, narrow_keys=False):
 def _backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, interpret, config,
               parts=("dq", "interm", "reduce")):
     """`parts` (all by default) lets a benchmark time the kernels one by one; skipped parts
-    return zeros (with interm="gemm" the interm part needs the dq kernel, so its dq is kept)."""
+    return zeros (with interm="gemm" the interm part needs the dq kernel, so its dq is kept;
+    with interm="dq" the dq kernel forms the intermediate itself, so "dq" includes it)."""
     d = _dims(q, kv, idx, config)
     prec = blockmath.precision(q.dtype)
     f32 = jnp.float32
     idx_p, used = _prep_idx(idx, d)
     gemm = config.interm == "gemm"
-    run_dq = "dq" in parts or (gemm and "interm" in parts)
-    own_delta = config.dq_delta and gemm and run_dq    # the interm kernel path needs it first
+    fused = config.interm == "dq"
+    if fused and d.Hp != _head_block(d, config.block_h_dq):
+        raise ValueError(f"interm='dq' needs all heads in one dq program: H={d.H} (padded "
+                         f"{d.Hp}) > block_h_dq={config.block_h_dq}; use interm='gemm'")
+    run_dq = "dq" in parts or ((gemm or fused) and "interm" in parts)
+    own_delta = config.dq_delta and (gemm or fused) and run_dq   # "kernel" needs it first
     # Padded heads: q = dO = 0, lse = delta = dlse = 0, so p = 1 but ds = 0 and p * dO = 0.
     q_p = _pad_to(_pad_to(q, 3, d.Dp), 2, d.Hp)
     do_p = _pad_to(_pad_to(do, 3, d.Dp), 2, d.Hp)
@@ -161,11 +179,13 @@ def _backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, interpret, config,
         qdo = gemm and config.qdo
         dq, *dsp = _dq_call(d, config, scale, interpret, prec, used, idx_p, q_p, do_p, lse_p,
                             delta_p, dlse_p, kv_p, dsp_dtype=q_p.dtype if gemm else None,
-                            qdo=qdo, own_delta=own_delta)
+                            qdo=qdo, own_delta=own_delta, interm_dtype=idt if fused else None)
         if own_delta:
             delta = dsp.pop()[:, :, :d.H, 0]                                   # [B, T, H]
     if "interm" in parts:
-        if gemm:
+        if fused:
+            interm = dsp[0]
+        elif gemm:
             interm = _interm_gemm(dsp[0], q_p, do_p, prec, idt, qdo=dsp[1] if qdo else None)
         else:
             interm = _interm_call(d, config, scale, interpret, prec, used, idx_p, q_p, do_p,
@@ -183,11 +203,13 @@ def _backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, interpret, config,
 
 
 def _dq_call(d, config, scale, interpret, prec, used, idx_p, q_p, do_p, lse_p, delta_p, dlse_p,
-             kv_p, dsp_dtype=None, qdo=False, own_delta=False):
+             kv_p, dsp_dtype=None, qdo=False, own_delta=False, interm_dtype=None):
     """dq [B, T, Hp, Dp]: programs over (b, t, head block). With dsp_dtype also returns
     dsp [B, T, 2, Hp, Kp] = (scale * dS, P) of every slot (zeros past a token's last tile), and
     with qdo (needs dsp_dtype) [q; dO] [B, T, 2, Hp, Dp], copied from the tiles it read. With
-    own_delta, delta_p is o padded [B, T, Hp, Dp] and delta [B, T, Hp, 1] f32 is returned last."""
+    interm_dtype (one head block = all Hp heads) the per-slot intermediate [B, T, Kp, Dp] (the
+    tiles past a token's last non-empty one unwritten). With own_delta, delta_p is o padded
+    [B, T, Hp, Dp] and delta [B, T, Hp, 1] f32 is returned last."""
     bk = config.block_k_dq
     hb = _head_block(d, config.block_h_dq)
     n, coords = _token_head_grid(d, hb)
@@ -207,13 +229,19 @@ def _dq_call(d, config, scale, interpret, prec, used, idx_p, q_p, do_p, lse_p, d
         out_specs.append(pl.BlockSpec((None, None, 2, hb, d.Dp),
                                       lambda i: (*tok(i), 0, coords(i)[2], 0)))
         out_shape.append(jax.ShapeDtypeStruct((d.B, d.T, 2, d.Hp, d.Dp), q_p.dtype))
+    if interm_dtype is not None:
+        if hb != d.Hp:
+            raise ValueError(f"the dq kernel's interm output needs one head block: "
+                             f"block {hb} < {d.Hp} heads")
+        out_specs.append(pl.BlockSpec((None, None, d.Kp, d.Dp), lambda i: (*tok(i), 0, 0)))
+        out_shape.append(jax.ShapeDtypeStruct((d.B, d.T, d.Kp, d.Dp), interm_dtype))
     if own_delta:
         out_specs.append(col_spec)
         out_shape.append(jax.ShapeDtypeStruct((d.B, d.T, d.Hp, 1), jnp.float32))
     return pl.pallas_call(
         functools.partial(_dq_kernel, scale=scale, bk=bk, precision=prec,
                           slot_major=config.slot_major_dq, dsp=dsp_dtype is not None, qdo=qdo,
-                          own_delta=own_delta),
+                          interm=interm_dtype is not None, own_delta=own_delta),
         grid=(n,),
         in_specs=[
             pl.BlockSpec((None, None), tok),

@@ -77,7 +77,10 @@ class Config:
               stores scale * dS and P [B, T, 2, H, K] (q's dtype, as the kernel path rounds them
               before its dots) and one batched GEMM per token in XLA contracts them with
               [q; dO] over the heads. "kernel": the interm kernel above recomputes the scores
-              slot-major (7 products instead of 5, no [B, T, 2, H, K] buffer).
+              slot-major (7 products instead of 5, no [B, T, 2, H, K] buffer). "dq" (needs
+              all heads in one dq program, H <= block_h_dq): the dq kernel forms each tile's
+              intermediate from the dS and P it holds (two more products per tile, the GEMM
+              path's roundings) and writes it: no [B, T, 2, H, K] buffer, no GEMM, no [q; dO].
 
     Row and head blocks are >= 16 (Triton's dot minimum). Shared memory per program is about
     (resident operands + num_stages * streamed tile) bytes: e.g. the dq kernel holds q and dO
@@ -129,8 +132,8 @@ class Config:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name}={v!r} must be an int >= 1")
-        if self.interm not in ("gemm", "kernel"):
-            raise ValueError(f"interm={self.interm!r} must be 'gemm' or 'kernel'")
+        if self.interm not in ("gemm", "kernel", "dq"):
+            raise ValueError(f"interm={self.interm!r} must be 'gemm', 'kernel' or 'dq'")
         for name in ("interm_f32", "slot_major", "slot_major_dq", "narrow_keys", "qdo",
                      "dq_delta"):
             if not isinstance(getattr(self, name), bool):
@@ -187,10 +190,15 @@ def default_config(q_shape, kv_shape, idx_shape, dtype) -> Config:
     Narrow heads (H <= 16, the `small` training preset's 16 x 128; NVIDIA): the forward with 4
     warps (a cr4 layer at T = 8192: 0.465 ms against 0.629 ms with 8), 64-slot dq tiles (the
     cr4 backward 2.51 ms against 2.74 ms with 32) and qdo (in a `small` step XLA's [q; dO]
-    stack, 0.97 ms per step, was gone and the 12 dq kernels took 0.1 ms more). Hot kv rows (every pool row in every list:
-    0 < N - T <= K, as in HCA layers, where a pool row gets an entry from each later token) and
-    D <= 128 (where it was measured): the dkv reduce split into chunks of 128 entries (the cr128
-    backward 1.16 ms against 1.48 ms); H200, docs/perf/train_h200.md. (V4's D = 512 layers have
+    stack, 0.97 ms per step, was gone and the 12 dq kernels took 0.1 ms more; kept for
+    interm="gemm"), and the per-slot intermediate formed by the dq kernel (interm="dq": the
+    `small` step 37.9 -> 36.7 ms, its attention backward 10.9 -> 10.0 ms; the gradients the same
+    bits as the GEMM path's at its layer shapes), and 64-entry dkv reduce steps (a cr4 layer's
+    forward + backward 2.073 -> 1.889 ms; cr128 / cr0 not measured when this was set). Hot kv
+    rows (every pool row in every list: 0 < N - T <= K, as in HCA layers, where a pool row
+    gets an entry from each later token) and D <= 128 (where it was measured): the dkv reduce
+    split into chunks of 128 entries (the cr128 backward 1.16 ms against 1.48 ms); H200,
+    docs/perf/train_h200.md. (V4's D = 512 layers have
     the same hot rows, with 4x the bytes per entry; not measured yet, so not split.)
     """
     platform, kind = _device_kind()
@@ -203,7 +211,8 @@ def default_config(q_shape, kv_shape, idx_shape, dtype) -> Config:
                                   num_stages_dq=2, block_h_dkv=16, num_stages=2,
                                   slot_major_dq=False)
     elif max(16, _next_pow2(H)) <= 16:
-        cfg = dataclasses.replace(cfg, num_warps=4, block_k_dq=64, qdo=True)
+        cfg = dataclasses.replace(cfg, num_warps=4, block_k_dq=64, qdo=True, interm="dq",
+                                  block_r=64)
     if 0 < pool <= K and D <= 128:
         cfg = dataclasses.replace(cfg, reduce_split=128)
     if jnp.dtype(dtype) == jnp.float32:
