@@ -17,7 +17,17 @@ today, on the same inputs:
                              noskip: also the wholly invisible tiles)
     topk_prefix_kernel       indexer_topk(select="prefix", scores="kernel") (ids checked equal to
                              the XLA path's)
+    topk_select_kernel       indexer_topk(select="kernel", scores="kernel"): the Triton
+                             threshold select (csa_jax/kernels/triton/topk.py) and one sort of
+                             the k selected (ids checked equal to topk_prefix_kernel's)
+    select_<variant>         the select kernel alone on the scores kernel's [1, T, P] output:
+                             r<rows>w<warps> ordered (with the sort), _unordered (kernel only);
+                             select_ties: scores rounded to 1/8 (many ties), ids checked equal
+                             to lax.top_k's
     sort_rows_k              lax.top_k of [T/8, P] scores (one band's selection, no scoring)
+    mlp_<mode>               one SwiGLU MLP's forward + backward (x and weight gradients) at the
+                             preset's widths, [1, T, C] bf16, ModelConfig.swiglu = mode (xla,
+                             act, gemm); outputs checked against mlp_xla's
     optimizer                AdamW + clipping of the preset's parameters (train.loop's optimizer)
     attn_cr<r>_<variant>_fwd / _bwd
                              --attn-impl's forward / backward (both cotangents) at the preset's
@@ -73,10 +83,29 @@ def probes(preset, T):
             q, k, w, ratio=4, topk=a.topk, select=select, scores=scores))
 
     band = jax.random.normal(jax.random.key(3), (T // 8, T // 4), jnp.float32)
+    from csa_jax.kernels.triton import topk as tkt
+
+    kk = min(a.topk, T // 4)
+    full = tki.indexer_scores(q, k, w, ratio=4) if tki.supported(q.shape, k.shape, q.dtype) \
+        is None else csa_jax.indexer_scores(q, k, w, ratio=4)
+    ties = jnp.round(full * 8) / 8
+
+    def sel(rows=1, warps=4, ordered=True):
+        return jax.jit(lambda s: tkt.select_topk(s, kk, rows=rows, num_warps=warps,
+                                                 ordered=ordered))
     # most informative pairs first (a time budget may stop the list)
     return {
         "topk_prefix": (select_fn("xla"), (q, k, w)),
         "topk_prefix_kernel": (select_fn("kernel"), (q, k, w)),
+        "topk_select_kernel": (select_fn("kernel", "kernel"), (q, k, w)),
+        "select_r1w4": (sel(), (full,)),
+        "select_r1w4_unordered": (sel(ordered=False), (full,)),
+        "select_r2w4": (sel(2), (full,)),
+        "select_r1w8": (sel(1, 8), (full,)),
+        "select_r4w8": (sel(4, 8), (full,)),
+        "select_ties": (sel(), (ties,)),
+        "lax_topk_ties": (jax.jit(lambda s: jnp.where(*(lambda v, i: (v > -jnp.inf, i))(
+            *jax.lax.top_k(s, kk)), -1)), (ties,)),
         "scores_full": (jax.jit(lambda q, k, w: csa_jax.indexer_scores(q, k, w, ratio=4)),
                         (q, k, w)),
         "scores_kernel": (jax.jit(lambda q, k, w: tki.indexer_scores(q, k, w, ratio=4)),
@@ -92,6 +121,29 @@ def probes(preset, T):
             q, k, w, ratio=4, skip=False)), (q, k, w)),
         "sort_rows_k": (jax.jit(lambda s: jax.lax.top_k(s, min(a.topk, T // 4))), (band,)),
     }
+
+
+def mlp_probes(preset, T):
+    """{mlp_<mode>: (fn, args, ref key)}: value and gradients of sum(mlp(x)^2) per SwiGLU mode."""
+    from flax import nnx
+
+    from train.model import SWIGLU_MODES, SwiGLU
+
+    cfg = get_preset(preset, seq_len=T).model
+    x = jax.random.normal(jax.random.key(4), (1, T, cfg.d_model), jnp.bfloat16)
+    out = {}
+    for mode in SWIGLU_MODES:
+        mlp = SwiGLU(cfg.d_model, cfg.mlp_hidden, dtype=jnp.bfloat16, mode=mode,
+                     rngs=nnx.Rngs(0))
+        graph, params = nnx.split(mlp)
+        params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), params)
+
+        def loss(p, x, graph=graph):
+            return jnp.sum(nnx.merge(graph, p)(x).astype(jnp.float32) ** 2)
+
+        out[f"mlp_{mode}"] = (jax.jit(jax.value_and_grad(loss, argnums=(0, 1))), (params, x),
+                              "mlp")
+    return out
 
 
 def attention_probes(preset, T, impl, ratios, variants):
@@ -152,6 +204,7 @@ def main(argv=None):
     todo = {}
     if not args.no_ops:
         todo.update({k: v + (None,) for k, v in probes(args.preset, args.seq_len).items()})
+        todo.update(mlp_probes(args.preset, args.seq_len))
     if args.attn_impl:
         ratios = [int(r) for r in args.attn_ratios.split(",") if r]
         todo.update(attention_probes(args.preset, args.seq_len, args.attn_impl, ratios,
@@ -193,7 +246,7 @@ def main(argv=None):
         Path(args.out).write_text(json.dumps(dict(meta, rows=rows), indent=2))
     timed = {r["probe"] for r in rows if "ms" in r}
     checks = {}
-    for other in ("topk_full", "topk_prefix_kernel"):
+    for other in ("topk_full", "topk_prefix_kernel", "topk_select_kernel"):
         if {"topk_prefix", other} <= timed:
             # the same ids as the default selection (a cheap check that rides along)
             fn_p, fa, _ = todo["topk_prefix"]
@@ -201,6 +254,16 @@ def main(argv=None):
             checks[other] = dict(same=bool(np.array_equal(a, b)),
                                  tokens_differing=int((a != b).any(-1).sum()))
             print(f"topk_prefix vs {other}: {checks[other]}")
+    pairs = [("topk_prefix_kernel", "topk_select_kernel"), ("select_r1w4", "select_r2w4"),
+             ("select_r1w4", "select_r1w8"), ("select_r1w4", "select_r4w8"),
+             ("lax_topk_ties", "select_ties")]
+    for one, other in pairs:
+        if {one, other} <= timed:
+            a = np.asarray(todo[one][0](*todo[one][1]))
+            b = np.asarray(todo[other][0](*todo[other][1]))
+            checks[f"{one}|{other}"] = dict(same=bool(np.array_equal(a, b)),
+                                            tokens_differing=int((a != b).any(-1).sum()))
+            print(f"{one} vs {other}: {checks[f'{one}|{other}']}")
     if {"scores_full", "scores_kernel"} <= timed:
         a = np.asarray(todo["scores_full"][0](*todo["scores_full"][1]))
         b = np.asarray(todo["scores_kernel"][0](*todo["scores_full"][1]))

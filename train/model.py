@@ -18,7 +18,8 @@ from train.config import ModelConfig
 from comm.fsdp import apply_layers
 from train.layer_scan import find_cycle, scan_blocks
 
-__all__ = ["Block", "DecoderLM", "REMAT_POLICIES", "SwiGLU", "count_params"]
+__all__ = ["Block", "DecoderLM", "REMAT_POLICIES", "SWIGLU_MODES", "SwiGLU", "count_params",
+           "swiglu"]
 
 # ModelConfig.remat -> what a block keeps for the backward (nnx.remat policy; None: no remat).
 # block: nothing (the block's forward runs again in the backward; least memory);
@@ -30,11 +31,46 @@ REMAT_POLICIES = {
 }
 
 
+@jax.custom_vjp
+def swiglu(a, b):
+    """silu(a) * b with a hand-written backward (ModelConfig.swiglu != "xla"): the backward
+    saves only a and b (the two GEMMs' outputs) and forms da, db in one f32 elementwise pass
+    from a, b and dh, where XLA's autodiff keeps sigmoid(a) / silu(a) from the forward and
+    splits the backward over several fusions (an add_any of the two product-rule terms)."""
+    return _swiglu_fwd(a, b)[0]
+
+
+def _swiglu_fwd(a, b):
+    af = a.astype(jnp.float32)
+    return (jax.nn.sigmoid(af) * af * b.astype(jnp.float32)).astype(a.dtype), (a, b)
+
+
+def _swiglu_bwd(res, dh):
+    a, b = res
+    af, bf, g = a.astype(jnp.float32), b.astype(jnp.float32), dh.astype(jnp.float32)
+    sig = jax.nn.sigmoid(af)
+    silu = af * sig
+    da = g * bf * (sig + silu * (1.0 - sig))      # d silu / da = sig * (1 + a * (1 - sig))
+    return da.astype(a.dtype), (g * silu).astype(b.dtype)
+
+
+swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
+
+SWIGLU_MODES = ("xla", "act", "gemm")
+
+
 class SwiGLU(nnx.Module):
+    """x -> (silu(x W_gate) * (x W_up)) W_down. mode (ModelConfig.swiglu): "xla" (autodiff of
+    jax.nn.silu), "act" (the `swiglu` custom_vjp), "gemm" (also one [C, 2 * hidden] GEMM of the
+    two weights side by side, split after; the parameters stay two)."""
+
     def __init__(self, d_model: int, hidden: int, *, out_init_scale: float = 1.0, dtype=None,
                  param_dtype=jnp.float32, kernel_init=truncated_lecun(), out_kernel_init=None,
-                 rngs: nnx.Rngs):
+                 mode: str = "xla", rngs: nnx.Rngs):
+        if mode not in SWIGLU_MODES:
+            raise ValueError(f"swiglu mode={mode!r} must be one of {SWIGLU_MODES}")
         self.dtype = dtype
+        self.mode = mode
         out_init = out_kernel_init or truncated_lecun(out_init_scale)
         self.w_gate = kernel(kernel_init, rngs, (d_model, hidden), ("embed", "mlp"), param_dtype)
         self.w_up = kernel(kernel_init, rngs, (d_model, hidden), ("embed", "mlp"), param_dtype)
@@ -44,7 +80,15 @@ class SwiGLU(nnx.Module):
         dt = self.dtype or x.dtype
         x = x.astype(dt)
         with jax.named_scope("mlp"):
-            h = jax.nn.silu(x @ self.w_gate[...].astype(dt)) * (x @ self.w_up[...].astype(dt))
+            wg, wu = self.w_gate[...].astype(dt), self.w_up[...].astype(dt)
+            if self.mode == "xla":
+                h = jax.nn.silu(x @ wg) * (x @ wu)
+            elif self.mode == "act":
+                h = swiglu(x @ wg, x @ wu)
+            else:
+                ab = x @ jnp.concatenate([wg, wu], axis=1)
+                n = wg.shape[1]
+                h = swiglu(ab[..., :n], ab[..., n:])
             return h @ self.w_down[...].astype(dt)
 
 
@@ -57,7 +101,7 @@ class Block(nnx.Module):
                                  param_dtype=param_dtype, rngs=rngs)
         self.mlp_norm = rms_norm_layer(cfg.d_model, eps=cfg.norm_eps, param_dtype=param_dtype)
         self.mlp = SwiGLU(cfg.d_model, cfg.mlp_hidden, out_init_scale=out_scale, dtype=dt,
-                          param_dtype=param_dtype, rngs=rngs)
+                          param_dtype=param_dtype, mode=cfg.swiglu, rngs=rngs)
         self.remat = cfg.remat
 
     def __call__(self, carry):
