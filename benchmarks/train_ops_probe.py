@@ -21,14 +21,18 @@ today, on the same inputs:
                              threshold select (csa_jax/kernels/triton/topk.py) and one sort of
                              the k selected (ids checked equal to topk_prefix_kernel's)
     select_<variant>         the select kernel alone on the scores kernel's [1, T, P] output:
-                             r<rows>w<warps> ordered (with the sort), _unordered (kernel only);
+                             r<rows>w<warps> ordered (with the sort), _unordered (kernel only),
+                             _stable (the k ordered by a stable one-key sort);
                              select_ties: scores rounded to 1/8 (many ties), ids checked equal
                              to lax.top_k's
     sort_rows_k              lax.top_k of [T/8, P] scores (one band's selection, no scoring)
     mlp_<mode>               one SwiGLU MLP's forward + backward (x and weight gradients) at the
                              preset's widths, [1, T, C] bf16, ModelConfig.swiglu = mode (xla,
                              act, gemm); outputs checked against mlp_xla's
-    optimizer                AdamW + clipping of the preset's parameters (train.loop's optimizer)
+    optimizer[_stacked|_flat] AdamW + clipping of the preset's parameters (train.loop's
+                             optimizer); _stacked / _flat: the same update over the same-shape
+                             arrays stacked / one flat vector (a what-if for the layout: fewer,
+                             larger kernels; see optimizer_probe)
     attn_cr<r>_<variant>_fwd / _bwd
                              --attn-impl's forward / backward (both cotangents) at the preset's
                              layer shapes (csa_jax.problems, causal cr4 lists), its default
@@ -90,9 +94,9 @@ def probes(preset, T):
         is None else csa_jax.indexer_scores(q, k, w, ratio=4)
     ties = jnp.round(full * 8) / 8
 
-    def sel(rows=1, warps=4, ordered=True):
+    def sel(rows=1, warps=4, ordered=True, sort="pair"):
         return jax.jit(lambda s: tkt.select_topk(s, kk, rows=rows, num_warps=warps,
-                                                 ordered=ordered))
+                                                 ordered=ordered, sort=sort))
     # most informative pairs first (a time budget may stop the list)
     return {
         "topk_prefix": (select_fn("xla"), (q, k, w)),
@@ -100,6 +104,7 @@ def probes(preset, T):
         "topk_select_kernel": (select_fn("kernel", "kernel"), (q, k, w)),
         "select_r1w4": (sel(), (full,)),
         "select_r1w4_unordered": (sel(ordered=False), (full,)),
+        "select_r1w4_stable": (sel(sort="stable"), (full,)),
         "select_r2w4": (sel(2), (full,)),
         "select_r1w8": (sel(1, 8), (full,)),
         "select_r4w8": (sel(4, 8), (full,)),
@@ -168,11 +173,28 @@ def attention_probes(preset, T, impl, ratios, variants):
     return out
 
 
-def optimizer_probe(preset, T):
-    from train.loop import init_state
+def optimizer_probe(preset, T, layout="leaves"):
+    """The optimizer update of the preset's parameters. layout (a timing what-if for the
+    parameter and state layout; the step keeps "leaves"): "leaves" (the model's 229 arrays for
+    `small`), "stacked" (the arrays of one shape stacked into one: 12 layers' copies of a
+    weight become one array), "flat" (all parameters in one f32 vector). The stacked / flat
+    updates do the same per-element work (weight decay then also reaches the stacked vectors)."""
+    from train.loop import init_state, make_optimizer
 
     cfg = get_preset(preset, seq_len=T)
     _, state, tx, _ = init_state(cfg)
+    if layout != "leaves":
+        leaves = jax.tree.leaves(state["params"])
+        if layout == "flat":
+            params = {"flat": jnp.concatenate([p.reshape(-1) for p in leaves])}
+        else:
+            groups = {}
+            for p in leaves:
+                groups.setdefault(f"{p.shape}", []).append(p)
+            params = {name: jnp.stack(ps) for name, ps in groups.items()}
+        tx = make_optimizer(cfg)[0]
+        state = {"params": params, "opt_state": tx.init(params)}
+        del leaves
     grads = jax.tree.map(lambda p: jnp.full_like(p, 1e-3), state["params"])
 
     def update(params, opt_state, grads):
@@ -181,6 +203,15 @@ def optimizer_probe(preset, T):
         return optax.apply_updates(params, updates), opt_state
 
     return jax.jit(update), (state["params"], state["opt_state"], grads)
+
+
+def _trace(fn, fargs, out):
+    """2 traced calls of fn into out/, and its compiled HLO as out/probe.hlo.txt."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "probe.hlo.txt").write_text(fn.lower(*fargs).compile().as_text())
+    with jax.profiler.trace(str(out)):
+        for _ in range(2):
+            jax.block_until_ready(fn(*fargs))
 
 
 def main(argv=None):
@@ -197,6 +228,10 @@ def main(argv=None):
     p.add_argument("--attn-ratios", default="4,128,0")
     p.add_argument("--attn-variants", default="", help="'NAME:k=v,k=v; ...' config overrides")
     p.add_argument("--budget-s", type=float, default=1e9)
+    p.add_argument("--profile", metavar="DIR", help="trace 2 more calls of each --profile-probes "
+                   "probe into DIR/<probe> with its compiled HLO (benchmarks.trace_breakdown "
+                   "DIR/<probe> --hlo DIR/<probe>/probe.hlo.txt --steps 2)")
+    p.add_argument("--profile-probes", default="", help="comma list of probe names to trace")
     p.add_argument("--out", default="train_ops_probe.json")
     args = p.parse_args(argv)
     t_start = time.perf_counter()
@@ -209,7 +244,8 @@ def main(argv=None):
         ratios = [int(r) for r in args.attn_ratios.split(",") if r]
         todo.update(attention_probes(args.preset, args.seq_len, args.attn_impl, ratios,
                                      args.attn_variants))
-    names = list(todo) + (["optimizer"] if args.optimizer else [])
+    names = list(todo) + (["optimizer", "optimizer_stacked", "optimizer_flat"]
+                          if args.optimizer else [])
     if only:   # in the order given (a time budget stops the tail of the list)
         names = [n for n in args.only.split(",") if n in names]
     rows, refs = [], {}
@@ -223,8 +259,9 @@ def main(argv=None):
             print(f"budget of {args.budget_s} s spent: {name} and later probes not run")
             break
         try:
-            if name == "optimizer":
-                (fn, fargs), ref = optimizer_probe(args.preset, args.seq_len), None
+            if name.startswith("optimizer"):
+                layout = name.partition("_")[2] or "leaves"
+                (fn, fargs), ref = optimizer_probe(args.preset, args.seq_len, layout), None
             else:
                 fn, fargs, ref = todo[name]
             ms, n, first, res = time_fn(fn, fargs, args.reps, args.time_cap)
@@ -233,6 +270,8 @@ def main(argv=None):
             rows.append(dict(probe=name, error=f"{type(e).__name__}: {str(e)[:300]}"))
             continue
         row = dict(probe=name, ms=ms, reps=n, first_s=first)
+        if args.profile and name in args.profile_probes.split(","):
+            _trace(fn, fargs, Path(args.profile) / name)
         if ref is not None:   # the first config of a ratio is the reference of the others
             if ref in refs:
                 row["rel_err_vs_default"] = max(problems.rel_err(a, b) for a, b in zip(
@@ -255,6 +294,7 @@ def main(argv=None):
                                  tokens_differing=int((a != b).any(-1).sum()))
             print(f"topk_prefix vs {other}: {checks[other]}")
     pairs = [("topk_prefix_kernel", "topk_select_kernel"), ("select_r1w4", "select_r2w4"),
+             ("select_r1w4", "select_r1w4_stable"),
              ("select_r1w4", "select_r1w8"), ("select_r1w4", "select_r4w8"),
              ("lax_topk_ties", "select_ties")]
     for one, other in pairs:

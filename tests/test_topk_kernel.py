@@ -35,8 +35,8 @@ def test_select_matches_lax_top_k(case):
     elif case == "constant":
         s[:] = 1.0
     s = _masked(s)
-    for k, rows in ((16, 1), (16, 4), (64, 2)):
-        got = np.asarray(tkt.select_topk(jnp.asarray(s), k, rows=rows))
+    for k, rows, sort in ((16, 1, "pair"), (16, 4, "stable"), (64, 2, "pair")):
+        got = np.asarray(tkt.select_topk(jnp.asarray(s), k, rows=rows, sort=sort))
         np.testing.assert_array_equal(got, _want(s, k), err_msg=f"{case} k={k} rows={rows}")
     # unordered: the same set per token, in id order, -1 after it
     got = np.asarray(tkt.select_topk(jnp.asarray(s), 16, ordered=False))

@@ -130,12 +130,20 @@ def _select(scores, *, k, rows, num_warps, interpret):
     return ids[:, :, :k], keys[:, :, :k]
 
 
-def select_topk(scores, k, *, rows=ROWS, num_warps=NUM_WARPS, interpret=None, ordered=True):
+SORTS = ("pair", "stable")
+
+
+def select_topk(scores, k, *, rows=ROWS, num_warps=NUM_WARPS, interpret=None, ordered=True,
+                sort="pair"):
     """int32 [B, T, k]: lax.top_k(scores, k)'s ids (descending score, ties by the lower id), -1
     where the score is -inf; scores [B, T, P] f32 with -inf at invisible rows.
 
     ordered=False returns the selected ids in id order (the same set; -1 after them) without the
-    final sort."""
+    final sort. sort: how the k selected are ordered, "pair" (lax.sort on (~key, id), two keys)
+    or "stable" (a stable sort on ~key alone: the kernel writes them in id order); the same
+    result."""
+    if sort not in SORTS:
+        raise ValueError(f"sort={sort!r} must be one of {SORTS}")
     why = supported(scores.shape, k, rows)
     if why:
         raise ValueError(f"top-k select kernel: {why}")
@@ -144,5 +152,8 @@ def select_topk(scores, k, *, rows=ROWS, num_warps=NUM_WARPS, interpret=None, or
                             interpret=blockmath.resolve_interpret(interpret, PLATFORMS))
     if not ordered:
         return ids
-    _, ids = lax.sort((jnp.invert(keys), ids), dimension=2, num_keys=2)
+    if sort == "stable":
+        _, ids = lax.sort((jnp.invert(keys), ids), dimension=2, num_keys=1, is_stable=True)
+    else:
+        _, ids = lax.sort((jnp.invert(keys), ids), dimension=2, num_keys=2)
     return ids
