@@ -286,7 +286,8 @@ def indexer_topk(q_idx, k_idx, weights, *, ratio, topk, select="auto", recall_ta
     use_kernel = _kernel_select(select, (B, T, P), k)
     if select == "auto":
         select = "kernel" if use_kernel else "prefix"
-    if _kernel_scores(scores, q_idx, k_idx):
+    kernel_scores = _kernel_scores(scores, q_idx, k_idx)
+    if kernel_scores:
         from csa_jax.kernels.triton import indexer as tki
 
         full = tki.indexer_scores(q_idx, k_idx, weights, ratio=ratio)          # [B, T, P]
@@ -301,8 +302,10 @@ def indexer_topk(q_idx, k_idx, weights, *, ratio, topk, select="auto", recall_ta
     if use_kernel:
         from csa_jax.kernels.triton import topk as tkt
 
+        if not kernel_scores:   # all P rows of every token (chunked XLA products)
+            full = indexer_scores(q_idx, k_idx, weights, ratio=ratio)
         with jax.named_scope("indexer_topk"):
-            return tkt.select_topk(block(0, T), k)
+            return tkt.select_topk(full, k)
 
     def pick(score, kk):
         with jax.named_scope("indexer_topk"):

@@ -57,14 +57,33 @@ def test_indexer_topk_kernel_select_matches_top_k():
 
 
 def test_select_refusals():
-    s = jnp.zeros((1, 64, 48), jnp.float32)
-    with pytest.raises(ValueError, match="P=48, k=16: the kernel needs powers of two"):
-        tkt.select_topk(s, 16)
-    with pytest.raises(ValueError, match="rows \\* P = 16384 > 8192"):
-        tkt.select_topk(jnp.zeros((1, 8, 8192), jnp.float32), 16, rows=2)
+    with pytest.raises(ValueError, match="k=80: must be an int in \\[1, P=64\\]"):
+        tkt.select_topk(jnp.zeros((1, 64, 64), jnp.float32), 80)
+    with pytest.raises(ValueError, match="rows \\* P = 16384 \\(P=5000 padded"):
+        tkt.select_topk(jnp.zeros((1, 8, 5000), jnp.float32), 16, rows=2)
     with pytest.raises(ValueError, match="T=60, rows=8: rows must be a power of two dividing"):
         tkt.select_topk(jnp.zeros((1, 60, 64), jnp.float32), 16, rows=8)
-    with pytest.raises(ValueError, match="select='kernel': P=48, k=16"):
-        compressor._kernel_select("kernel", (1, 64, 48), 16)
+    with pytest.raises(ValueError, match="select='kernel': k=0"):
+        compressor._kernel_select("kernel", (1, 64, 48), 0)
+    with pytest.raises(ValueError, match="sort='radix' must be one of"):
+        tkt.select_topk(jnp.zeros((1, 64, 64), jnp.float32), 16, sort="radix")
     with pytest.raises(ValueError, match="indexer_select='fast' must be one of auto"):
         csa_jax.CSAConfig(indexer_select="fast")
+
+
+def test_golden_and_padded_widths():
+    """The golden cr4 case (P = 10, k = 4: both padded) gives lax.top_k's ids and the golden
+    sets; so does an odd P / k on random scores."""
+    from conftest import golden
+
+    d = golden("cr4")
+    k = int(d["topk_k"])
+    got = np.asarray(csa_jax.indexer_topk(d["iq"], d["ik"], d["iw"], ratio=4, topk=k,
+                                          select="kernel"))
+    want = np.asarray(csa_jax.indexer_topk(d["iq"], d["ik"], d["iw"], ratio=4, topk=k,
+                                           select="top_k"))
+    np.testing.assert_array_equal(got, want)
+    for b, t in np.ndindex(got.shape[:2]):
+        assert set(got[b, t]) == set(d["topk"][b, t]), (b, t)
+    s = _masked(np.random.default_rng(1).standard_normal((1, 40, 37)).astype(np.float32))
+    np.testing.assert_array_equal(np.asarray(tkt.select_topk(jnp.asarray(s), 5)), _want(s, 5))

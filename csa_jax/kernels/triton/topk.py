@@ -29,8 +29,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from csa_jax import blockmath
-from csa_jax.kernels.triton.config import (PLATFORMS, _device_kind, _is_amd, _is_pow2, _params,
-                                           quiet_lowering)
+from csa_jax.kernels.triton.config import (PLATFORMS, _device_kind, _is_amd, _is_pow2,
+                                           _next_pow2, _params, quiet_lowering)
 
 __all__ = ["on_nvidia", "select_topk", "supported"]
 
@@ -45,12 +45,13 @@ def supported(shape, k, rows=ROWS) -> str | None:
     if len(shape) != 3:
         return f"scores shape {tuple(shape)}: the kernel takes [B, T, P]"
     _, T, P = shape
-    if not _is_pow2(P) or not _is_pow2(k) or k > P:
-        return f"P={P}, k={k}: the kernel needs powers of two with k <= P"
+    if isinstance(k, bool) or not isinstance(k, int) or not 0 < k <= P:
+        return f"k={k!r}: must be an int in [1, P={P}]"
     if not _is_pow2(rows) or T % rows:
         return f"T={T}, rows={rows}: rows must be a power of two dividing T"
-    if rows * P > MAX_ELEMS:
-        return f"rows * P = {rows * P} > {MAX_ELEMS} scores held by one program"
+    if rows * _next_pow2(P) > MAX_ELEMS:
+        return (f"rows * P = {rows * _next_pow2(P)} (P={P} padded to a power of two) > "
+                f"{MAX_ELEMS} scores held by one program")
     return None
 
 
@@ -136,7 +137,8 @@ SORTS = ("pair", "stable")
 def select_topk(scores, k, *, rows=ROWS, num_warps=NUM_WARPS, interpret=None, ordered=True,
                 sort="pair"):
     """int32 [B, T, k]: lax.top_k(scores, k)'s ids (descending score, ties by the lower id), -1
-    where the score is -inf; scores [B, T, P] f32 with -inf at invisible rows.
+    where the score is -inf; scores [B, T, P] f32 with -inf at invisible rows. P and k that are
+    not powers of two run padded (scores with -inf columns, k up to the next power of two).
 
     ordered=False returns the selected ids in id order (the same set; -1 after them) without the
     final sort. sort: how the k selected are ordered, "pair" (lax.sort on (~key, id), two keys)
@@ -147,13 +149,20 @@ def select_topk(scores, k, *, rows=ROWS, num_warps=NUM_WARPS, interpret=None, or
     why = supported(scores.shape, k, rows)
     if why:
         raise ValueError(f"top-k select kernel: {why}")
+    P, kp = scores.shape[2], _next_pow2(k)       # the kernel's widths: powers of two
+    if _next_pow2(P) != P:
+        scores = jnp.pad(scores, ((0, 0), (0, 0), (0, _next_pow2(P) - P)),
+                         constant_values=-jnp.inf)
     with quiet_lowering():
-        ids, keys = _select(scores, k=k, rows=rows, num_warps=num_warps,
+        ids, keys = _select(scores, k=kp, rows=rows, num_warps=num_warps,
                             interpret=blockmath.resolve_interpret(interpret, PLATFORMS))
     if not ordered:
+        if kp != k:
+            raise ValueError(f"ordered=False needs k a power of two, got k={k}")
         return ids
     if sort == "stable":
         _, ids = lax.sort((jnp.invert(keys), ids), dimension=2, num_keys=1, is_stable=True)
     else:
         _, ids = lax.sort((jnp.invert(keys), ids), dimension=2, num_keys=2)
-    return ids
+    return ids[:, :, :k]
+
