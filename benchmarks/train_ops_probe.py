@@ -29,6 +29,8 @@ today, on the same inputs:
     mlp_<mode>               one SwiGLU MLP's forward + backward (x and weight gradients) at the
                              preset's widths, [1, T, C] bf16, ModelConfig.swiglu = mode (xla,
                              act, gemm); outputs checked against mlp_xla's
+    norm_<mode>              one block RMSNorm's forward + backward, [1, T, C] bf16 in, bf16
+                             out, ModelConfig.norm = mode (nnx, fused); checked against nnx's
     optimizer[_stacked|_flat] AdamW + clipping of the preset's parameters (train.loop's
                              optimizer); _stacked / _flat: the same update over the same-shape
                              arrays stacked / one flat vector (a what-if for the layout: fewer,
@@ -151,6 +153,29 @@ def mlp_probes(preset, T):
     return out
 
 
+def norm_probes(preset, T):
+    """{norm_<mode>: (fn, args, ref key)}: value and gradients of sum(norm(x)^2) (the output cast
+    to bf16, as a block uses it) per ModelConfig.norm mode."""
+    from flax import nnx
+
+    from train.model import norm_layer
+
+    cfg = get_preset(preset, seq_len=T).model
+    x = jax.random.normal(jax.random.key(5), (1, T, cfg.d_model), jnp.bfloat16)
+    out = {}
+    for mode in ("nnx", "fused"):
+        graph, params = nnx.split(norm_layer(cfg.d_model, eps=cfg.norm_eps,
+                                             param_dtype=jnp.float32, mode=mode))
+
+        def loss(p, x, graph=graph):
+            y = nnx.merge(graph, p)(x).astype(jnp.bfloat16)
+            return jnp.sum(y.astype(jnp.float32) ** 2)
+
+        out[f"norm_{mode}"] = (jax.jit(jax.value_and_grad(loss, argnums=(0, 1))), (params, x),
+                               "norm")
+    return out
+
+
 def attention_probes(preset, T, impl, ratios, variants):
     """{name: (fn, args)} of the forward and backward per layer ratio and config variant; the
     last element of each name's tuple is a reference key for the output check."""
@@ -240,6 +265,7 @@ def main(argv=None):
     if not args.no_ops:
         todo.update({k: v + (None,) for k, v in probes(args.preset, args.seq_len).items()})
         todo.update(mlp_probes(args.preset, args.seq_len))
+        todo.update(norm_probes(args.preset, args.seq_len))
     if args.attn_impl:
         ratios = [int(r) for r in args.attn_ratios.split(",") if r]
         todo.update(attention_probes(args.preset, args.seq_len, args.attn_impl, ratios,

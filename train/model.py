@@ -4,6 +4,7 @@ logical partition metadata)."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -18,8 +19,8 @@ from train.config import ModelConfig
 from comm.fsdp import apply_layers
 from train.layer_scan import find_cycle, scan_blocks
 
-__all__ = ["Block", "DecoderLM", "REMAT_POLICIES", "SWIGLU_MODES", "SwiGLU", "count_params",
-           "swiglu"]
+__all__ = ["Block", "DecoderLM", "FusedRMSNorm", "REMAT_POLICIES", "SWIGLU_MODES", "SwiGLU",
+           "count_params", "norm_layer", "rms_norm", "swiglu"]
 
 # ModelConfig.remat -> what a block keeps for the backward (nnx.remat policy; None: no remat).
 # block: nothing (the block's forward runs again in the backward; least memory);
@@ -59,6 +60,51 @@ swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
 SWIGLU_MODES = ("xla", "act", "gemm")
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def rms_norm(x, scale, eps):
+    """nnx.RMSNorm's forward (f32 statistics, the same f32 products) returned in x's dtype, with a
+    hand-written backward (ModelConfig.norm = "fused"): it saves x and the per-token rsqrt only
+    (not an f32 copy of x) and forms dx and dscale from x, the rsqrt and the cotangent."""
+    return _rms_fwd(x, scale, eps)[0]
+
+
+def _rms_fwd(x, scale, eps):
+    xf = x.astype(jnp.float32)
+    r = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)        # [..., 1]
+    return (xf * (r * scale.astype(jnp.float32))).astype(x.dtype), (x, r, scale)
+
+
+def _rms_bwd(eps, res, g):
+    del eps
+    x, r, scale = res
+    xf, gf = x.astype(jnp.float32), g.astype(jnp.float32)
+    gs = gf * scale.astype(jnp.float32)
+    dx = r * (gs - xf * (r * r) * jnp.mean(gs * xf, axis=-1, keepdims=True))
+    dscale = jnp.sum((gf * xf * r).reshape(-1, x.shape[-1]), axis=0)
+    return dx.astype(x.dtype), dscale.astype(scale.dtype)
+
+
+rms_norm.defvjp(_rms_fwd, _rms_bwd)
+
+
+class FusedRMSNorm(nnx.RMSNorm):
+    """nnx.RMSNorm (the same parameter, `scale`) through `rms_norm`: output in x's dtype."""
+
+    def __call__(self, x, mask=None):
+        if mask is not None or not self.use_scale:
+            return super().__call__(x, mask)
+        return rms_norm(x, self.scale[...], self.epsilon)
+
+
+def norm_layer(dim, *, eps, param_dtype, mode="nnx"):
+    """The block / final norms: csa_jax.layers.rms_norm_layer ("nnx") or FusedRMSNorm."""
+    if mode == "nnx":
+        return rms_norm_layer(dim, eps=eps, param_dtype=param_dtype)
+    if mode != "fused":
+        raise ValueError(f"norm mode={mode!r} must be 'nnx' or 'fused'")
+    return FusedRMSNorm(dim, epsilon=eps, param_dtype=param_dtype, rngs=nnx.Rngs(0))
+
+
 class SwiGLU(nnx.Module):
     """x -> (silu(x W_gate) * (x W_up)) W_down. mode (ModelConfig.swiglu): "xla" (autodiff of
     jax.nn.silu), "act" (the `swiglu` custom_vjp), "gemm" (also one [C, 2 * hidden] GEMM of the
@@ -96,10 +142,12 @@ class Block(nnx.Module):
     def __init__(self, cfg: ModelConfig, ratio: int, *, param_dtype=jnp.float32, rngs: nnx.Rngs):
         out_scale = 1.0 / math.sqrt(2 * cfg.n_layers)  # residual branches start small
         dt = jnp.dtype(cfg.compute_dtype)
-        self.attn_norm = rms_norm_layer(cfg.d_model, eps=cfg.norm_eps, param_dtype=param_dtype)
+        self.attn_norm = norm_layer(cfg.d_model, eps=cfg.norm_eps, param_dtype=param_dtype,
+                                    mode=cfg.norm)
         self.attn = CSAAttention(cfg.layer(ratio, out_init_scale=out_scale), dtype=dt,
                                  param_dtype=param_dtype, rngs=rngs)
-        self.mlp_norm = rms_norm_layer(cfg.d_model, eps=cfg.norm_eps, param_dtype=param_dtype)
+        self.mlp_norm = norm_layer(cfg.d_model, eps=cfg.norm_eps, param_dtype=param_dtype,
+                                   mode=cfg.norm)
         self.mlp = SwiGLU(cfg.d_model, cfg.mlp_hidden, out_init_scale=out_scale, dtype=dt,
                           param_dtype=param_dtype, mode=cfg.swiglu, rngs=rngs)
         self.remat = cfg.remat
@@ -131,7 +179,8 @@ class DecoderLM(nnx.Module):
         self.embed = nnx.Param(embed(rngs.params(), (cfg.vocab_size, cfg.d_model), param_dtype))
         self.blocks = nnx.List([Block(cfg, r, param_dtype=param_dtype, rngs=rngs)
                                 for r in cfg.layer_ratios])
-        self.final_norm = rms_norm_layer(cfg.d_model, eps=cfg.norm_eps, param_dtype=param_dtype)
+        self.final_norm = norm_layer(cfg.d_model, eps=cfg.norm_eps, param_dtype=param_dtype,
+                                     mode=cfg.norm)
         self.head = kernel(truncated_lecun(), rngs, (cfg.d_model, cfg.vocab_size),
                            ("embed", "vocab"), param_dtype)
 
