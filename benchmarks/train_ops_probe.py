@@ -274,7 +274,14 @@ def main(argv=None):
                           if args.optimizer else [])
     if only:   # in the order given (a time budget stops the tail of the list)
         names = [n for n in args.only.split(",") if n in names]
-    rows, refs = [], {}
+    rows, refs, outs, checks = [], {}, {}, {}
+    # pairs whose outputs (top-k ids) must be equal, checked as soon as both have run
+    pairs = [("topk_prefix", "topk_full"), ("topk_prefix", "topk_prefix_kernel"),
+             ("topk_prefix", "topk_select_kernel"), ("topk_prefix_kernel", "topk_select_kernel"),
+             ("select_r1w4", "select_r2w4"), ("select_r1w4", "select_r1w4_stable"),
+             ("select_r1w4", "select_r1w8"), ("select_r1w4", "select_r4w8"),
+             ("lax_topk_ties", "select_ties")]
+    paired = {n for pair in pairs for n in pair}
     meta = dict(device=str(jax.devices()[0].device_kind), preset=args.preset,
                 seq_len=args.seq_len, jax=jax.__version__, attn_impl=args.attn_impl,
                 attn_variants=args.attn_variants)
@@ -305,31 +312,19 @@ def main(argv=None):
             else:
                 refs[ref] = res
         rows.append(row)
+        if name in paired:
+            outs[name] = res
+            for one, other in pairs:
+                if name in (one, other) and one in outs and other in outs:
+                    a, b = np.asarray(outs[one]), np.asarray(outs[other])
+                    checks[f"{one}|{other}"] = dict(same=bool(np.array_equal(a, b)),
+                                                    tokens_differing=int((a != b).any(-1).sum()))
+                    print(f"{one} vs {other}: {checks[f'{one}|{other}']}")
         err = f" | err {row['rel_err_vs_default']:.1e}" if "rel_err_vs_default" in row else ""
         print(f"| {name} | {ms:.3f} ms | {n} reps | first call {first:.1f} s{err} |", flush=True)
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(dict(meta, rows=rows), indent=2))
+        Path(args.out).write_text(json.dumps(dict(meta, rows=rows, checks=checks), indent=2))
     timed = {r["probe"] for r in rows if "ms" in r}
-    checks = {}
-    for other in ("topk_full", "topk_prefix_kernel", "topk_select_kernel"):
-        if {"topk_prefix", other} <= timed:
-            # the same ids as the default selection (a cheap check that rides along)
-            fn_p, fa, _ = todo["topk_prefix"]
-            a, b = np.asarray(fn_p(*fa)), np.asarray(todo[other][0](*fa))
-            checks[other] = dict(same=bool(np.array_equal(a, b)),
-                                 tokens_differing=int((a != b).any(-1).sum()))
-            print(f"topk_prefix vs {other}: {checks[other]}")
-    pairs = [("topk_prefix_kernel", "topk_select_kernel"), ("select_r1w4", "select_r2w4"),
-             ("select_r1w4", "select_r1w4_stable"),
-             ("select_r1w4", "select_r1w8"), ("select_r1w4", "select_r4w8"),
-             ("lax_topk_ties", "select_ties")]
-    for one, other in pairs:
-        if {one, other} <= timed:
-            a = np.asarray(todo[one][0](*todo[one][1]))
-            b = np.asarray(todo[other][0](*todo[other][1]))
-            checks[f"{one}|{other}"] = dict(same=bool(np.array_equal(a, b)),
-                                            tokens_differing=int((a != b).any(-1).sum()))
-            print(f"{one} vs {other}: {checks[f'{one}|{other}']}")
     if {"scores_full", "scores_kernel"} <= timed:
         a = np.asarray(todo["scores_full"][0](*todo["scores_full"][1]))
         b = np.asarray(todo["scores_kernel"][0](*todo["scores_full"][1]))
