@@ -46,7 +46,8 @@ class CSAConfig:
     indexer_loss_coef: float = 0.0         # > 0: auxiliary indexer KL loss (cr4 layers)
     out_init_scale: float = 1.0            # init std factor of the layer's last projection
     indexer_scores: str = "auto"           # indexer_topk's scores: auto | xla | kernel
-    indexer_select: str = "auto"           # indexer_topk's select: auto | prefix | top_k | kernel | approx
+    indexer_select: str = "auto"           # indexer_topk's select: auto | prefix | top_k |
+                                           # kernel | approx
 
     def __post_init__(self):
         if self.family is not None and self.family not in FAMILIES:
