@@ -27,7 +27,7 @@ import optax
 from flax import nnx
 
 from train.checkpoint import CheckpointError, Checkpointer
-from train import distributed, optim
+from train import distributed
 from train.config import ConfigError, TrainConfig
 from train.data import ByteDataset
 from train.interrupt import StopFlag
@@ -54,9 +54,8 @@ def make_optimizer(cfg: TrainConfig):
         init_value=0.0, peak_value=cfg.lr, warmup_steps=warmup,
         decay_steps=max(cfg.steps, warmup + 1), end_value=cfg.lr * cfg.min_lr_ratio)
     decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # noqa: E731
-    # the clip's norm in few large reductions on GPUs for the one-device step (train/optim.py)
     tx = optax.chain(
-        optim.clip_by_global_norm(cfg.grad_clip, grouped=cfg.fsdp == "off"),
+        optax.clip_by_global_norm(cfg.grad_clip),
         optax.adamw(schedule, b1=0.9, b2=cfg.b2, eps=1e-8, weight_decay=cfg.weight_decay,
                     mask=decay_mask))
     return tx, schedule

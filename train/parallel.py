@@ -19,7 +19,6 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from csa_jax.layers import LOGICAL_AXIS_RULES
-from train import optim
 from train.config import ConfigError
 
 __all__ = ["FSDPRunner", "SingleDeviceRunner", "check_parallel", "make_runner"]
@@ -61,7 +60,7 @@ class SingleDeviceRunner:
                          "params": params,
                          "opt_state": opt_state,
                          "rng": _next_rng(state["rng"])}  # per-step key for stochastic layers
-            metrics = {"loss": ce, "aux_loss": aux, "grad_norm": optim.global_norm(grads),
+            metrics = {"loss": ce, "aux_loss": aux, "grad_norm": optax.tree.norm(grads),
                        "lr": schedule(state["step"])}
             return new_state, metrics
 
