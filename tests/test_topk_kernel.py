@@ -87,3 +87,16 @@ def test_golden_and_padded_widths():
         assert set(got[b, t]) == set(d["topk"][b, t]), (b, t)
     s = _masked(np.random.default_rng(1).standard_normal((1, 40, 37)).astype(np.float32))
     np.testing.assert_array_equal(np.asarray(tkt.select_topk(jnp.asarray(s), 5)), _want(s, 5))
+
+
+def test_select_probe_runs_and_checks(tmp_path):
+    """benchmarks.topk_select_probe (interpret mode off-GPU): every ordered variant has
+    lax.top_k's ids."""
+    from benchmarks import topk_select_probe
+
+    rows = topk_select_probe.main(["--seq-len", "128", "--topk", "8", "--tiles", "2x4",
+                                   "--reps", "1", "--time-cap", "0.01",
+                                   "--out", str(tmp_path / "p.json")])
+    assert [r["probe"] for r in rows] == ["kernel_r2w4", "sort_pair", "sort_stable",
+                                          "sort_unstable", "ordered_pair", "lax_top_k"]
+    assert all(r["same_ids_as_lax_top_k"] for r in rows if "same_ids_as_lax_top_k" in r)
