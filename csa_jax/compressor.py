@@ -195,7 +195,8 @@ def indexer_scores(q_idx, k_idx, weights, *, ratio):
 SELECT_MODES = ("auto", "prefix", "top_k", "kernel", "approx")
 # select="auto" runs the Triton threshold-select kernel (csa_jax/kernels/triton/topk.py) where it
 # applies: NVIDIA GPUs, rows of at most 8192 scores (P padded to a power of two), at most 2**28
-# scores held at once (the kernel reads the whole [B, T, P]); elsewhere "prefix". The same ids as
+# scores held at once (the kernel reads the whole [B, T, P]), and scores from the scores kernel
+# (scores="auto"/"kernel" taking the problem); elsewhere "prefix". The same ids as
 # "prefix" / "top_k". Measured on the H200 (`small`, T = 8192, docs/perf/train_h200.md session 4):
 # the step's top-k 2.42 -> 2.04 ms (select kernel 0.83, XLA's sort of the k selected 1.12).
 _AUTO_KERNEL_SELECT = True
@@ -256,7 +257,8 @@ def indexer_topk(q_idx, k_idx, weights, *, ratio, topk, select="auto", recall_ta
 
     q_idx [B,T,Hi,Di] (rotated), k_idx [B,P,Di], weights [B,T,Hi] with every scale folded in.
     No gradient flows through the selection. select:
-      "auto"   (default): "kernel" where _kernel_select allows it (NVIDIA GPUs), else "prefix";
+      "auto"   (default): "kernel" where _kernel_select allows it (NVIDIA GPUs) and the scores
+               come from the scores kernel (all P rows), else "prefix";
       "kernel" (exact): the scores of all P rows, then the Triton threshold select of
                csa_jax/kernels/triton/topk.py (interpreted off-GPU) and one sort of the k
                selected per token;
@@ -285,10 +287,12 @@ def indexer_topk(q_idx, k_idx, weights, *, ratio, topk, select="auto", recall_ta
     if k == 0:
         return jnp.zeros((B, T, 0), jnp.int32)
     q_idx, k_idx, weights = (jax.lax.stop_gradient(a) for a in (q_idx, k_idx, weights))
-    use_kernel = _kernel_select(select, (B, T, P), k)
+    kernel_scores = _kernel_scores(scores, q_idx, k_idx)
+    # auto selects with the kernel only where the scores kernel writes all P rows anyway (with
+    # XLA's scores the prefix bands score only ~56% of them: not measured against the kernel)
+    use_kernel = _kernel_select(select, (B, T, P), k) and (select != "auto" or kernel_scores)
     if select == "auto":
         select = "kernel" if use_kernel else "prefix"
-    kernel_scores = _kernel_scores(scores, q_idx, k_idx)
     if kernel_scores:
         from csa_jax.kernels.triton import indexer as tki
 
