@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import jax
@@ -27,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from benchmarks.common import time_fn
+from benchmarks.common import timed_probe
 from csa_jax import blockmath
 from csa_jax.kernels.triton import topk as tkt
 from csa_jax.kernels.triton.config import PLATFORMS
@@ -72,18 +71,17 @@ def main(argv=None):
     rows = []
     meta = dict(device=str(jax.devices()[0].device_kind), T=T, P=P, k=k, jax=jax.__version__)
     for name, (fn, fargs, check) in probes.items():
-        try:
-            ms, n, first, out = time_fn(fn, fargs, args.reps, args.time_cap)
-        except Exception as e:  # report and go on
-            print(f"{name}: failed: {type(e).__name__}: {str(e)[:300]}", file=sys.stderr)
-            rows.append(dict(probe=name, error=f"{type(e).__name__}: {str(e)[:300]}"))
+        row, out, _ = timed_probe(name, lambda fn=fn, fargs=fargs: (fn, fargs), args.reps,
+                                  args.time_cap)
+        if out is None:
+            rows.append(row)
             continue
-        row = dict(probe=name, ms=ms, reps=n, first_s=first)
         if check:
             row["same_ids_as_lax_top_k"] = bool(np.array_equal(np.asarray(out), ref))
         rows.append(row)
         same = f" | same ids {row['same_ids_as_lax_top_k']}" if check else ""
-        print(f"| {name} | {ms:.3f} ms | {n} reps | first call {first:.1f} s{same} |", flush=True)
+        print(f"| {name} | {row['ms']:.3f} ms | {row['reps']} reps | first call "
+              f"{row['first_s']:.1f} s{same} |", flush=True)
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(dict(meta, rows=rows), indent=2))
     return rows

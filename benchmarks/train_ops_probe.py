@@ -50,7 +50,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -59,7 +58,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import csa_jax
-from benchmarks.common import parse_variants, time_fn
+from benchmarks.common import parse_variants, timed_probe
 from csa_jax import blockmath, problems, registry
 from train.config import get_preset
 
@@ -291,18 +290,18 @@ def main(argv=None):
         if time.perf_counter() - t_start > args.budget_s:
             print(f"budget of {args.budget_s} s spent: {name} and later probes not run")
             break
-        try:
-            if name.startswith("optimizer"):
-                layout = name.partition("_")[2] or "leaves"
-                (fn, fargs), ref = optimizer_probe(args.preset, args.seq_len, layout), None
-            else:
-                fn, fargs, ref = todo[name]
-            ms, n, first, res = time_fn(fn, fargs, args.reps, args.time_cap)
-        except Exception as e:  # report and go on
-            print(f"{name}: failed: {type(e).__name__}: {str(e)[:300]}", file=sys.stderr)
-            rows.append(dict(probe=name, error=f"{type(e).__name__}: {str(e)[:300]}"))
+        if name.startswith("optimizer"):
+            layout = name.partition("_")[2] or "leaves"
+            make, ref = (lambda layout=layout: optimizer_probe(args.preset, args.seq_len,
+                                                                layout)), None
+        else:
+            make, ref = (lambda name=name: todo[name][:2]), todo[name][2]
+        row, res, built = timed_probe(name, make, args.reps, args.time_cap)
+        if res is None:
+            rows.append(row)
             continue
-        row = dict(probe=name, ms=ms, reps=n, first_s=first)
+        ms, n, first = row["ms"], row["reps"], row["first_s"]
+        fn, fargs = built
         if args.profile and name in args.profile_probes.split(","):
             _trace(fn, fargs, Path(args.profile) / name)
         if ref is not None:   # the first config of a ratio is the reference of the others
