@@ -119,6 +119,9 @@ def _bench(preset, impl, seq_len, batch_size, steps, warmup, dtype, profile, mod
     loss = float(m["loss"])  # waits for the last step
     dt = (time.perf_counter() - t0) / steps
     tps = batch_size * seq_len / dt
+    # printed before the profile, so a time limit during it still leaves the figure in the log
+    print(f"timed {impl} ({variant}): {dt * 1e3:.2f} ms/step over {steps} steps, "
+          f"compile {compile_s:.1f} s", file=sys.stderr, flush=True)
     if profile:
         from train.profile import StepProfiler
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 
 import jax
@@ -39,6 +40,19 @@ def time_fn(fn, args, reps, cap):
         if time.perf_counter() - start > cap:
             break
     return statistics.median(times) * 1e3, len(times), first, out
+
+
+def timed_probe(name, make, reps, cap):
+    """(row, output, (fn, args)) of one probe: make() -> (fn, args), timed by time_fn; a failure
+    to build or run it is printed and gives an error row and None output (the caller goes on)."""
+    try:
+        fn, args = make()
+        ms, n, first, out = time_fn(fn, args, reps, cap)
+    except Exception as e:  # report and go on
+        msg = f"{type(e).__name__}: {str(e)[:300]}"
+        print(f"{name}: failed: {msg}", file=sys.stderr)
+        return dict(probe=name, error=msg), None, None
+    return dict(probe=name, ms=ms, reps=n, first_s=first), out, (fn, args)
 
 
 def _value(v):

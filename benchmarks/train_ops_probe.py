@@ -17,8 +17,24 @@ today, on the same inputs:
                              noskip: also the wholly invisible tiles)
     topk_prefix_kernel       indexer_topk(select="prefix", scores="kernel") (ids checked equal to
                              the XLA path's)
+    topk_select_kernel       indexer_topk(select="kernel", scores="kernel"): the Triton
+                             threshold select (csa_jax/kernels/triton/topk.py) and one sort of
+                             the k selected (ids checked equal to topk_prefix_kernel's)
+    select_<variant>         the select kernel alone on the scores kernel's [1, T, P] output:
+                             r<rows>w<warps> ordered (with the sort), _unordered (kernel only),
+                             _stable (the k ordered by a stable one-key sort);
+                             select_ties: scores rounded to 1/8 (many ties), ids checked equal
+                             to lax.top_k's
     sort_rows_k              lax.top_k of [T/8, P] scores (one band's selection, no scoring)
-    optimizer                AdamW + clipping of the preset's parameters (train.loop's optimizer)
+    mlp_<mode>               one SwiGLU MLP's forward + backward (x and weight gradients) at the
+                             preset's widths, [1, T, C] bf16, ModelConfig.swiglu = mode (xla,
+                             act, gemm); outputs checked against mlp_xla's
+    norm_<mode>              one block RMSNorm's forward + backward, [1, T, C] bf16 in, bf16
+                             out, ModelConfig.norm = mode (nnx, fused); checked against nnx's
+    optimizer[_stacked|_flat] AdamW + clipping of the preset's parameters (train.loop's
+                             optimizer); _stacked / _flat: the same update over the same-shape
+                             arrays stacked / one flat vector (a what-if for the layout: fewer,
+                             larger kernels; see optimizer_probe)
     attn_cr<r>_<variant>_fwd / _bwd
                              --attn-impl's forward / backward (both cotangents) at the preset's
                              layer shapes (csa_jax.problems, causal cr4 lists), its default
@@ -37,7 +53,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -46,7 +61,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import csa_jax
-from benchmarks.common import parse_variants, time_fn
+from benchmarks.common import parse_variants, timed_probe
 from csa_jax import blockmath, problems, registry
 from train.config import get_preset
 
@@ -76,10 +91,30 @@ def probes(preset, T):
             q, k, w, ratio=4, topk=a.topk, select=select, scores=scores))
 
     band = jax.random.normal(jax.random.key(3), (T // 8, T // 4), jnp.float32)
+    from csa_jax.kernels.triton import topk as tkt
+
+    kk = min(a.topk, T // 4)
+    full = tki.indexer_scores(q, k, w, ratio=4) if tki.supported(q.shape, k.shape, q.dtype) \
+        is None else csa_jax.indexer_scores(q, k, w, ratio=4)
+    ties = jnp.round(full * 8) / 8
+
+    def sel(rows=1, warps=4, ordered=True, sort="pair"):
+        return jax.jit(lambda s: tkt.select_topk(s, kk, rows=rows, num_warps=warps,
+                                                 ordered=ordered, sort=sort))
     # most informative pairs first (a time budget may stop the list)
     return {
         "topk_prefix": (select_fn("xla"), (q, k, w)),
         "topk_prefix_kernel": (select_fn("kernel"), (q, k, w)),
+        "topk_select_kernel": (select_fn("kernel", "kernel"), (q, k, w)),
+        "select_r1w4": (sel(), (full,)),
+        "select_r1w4_unordered": (sel(ordered=False), (full,)),
+        "select_r1w4_stable": (sel(sort="stable"), (full,)),
+        "select_r2w4": (sel(2), (full,)),
+        "select_r1w8": (sel(1, 8), (full,)),
+        "select_r4w8": (sel(4, 8), (full,)),
+        "select_ties": (sel(), (ties,)),
+        "lax_topk_ties": (jax.jit(lambda s: jnp.where(*(lambda v, i: (v > -jnp.inf, i))(
+            *jax.lax.top_k(s, kk)), -1)), (ties,)),
         "scores_full": (jax.jit(lambda q, k, w: csa_jax.indexer_scores(q, k, w, ratio=4)),
                         (q, k, w)),
         "scores_kernel": (jax.jit(lambda q, k, w: tki.indexer_scores(q, k, w, ratio=4)),
@@ -95,6 +130,52 @@ def probes(preset, T):
             q, k, w, ratio=4, skip=False)), (q, k, w)),
         "sort_rows_k": (jax.jit(lambda s: jax.lax.top_k(s, min(a.topk, T // 4))), (band,)),
     }
+
+
+def mlp_probes(preset, T):
+    """{mlp_<mode>: (fn, args, ref key)}: value and gradients of sum(mlp(x)^2) per SwiGLU mode."""
+    from flax import nnx
+
+    from train.model import SWIGLU_MODES, SwiGLU
+
+    cfg = get_preset(preset, seq_len=T).model
+    x = jax.random.normal(jax.random.key(4), (1, T, cfg.d_model), jnp.bfloat16)
+    out = {}
+    for mode in SWIGLU_MODES:
+        mlp = SwiGLU(cfg.d_model, cfg.mlp_hidden, dtype=jnp.bfloat16, mode=mode,
+                     rngs=nnx.Rngs(0))
+        graph, params = nnx.split(mlp)
+        params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), params)
+
+        def loss(p, x, graph=graph):
+            return jnp.sum(nnx.merge(graph, p)(x).astype(jnp.float32) ** 2)
+
+        out[f"mlp_{mode}"] = (jax.jit(jax.value_and_grad(loss, argnums=(0, 1))), (params, x),
+                              "mlp")
+    return out
+
+
+def norm_probes(preset, T):
+    """{norm_<mode>: (fn, args, ref key)}: value and gradients of sum(norm(x)^2) (the output cast
+    to bf16, as a block uses it) per ModelConfig.norm mode."""
+    from flax import nnx
+
+    from train.model import norm_layer
+
+    cfg = get_preset(preset, seq_len=T).model
+    x = jax.random.normal(jax.random.key(5), (1, T, cfg.d_model), jnp.bfloat16)
+    out = {}
+    for mode in ("nnx", "fused"):
+        graph, params = nnx.split(norm_layer(cfg.d_model, eps=cfg.norm_eps,
+                                             param_dtype=jnp.float32, mode=mode))
+
+        def loss(p, x, graph=graph):
+            y = nnx.merge(graph, p)(x).astype(jnp.bfloat16)
+            return jnp.sum(y.astype(jnp.float32) ** 2)
+
+        out[f"norm_{mode}"] = (jax.jit(jax.value_and_grad(loss, argnums=(0, 1))), (params, x),
+                               "norm")
+    return out
 
 
 def attention_probes(preset, T, impl, ratios, variants, xla_refs=None):
@@ -127,11 +208,28 @@ def attention_probes(preset, T, impl, ratios, variants, xla_refs=None):
     return out
 
 
-def optimizer_probe(preset, T):
-    from train.loop import init_state
+def optimizer_probe(preset, T, layout="leaves"):
+    """The optimizer update of the preset's parameters. layout (a timing what-if for the
+    parameter and state layout; the step keeps "leaves"): "leaves" (the model's 229 arrays for
+    `small`), "stacked" (the arrays of one shape stacked into one: 12 layers' copies of a
+    weight become one array), "flat" (all parameters in one f32 vector). The stacked / flat
+    updates do the same per-element work (weight decay then also reaches the stacked vectors)."""
+    from train.loop import init_state, make_optimizer
 
     cfg = get_preset(preset, seq_len=T)
     _, state, tx, _ = init_state(cfg)
+    if layout != "leaves":
+        leaves = jax.tree.leaves(state["params"])
+        if layout == "flat":
+            params = {"flat": jnp.concatenate([p.reshape(-1) for p in leaves])}
+        else:
+            groups = {}
+            for p in leaves:
+                groups.setdefault(f"{p.shape}", []).append(p)
+            params = {name: jnp.stack(ps) for name, ps in groups.items()}
+        tx = make_optimizer(cfg)[0]
+        state = {"params": params, "opt_state": tx.init(params)}
+        del leaves
     grads = jax.tree.map(lambda p: jnp.full_like(p, 1e-3), state["params"])
 
     def update(params, opt_state, grads):
@@ -140,6 +238,15 @@ def optimizer_probe(preset, T):
         return optax.apply_updates(params, updates), opt_state
 
     return jax.jit(update), (state["params"], state["opt_state"], grads)
+
+
+def _trace(fn, fargs, out):
+    """2 traced calls of fn into out/, and its compiled HLO as out/probe.hlo.txt."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "probe.hlo.txt").write_text(fn.lower(*fargs).compile().as_text())
+    with jax.profiler.trace(str(out)):
+        for _ in range(2):
+            jax.block_until_ready(fn(*fargs))
 
 
 def main(argv=None):
@@ -158,6 +265,10 @@ def main(argv=None):
     p.add_argument("--attn-check", choices=["none", "xla"], default="none",
                    help="xla: also check every attention probe's outputs against impl='xla'")
     p.add_argument("--budget-s", type=float, default=1e9)
+    p.add_argument("--profile", metavar="DIR", help="trace 2 more calls of each --profile-probes "
+                   "probe into DIR/<probe> with its compiled HLO (benchmarks.trace_breakdown "
+                   "DIR/<probe> --hlo DIR/<probe>/probe.hlo.txt --steps 2)")
+    p.add_argument("--profile-probes", default="", help="comma list of probe names to trace")
     p.add_argument("--out", default="train_ops_probe.json")
     args = p.parse_args(argv)
     t_start = time.perf_counter()
@@ -165,15 +276,25 @@ def main(argv=None):
     todo, xla_refs, xla_out = {}, {}, {}
     if not args.no_ops:
         todo.update({k: v + (None,) for k, v in probes(args.preset, args.seq_len).items()})
+        todo.update(mlp_probes(args.preset, args.seq_len))
+        todo.update(norm_probes(args.preset, args.seq_len))
     if args.attn_impl:
         ratios = [int(r) for r in args.attn_ratios.split(",") if r]
         todo.update(attention_probes(args.preset, args.seq_len, args.attn_impl, ratios,
                                      args.attn_variants,
                                      xla_refs if args.attn_check == "xla" else None))
-    names = list(todo) + (["optimizer"] if args.optimizer else [])
+    names = list(todo) + (["optimizer", "optimizer_stacked", "optimizer_flat"]
+                          if args.optimizer else [])
     if only:   # in the order given (a time budget stops the tail of the list)
         names = [n for n in args.only.split(",") if n in names]
-    rows, refs = [], {}
+    rows, refs, outs, checks = [], {}, {}, {}
+    # pairs whose outputs (top-k ids) must be equal, checked as soon as both have run
+    pairs = [("topk_prefix", "topk_full"), ("topk_prefix", "topk_prefix_kernel"),
+             ("topk_prefix", "topk_select_kernel"), ("topk_prefix_kernel", "topk_select_kernel"),
+             ("select_r1w4", "select_r2w4"), ("select_r1w4", "select_r1w4_stable"),
+             ("select_r1w4", "select_r1w8"), ("select_r1w4", "select_r4w8"),
+             ("lax_topk_ties", "select_ties")]
+    paired = {n for pair in pairs for n in pair}
     meta = dict(device=str(jax.devices()[0].device_kind), preset=args.preset,
                 seq_len=args.seq_len, jax=jax.__version__, attn_impl=args.attn_impl,
                 attn_variants=args.attn_variants)
@@ -183,17 +304,20 @@ def main(argv=None):
         if time.perf_counter() - t_start > args.budget_s:
             print(f"budget of {args.budget_s} s spent: {name} and later probes not run")
             break
-        try:
-            if name == "optimizer":
-                (fn, fargs), ref = optimizer_probe(args.preset, args.seq_len), None
-            else:
-                fn, fargs, ref = todo[name]
-            ms, n, first, res = time_fn(fn, fargs, args.reps, args.time_cap)
-        except Exception as e:  # report and go on
-            print(f"{name}: failed: {type(e).__name__}: {str(e)[:300]}", file=sys.stderr)
-            rows.append(dict(probe=name, error=f"{type(e).__name__}: {str(e)[:300]}"))
+        if name.startswith("optimizer"):
+            layout = name.partition("_")[2] or "leaves"
+            make, ref = (lambda layout=layout: optimizer_probe(args.preset, args.seq_len,
+                                                                layout)), None
+        else:
+            make, ref = (lambda name=name: todo[name][:2]), todo[name][2]
+        row, res, built = timed_probe(name, make, args.reps, args.time_cap)
+        if res is None:
+            rows.append(row)
             continue
-        row = dict(probe=name, ms=ms, reps=n, first_s=first)
+        ms, n, first = row["ms"], row["reps"], row["first_s"]
+        fn, fargs = built
+        if args.profile and name in args.profile_probes.split(","):
+            _trace(fn, fargs, Path(args.profile) / name)
         if ref is not None:   # the first config of a ratio is the reference of the others
             if ref in refs:
                 row["rel_err_vs_default"] = max(problems.rel_err(a, b) for a, b in zip(
@@ -210,22 +334,21 @@ def main(argv=None):
             except Exception as e:  # report and go on
                 row["xla_check_error"] = f"{type(e).__name__}: {str(e)[:300]}"
         rows.append(row)
+        if name in paired:
+            outs[name] = res
+            for one, other in pairs:
+                if name in (one, other) and one in outs and other in outs:
+                    a, b = np.asarray(outs[one]), np.asarray(outs[other])
+                    checks[f"{one}|{other}"] = dict(same=bool(np.array_equal(a, b)),
+                                                    tokens_differing=int((a != b).any(-1).sum()))
+                    print(f"{one} vs {other}: {checks[f'{one}|{other}']}")
         err = f" | err {row['rel_err_vs_default']:.1e}" if "rel_err_vs_default" in row else ""
         if "rel_err_vs_xla" in row:
             err += f" | vs xla {row['rel_err_vs_xla']:.1e}"
         print(f"| {name} | {ms:.3f} ms | {n} reps | first call {first:.1f} s{err} |", flush=True)
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(dict(meta, rows=rows), indent=2))
+        Path(args.out).write_text(json.dumps(dict(meta, rows=rows, checks=checks), indent=2))
     timed = {r["probe"] for r in rows if "ms" in r}
-    checks = {}
-    for other in ("topk_full", "topk_prefix_kernel"):
-        if {"topk_prefix", other} <= timed:
-            # the same ids as the default selection (a cheap check that rides along)
-            fn_p, fa, _ = todo["topk_prefix"]
-            a, b = np.asarray(fn_p(*fa)), np.asarray(todo[other][0](*fa))
-            checks[other] = dict(same=bool(np.array_equal(a, b)),
-                                 tokens_differing=int((a != b).any(-1).sum()))
-            print(f"topk_prefix vs {other}: {checks[other]}")
     if {"scores_full", "scores_kernel"} <= timed:
         a = np.asarray(todo["scores_full"][0](*todo["scores_full"][1]))
         b = np.asarray(todo["scores_kernel"][0](*todo["scores_full"][1]))

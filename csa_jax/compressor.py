@@ -12,6 +12,7 @@ head-weighted sum, masking and selection) is f32 for every input dtype.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -191,7 +192,14 @@ def indexer_scores(q_idx, k_idx, weights, *, ratio):
         lambda s, n: _scores_block(q_idx, k_idx, weights, ratio, s, n), T, B * Hi * P)
 
 
-SELECT_MODES = ("prefix", "top_k", "approx")
+SELECT_MODES = ("auto", "prefix", "top_k", "kernel", "approx")
+# select="auto" runs the Triton threshold-select kernel (csa_jax/kernels/triton/topk.py) where it
+# applies: NVIDIA GPUs, rows of at most 8192 scores (P padded to a power of two), at most 2**28
+# scores held at once (the kernel reads the whole [B, T, P]), and scores from the scores kernel
+# (scores="auto"/"kernel" taking the problem); elsewhere "prefix". The same ids as
+# "prefix" / "top_k". Measured on the H200 (`small`, T = 8192, docs/perf/train_h200.md session 4):
+# the step's top-k 2.42 -> 2.04 ms (select kernel 0.83, XLA's sort of the k selected 1.12).
+_AUTO_KERNEL_SELECT = True
 # Below this many [B, T, P] scores "prefix" runs as "top_k" (same ids): small problems (the CPU
 # default run has 2**17) gain nothing from skipping invisible rows and pay for 8x the ops.
 _PREFIX_MIN_SCORES = 2 ** 22
@@ -227,20 +235,42 @@ def _kernel_scores(scores, q_idx, k_idx):
             and tk.unsupported(q_idx.shape, k_idx.shape, (B, T, 1), q_idx.dtype) is None)
 
 
-def indexer_topk(q_idx, k_idx, weights, *, ratio, topk, select="prefix", recall_target=0.95,
+def _kernel_select(select, shape, k):
+    """Whether indexer_topk selects with the Triton kernel (select: SELECT_MODES)."""
+    if select not in ("auto", "kernel"):
+        return False
+    from csa_jax.kernels.triton import topk as tkt
+
+    why = tkt.supported(shape, k)
+    if select == "kernel":
+        if why:
+            raise ValueError(f"select='kernel': {why}")
+        return True
+    if not _AUTO_KERNEL_SELECT or why or math.prod(shape) > 2 ** 28:
+        return False
+    return tkt.on_nvidia()
+
+
+def indexer_topk(q_idx, k_idx, weights, *, ratio, topk, select="auto", recall_target=0.95,
                  scores="auto"):
     """int32 [B, T, min(topk, P)]: pool-local ids by descending score, -1 where none is visible.
 
     q_idx [B,T,Hi,Di] (rotated), k_idx [B,P,Di], weights [B,T,Hi] with every scale folded in.
     No gradient flows through the selection. select:
-      "prefix" (default, exact): tokens are walked in chunks (in at most 8 bands) and each band
+      "auto"   (default): "kernel" where _kernel_select allows it (NVIDIA GPUs) and the scores
+               come from the scores kernel (all P rows), else "prefix";
+      "kernel" (exact): the scores of all P rows, then the Triton threshold select of
+               csa_jax/kernels/triton/topk.py (interpreted off-GPU) and one sort of the k
+               selected per token;
+      "prefix" (exact): tokens are walked in chunks (in at most 8 bands) and each band
                scores and sorts only the pool rows visible to its last token, so most of the
                invisible half of [T, P] is neither scored nor sorted (problems with fewer than
                2**22 scores run as "top_k");
       "top_k"  (exact): one lax.top_k over all P rows per token;
       "approx": lax.approx_max_k (recall_target) over all P rows: the TPU's approximate
                selection; on CPU and GPU XLA lowers it to an exact sort.
-    "prefix" and "top_k" return the same ids (ties keep the lower id first).
+    "prefix", "top_k" and "kernel" return the same ids (ties keep the lower id first; -0.0
+    ranks below +0.0, as in lax.top_k).
     scores: "xla" (the XLA products of indexer_scores), "kernel" (the fused Triton kernel of
     csa_jax/kernels/triton/indexer.py, interpreted off-GPU: same scores to f32 rounding, so
     the same ids but where two scores tie within rounding), "auto" (the kernel where
@@ -257,7 +287,13 @@ def indexer_topk(q_idx, k_idx, weights, *, ratio, topk, select="prefix", recall_
     if k == 0:
         return jnp.zeros((B, T, 0), jnp.int32)
     q_idx, k_idx, weights = (jax.lax.stop_gradient(a) for a in (q_idx, k_idx, weights))
-    if _kernel_scores(scores, q_idx, k_idx):
+    kernel_scores = _kernel_scores(scores, q_idx, k_idx)
+    # auto selects with the kernel only where the scores kernel writes all P rows anyway (with
+    # XLA's scores the prefix bands score only ~56% of them: not measured against the kernel)
+    use_kernel = _kernel_select(select, (B, T, P), k) and (select != "auto" or kernel_scores)
+    if select == "auto":
+        select = "kernel" if use_kernel else "prefix"
+    if kernel_scores:
         from csa_jax.kernels.triton import indexer as tki
 
         full = tki.indexer_scores(q_idx, k_idx, weights, ratio=ratio)          # [B, T, P]
@@ -268,6 +304,14 @@ def indexer_topk(q_idx, k_idx, weights, *, ratio, topk, select="prefix", recall_
     else:
         def block(start, size, rows=None):
             return _scores_block(q_idx, k_idx, weights, ratio, start, size, rows)
+
+    if use_kernel:
+        from csa_jax.kernels.triton import topk as tkt
+
+        if not kernel_scores:   # all P rows of every token (chunked XLA products)
+            full = indexer_scores(q_idx, k_idx, weights, ratio=ratio)
+        with jax.named_scope("indexer_topk"):
+            return tkt.select_topk(full, k)
 
     def pick(score, kk):
         with jax.named_scope("indexer_topk"):

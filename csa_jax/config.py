@@ -46,6 +46,8 @@ class CSAConfig:
     indexer_loss_coef: float = 0.0         # > 0: auxiliary indexer KL loss (cr4 layers)
     out_init_scale: float = 1.0            # init std factor of the layer's last projection
     indexer_scores: str = "auto"           # indexer_topk's scores: auto | xla | kernel
+    indexer_select: str = "auto"           # indexer_topk's select: auto | prefix | top_k |
+                                           # kernel | approx
 
     def __post_init__(self):
         if self.family is not None and self.family not in FAMILIES:
@@ -75,6 +77,9 @@ class CSAConfig:
         if self.indexer_scores not in ("auto", "xla", "kernel"):
             raise ValueError(f"indexer_scores={self.indexer_scores!r} must be one of auto | xla "
                              f"| kernel (csa_jax.indexer_topk's scores=)")
+        if self.indexer_select not in ("auto", "prefix", "top_k", "kernel", "approx"):
+            raise ValueError(f"indexer_select={self.indexer_select!r} must be one of auto | prefix "
+                             f"| top_k | kernel | approx (csa_jax.indexer_topk's select=)")
         from csa_jax import registry   # late: the registry imports the kernels
         if self.impl not in registry.choices():
             raise ValueError(f"impl={self.impl!r} must be one of {registry.choices()}")

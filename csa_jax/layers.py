@@ -274,7 +274,8 @@ class CSAAttention(nnx.Module):
                 q_idx, k_idx, w = self.indexer(jax.lax.stop_gradient(x),
                                                jax.lax.stop_gradient(q_lat))
                 topk = csa_jax.indexer_topk(q_idx, k_idx, w, ratio=m, topk=cfg.topk,
-                                            scores=cfg.indexer_scores)          # [B, T, k]
+                                            scores=cfg.indexer_scores,
+                                            select=cfg.indexer_select)          # [B, T, k]
         with jax.named_scope("index_lists"):
             idx = self.index_lists(B, T, topk)  # [B, T, K]
 

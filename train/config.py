@@ -89,6 +89,8 @@ class ModelConfig:
     compute_dtype: str = "float32"
     remat: str = "none"  # train.model.REMAT_POLICIES: none | block | dots
     scan_layers: bool = False  # the repeating layer cycle as one lax.scan (train/layer_scan.py)
+    swiglu: str = "xla"  # the MLP's activation backward: xla | act | gemm (train.model.SwiGLU)
+    norm: str = "nnx"  # the block / final RMSNorms: nnx | fused (train.model.rms_norm)
 
     def __post_init__(self):
         object.__setattr__(self, "layer_ratios", tuple(int(r) for r in self.layer_ratios))
@@ -99,6 +101,10 @@ class ModelConfig:
             raise ConfigError("layer_ratios must name at least one layer")
         if self.remat not in ("none", "block", "dots"):
             raise ConfigError(f"remat={self.remat!r} must be one of none | block | dots")
+        if self.swiglu not in ("xla", "act", "gemm"):
+            raise ConfigError(f"swiglu={self.swiglu!r} must be one of xla | act | gemm")
+        if self.norm not in ("nnx", "fused"):
+            raise ConfigError(f"norm={self.norm!r} must be one of nnx | fused")
         if not isinstance(self.scan_layers, bool):
             raise ConfigError(f"scan_layers={self.scan_layers!r} must be True or False")
         if self.compute_dtype not in ("float32", "bfloat16"):

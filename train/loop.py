@@ -42,7 +42,8 @@ __all__ = ["DivergedError", "RunResult", "init_state", "make_optimizer", "train_
 # except `steps`, which is the run's total length and so shapes the LR schedule's tail).
 _RESUMABLE_CHANGES = {"steps", "log_every", "eval_every", "eval_batches", "ckpt_every",
                       "keep_checkpoints", "model.attention.impl", "model.remat",
-                      "model.scan_layers", "model.attention.indexer_scores", "fsdp"}
+                      "model.scan_layers", "model.attention.indexer_scores",
+                      "model.attention.indexer_select", "model.swiglu", "model.norm", "fsdp"}
 
 
 def make_optimizer(cfg: TrainConfig):
