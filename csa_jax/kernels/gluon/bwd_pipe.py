@@ -94,7 +94,7 @@ def _dq_pipe_consumer(idx_ptr, lse_ptr, dc_ptr, fz, dq_ptr, dsp_ptr, qdo_ptr, qd
         version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, BK, 16])
     dt: gl.constexpr = dsp_ptr.dtype.element_ty
     sd_zero, kcols, lse2, dc, ds_ptrs, p_ptrs = _pair_rows(
-        sd_layout, lse_ptr, dc_ptr, fz, dsp_ptr, row, tok, hb, D, K, HP, BK, HBC, QDO, FUSE)
+        8, lse_ptr, dc_ptr, fz, dsp_ptr, row, tok, hb, D, K, HP, BK, HBC, QDO, FUSE)
     ew: gl.constexpr = ds_ptrs.type.layout
     acc = warpgroup_mma_init(_dq_acc_layout(D, HBC, 0))
     mbarrier.wait(q_bar, 0)
