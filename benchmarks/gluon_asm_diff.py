@@ -6,8 +6,10 @@
 
 `dump` compiles each kernel of KERNELS (the Gluon kernels at their defaults and at the switches
 that select other code paths: fwd.py's pipeline / smem_epilogue / prefetch, fwd_alt.py's orders
-and split, bwd.py's pair / lockstep / qdo / dq operands / ablations, bwd_alt.py's orders, the
-window kernels, the AMD forward and dq kernels with trans / qdo / tdm_rows) for every target it
+and split, bwd.py's pair / lockstep / qdo / dq operands / ablations, bwd_pipe.py's pipelined
+and blocked dq kernels, bwd_alt.py's orders, the window kernels (window.py with cr0 / cr128 / P
+in shared memory, window_xchg.py, bwd_win.py's dq kernel at 5 settings), the AMD forward and dq
+kernels with trans / qdo / tdm_rows) for every target it
 is built for, on the CPU (triton 3.6.0's bundled compilers, a fresh cache directory), and writes
 per kernel/target sha256 hashes of:
 
@@ -80,8 +82,8 @@ def sass(cubin):
 def kernels():
     """(name, kernel, arg types, constexprs, warps, targets) of every kernel variant compared."""
     from csa_jax.kernels import gluon as impl
-    from csa_jax.kernels.gluon import (amd_bwd, amd_fwd, bwd, bwd_alt, fwd, fwd_alt, window,
-                                       window_xchg)
+    from csa_jax.kernels.gluon import (amd_bwd, amd_fwd, bwd, bwd_alt, bwd_pipe, bwd_win, fwd,
+                                       fwd_alt, window, window_xchg)
     base = impl.default_config((1, 4096, 128, 512), (1, 5120, 512), (1, 4096, 1152), "bfloat16")
     nv = ("sm_90a",)
     dims = dict(SHAPE, BK=base.block_k, stages=base.stages, prefetch=base.prefetch)
@@ -110,6 +112,15 @@ def kernels():
     for tag, over in dq_variants:
         yield (f"csa_dq[{tag}]", bwd.csa_dq_kernel, bwd.arg_types(),
                bwd.constexprs(**{**bdims, **over}), bwd.CONSUMER_WARPS, nv)
+    # bwd_pipe.py: Config.bwd_pipeline's consumer (bwd.csa_dq_kernel, PIPE) and the blocked
+    # bwd_qdo_regs=1 kernel, 2 stages and 3 with bwd_scores_ahead (producer 40 registers)
+    yield ("csa_dq[pipeline]", bwd.csa_dq_kernel, bwd.arg_types(),
+           bwd.constexprs(**{**bdims, "pipeline": True}), bwd.CONSUMER_WARPS, nv)
+    for tag, over in (("", {}), (",stages=3,ahead", dict(stages=3, producer_regs=40,
+                                                         scores_ahead=True))):
+        yield (f"csa_dq_blk[qdo_regs=1{tag}]", bwd_pipe.csa_dq_blk_kernel, bwd.arg_types(),
+               bwd.constexprs(**{**bdims, "pipeline": True, "qdo_regs": 1, **over}),
+               bwd.CONSUMER_WARPS, nv)
     for order in bwd_alt.ORDERS:
         for qdo in (True, False):
             yield (f"csa_dq_alt[{order}{'' if qdo else ',qdo=0'}]", bwd_alt.csa_dq_alt_kernel,
@@ -125,11 +136,25 @@ def kernels():
                                    producer_regs=base.win_producer_regs, p_smem=base.win_p_smem)
         yield (f"csa_window[cr{ratio}]", window.csa_window_kernel, window.arg_types(), consts,
                window.CONSUMER_WARPS, nv)
+        if not ratio:              # cr0 with the window's P through shared memory (P_SMEM 1)
+            yield ("csa_window[cr0,p_smem]", window.csa_window_kernel, window.arg_types(),
+                   {**consts, "P_SMEM": window.p_smem_mode(512, base.window, 0, base.pool_tile,
+                                                           True)}, window.CONSUMER_WARPS, nv)
     consts = window_xchg.constexprs(T=4096, N=4096, NHB=2, D=512, window=base.window,
                                     G=window.programs(1, 4096, 2), scale=SHAPE["scale"],
                                     consumer_regs=base.win_regs)
     yield ("csa_window_xchg[cr0]", window_xchg.csa_window_xchg_kernel, window.arg_types(),
            consts, window_xchg.NUM_WARPS, nv)
+    # bwd_win.py (Config.bwd_win, cr0): the 4 settings of tests/test_gluon_bwd_win.py + ablate 3
+    for tag, over in (("", {}), ("qdo=0,fuse=0", dict(qdo=False, fuse_delta=0)),
+                      ("fuse=2,dq_mm,dsp_block", dict(fuse_delta=2, dq_mm=True, dsp_block=True)),
+                      ("overlap=0", dict(overlap=False)), ("ablate=3", dict(ablate=3))):
+        consts = bwd_win.constexprs(**{**dict(
+            T=4096, N=4096, NH2=4, D=512, window=base.window, G=window.programs(1, 4096, 4),
+            scale=SHAPE["scale"], producer_regs=base.bwd_win_producer_regs, qdo=True,
+            fuse_delta=1), **over})
+        yield (f"csa_dq_win[cr0{',' + tag if tag else ''}]", bwd_win.csa_dq_win_kernel,
+               bwd_win.arg_types(), consts, bwd_win.CONSUMER_WARPS, nv)
     for target, d in amd_fwd.TARGET_DEFAULTS.items():
         for trans in (0, 1):
             yield (f"csa_fwd_amd[trans={trans}]", amd_fwd.csa_fwd_amd_kernel, amd_fwd.arg_types(),
