@@ -31,7 +31,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from csa_jax.kernels.gluon.bwd import (
     _dq_acc_layout, _kv_ring, _p_ds, _pair_rows, _qdo_row, _split_sd, _store_dq, _store_dsp,
     _store_qdo)
-from csa_jax.kernels.gluon.fwd import PRODUCER_WARPS, _program, _release
+from csa_jax.kernels.gluon.fwd import PRODUCER_WARPS, _program, _release, _ring_barriers
 
 
 @gluon.jit
@@ -199,13 +199,7 @@ def csa_dq_blk_kernel(q_ptr, do_ptr, kv_ptr, idx_ptr, ntiles_ptr, lse_ptr, dc_pt
     ds_smem = qdo_blk._reinterpret(
         dtype, [D * 2 * HBC // (HBC * BK), HBC, BK],
         gl.NVMMASharedLayout.get_default_for([HBC, BK], dtype)).index(0)
-    full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    consumed = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=PRODUCER_WARPS * 32)
-    for s in gl.static_range(STAGES):
-        mbarrier.init(full.index(s), count=PRODUCER_WARPS * 32)
-        mbarrier.init(consumed.index(s), count=1)
+    full, consumed, q_bar = _ring_barriers(STAGES)
     fz = (o_ptr, do_ptr, dcout_ptr)
     gl.warp_specialize([
         (_dq_pipe_consumer, (idx_tok, lse_ptr, dc_ptr, fz, dq_ptr, dsp_ptr, qdo_ptr, qdo_blk,

@@ -50,7 +50,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from csa_jax.kernels.gluon.bwd import _load_dc, _qdo_row, _split_sd, _store_dq
 from csa_jax.kernels.gluon.dims import HB, SMEM_LIMIT, dq_win_shared_bytes, padded_dims
 from csa_jax.kernels.gluon.fwd import CONSUMER_WARPS, LOG2E, PRODUCER_WARPS, _release
-from csa_jax.kernels.gluon.window import BLOCK_T, _copy_rows, _program_blocks, programs
+from csa_jax.kernels.gluon.window import (BLOCK_T, _copy_rows, _program_blocks, _span_barriers,
+                                          _span_buffers, programs)
 
 __all__ = ["csa_dq_win_kernel", "arg_types", "constexprs", "dq_window", "backward",
            "checked_backward", "slot_rows", "HEADS"]
@@ -323,23 +324,12 @@ def csa_dq_win_kernel(q_ptr, do_ptr, kv_ptr, lse_ptr, dc_ptr, o_ptr, dq_ptr, dsp
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     qdo_smem = gl.allocate_shared_memory(
         dtype, [2 * H2, D], gl.NVMMASharedLayout.get_default_for([2 * H2, D], dtype))
-    win_a = gl.allocate_shared_memory(
-        dtype, [W, D], gl.NVMMASharedLayout.get_default_for([W, D], dtype))
-    win_b = gl.allocate_shared_memory(
-        dtype, [BT, D], gl.NVMMASharedLayout.get_default_for([BT, D], dtype))
+    win_a, win_b = _span_buffers(dtype, W, D, False)
     dsa = gl.allocate_shared_memory(
         dtype, [H2, W], gl.NVMMASharedLayout.get_default_for([H2, W], dtype))
     dsb = gl.allocate_shared_memory(
         dtype, [H2, BT], gl.NVMMASharedLayout.get_default_for([H2, BT], dtype))
-    bar: gl.constexpr = mbarrier.MBarrierLayout()
-    q_ready = gl.allocate_shared_memory(gl.int64, [1], bar)
-    q_free = gl.allocate_shared_memory(gl.int64, [1], bar)
-    span_ready = gl.allocate_shared_memory(gl.int64, [1], bar)
-    span_free = gl.allocate_shared_memory(gl.int64, [1], bar)
-    mbarrier.init(q_ready, count=PRODUCER_WARPS * 32)
-    mbarrier.init(q_free, count=1)
-    mbarrier.init(span_ready, count=PRODUCER_WARPS * 32)
-    mbarrier.init(span_free, count=1)
+    q_ready, q_free, span_ready, span_free = _span_barriers(1)
     gl.warp_specialize([
         (_consumer, (lse_ptr, dc_ptr, (o_ptr, do_ptr, dcout_ptr), dq_ptr, dsp_ptr, qdo_ptr,
                      qdo_smem, win_a, win_b, dsa, dsb, q_ready, q_free, span_ready, span_free,

@@ -172,6 +172,21 @@ def _q_and_ring(dtype: gl.constexpr, HBC: gl.constexpr, D: gl.constexpr, BK: gl.
 
 
 @gluon.jit
+def _ring_barriers(STAGES: gl.constexpr):
+    """The ring's mbarriers, initialized (this kernel's and bwd_pipe.py's blocked dq kernel's,
+    allocated in this order): full [STAGES] (the producer's warps arrive when a stage's copies
+    landed), consumed [STAGES] (one consumer arrival frees a stage), q_bar (q's copy landed)."""
+    full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    consumed = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=PRODUCER_WARPS * 32)
+    for s in gl.static_range(STAGES):
+        mbarrier.init(full.index(s), count=PRODUCER_WARPS * 32)
+        mbarrier.init(consumed.index(s), count=1)
+    return full, consumed, q_bar
+
+
+@gluon.jit
 def _scaled_o(m, l, acc, sink_ptr, lse_ptr, o_ptr, row, h0, srow: gl.constexpr,
               orow: gl.constexpr, HBC: gl.constexpr, STORE_LSE: gl.constexpr):
     """A forward consumer's epilogue (this kernel's and fwd_alt.py's) up to the o store: the
@@ -279,13 +294,7 @@ def csa_fwd_kernel(q_ptr, kv_ptr, idx_ptr, ntiles_ptr, sink_ptr, o_ptr, lse_ptr,
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     HBC: gl.constexpr = 64
     q_smem, ring = _q_and_ring(dtype, HBC, D, BK, STAGES, False)
-    full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    consumed = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=PRODUCER_WARPS * 32)
-    for s in gl.static_range(STAGES):
-        mbarrier.init(full.index(s), count=PRODUCER_WARPS * 32)
-        mbarrier.init(consumed.index(s), count=1)
+    full, consumed, q_bar = _ring_barriers(STAGES)
     gl.warp_specialize([
         (_consumer, (idx_tok, sink_ptr, o_ptr, lse_ptr, q_smem, ring, full, consumed, q_bar,
                      row, hb * HBC, ntiles, D, BK, STAGES, HBC, QK_SCALE, PIPELINE,

@@ -302,6 +302,42 @@ def _program_blocks(T: gl.constexpr, NHB: gl.constexpr, G: gl.constexpr):
 
 
 @gluon.jit
+def _span_buffers(dtype: gl.constexpr, W: gl.constexpr, D: gl.constexpr,
+                  INDEXED: gl.constexpr):
+    """A 16-token block's span in shared memory (this kernel's, window_xchg.py's and
+    bwd_win.py's): its first W rows win_a [W, D] and its last BT rows win_b [BT, D] (two
+    buffers: shapes are powers of two); [1, W, D] / [1, BT, D] with INDEXED (window_xchg.py's,
+    read through .index)."""
+    a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([W, D], dtype)
+    b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BT, D], dtype)
+    if INDEXED:
+        win_a = gl.allocate_shared_memory(dtype, [1, W, D], a_layout)
+        win_b = gl.allocate_shared_memory(dtype, [1, BT, D], b_layout)
+    else:
+        win_a = gl.allocate_shared_memory(dtype, [W, D], a_layout)
+        win_b = gl.allocate_shared_memory(dtype, [BT, D], b_layout)
+    return win_a, win_b
+
+
+@gluon.jit
+def _span_barriers(FREE: gl.constexpr):
+    """q_ready, q_free, span_ready, span_free (allocated in this order), initialized: the
+    producer's warps arrive on q_ready / span_ready when a token's q / the block's span has
+    landed, FREE consumer arrivals (one per consumer partition) free them. This kernel's,
+    window_xchg.py's (FREE 2) and bwd_win.py's."""
+    bar: gl.constexpr = mbarrier.MBarrierLayout()
+    q_ready = gl.allocate_shared_memory(gl.int64, [1], bar)
+    q_free = gl.allocate_shared_memory(gl.int64, [1], bar)
+    span_ready = gl.allocate_shared_memory(gl.int64, [1], bar)
+    span_free = gl.allocate_shared_memory(gl.int64, [1], bar)
+    mbarrier.init(q_ready, count=PRODUCER_WARPS * 32)
+    mbarrier.init(q_free, count=FREE)
+    mbarrier.init(span_ready, count=PRODUCER_WARPS * 32)
+    mbarrier.init(span_free, count=FREE)
+    return q_ready, q_free, span_ready, span_free
+
+
+@gluon.jit
 def csa_window_kernel(q_ptr, kv_ptr, sink_ptr, bad_ptr, o_ptr, lse_ptr,
                       T: gl.constexpr, N: gl.constexpr, NHB: gl.constexpr, D: gl.constexpr,
                       W: gl.constexpr, G: gl.constexpr, RATIO: gl.constexpr, PT: gl.constexpr,
@@ -312,11 +348,7 @@ def csa_window_kernel(q_ptr, kv_ptr, sink_ptr, bad_ptr, o_ptr, lse_ptr,
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     q_smem = gl.allocate_shared_memory(
         dtype, [HBC, D], gl.NVMMASharedLayout.get_default_for([HBC, D], dtype))
-    # the span = its first W rows + its last BT rows (two buffers: shapes are powers of two)
-    win_a = gl.allocate_shared_memory(
-        dtype, [W, D], gl.NVMMASharedLayout.get_default_for([W, D], dtype))
-    win_b = gl.allocate_shared_memory(
-        dtype, [BT, D], gl.NVMMASharedLayout.get_default_for([BT, D], dtype))
+    win_a, win_b = _span_buffers(dtype, W, D, False)
     WT: gl.constexpr = W if P_SMEM != 0 else (64 if W > 64 else W)
     PS: gl.constexpr = PSTAGES if RATIO > 0 else 1
     if RATIO > 0:                  # the pool ring (P_SMEM 2: the window's P in its last slot)
@@ -328,17 +360,10 @@ def csa_window_kernel(q_ptr, kv_ptr, sink_ptr, bad_ptr, o_ptr, lse_ptr,
     else:                          # cr0, P in registers: a placeholder
         pool = gl.allocate_shared_memory(
             dtype, [1, 8, 8], gl.NVMMASharedLayout.get_default_for([8, 8], dtype))
+    q_ready, q_free, span_ready, span_free = _span_barriers(1)
     bar: gl.constexpr = mbarrier.MBarrierLayout()
-    q_ready = gl.allocate_shared_memory(gl.int64, [1], bar)
-    q_free = gl.allocate_shared_memory(gl.int64, [1], bar)
-    span_ready = gl.allocate_shared_memory(gl.int64, [1], bar)
-    span_free = gl.allocate_shared_memory(gl.int64, [1], bar)
     pool_full = gl.allocate_shared_memory(gl.int64, [PS, 1], bar)
     pool_free = gl.allocate_shared_memory(gl.int64, [PS, 1], bar)
-    mbarrier.init(q_ready, count=PRODUCER_WARPS * 32)
-    mbarrier.init(q_free, count=1)
-    mbarrier.init(span_ready, count=PRODUCER_WARPS * 32)
-    mbarrier.init(span_free, count=1)
     for s in gl.static_range(PS):
         mbarrier.init(pool_full.index(s), count=PRODUCER_WARPS * 32)
         mbarrier.init(pool_free.index(s), count=1)

@@ -38,9 +38,10 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait)
 
-from csa_jax.kernels.gluon.fwd import NEG, PRODUCER_WARPS, _finish
+from csa_jax.kernels.gluon.fwd import NEG, _finish
 from csa_jax.kernels.gluon.fwd_alt import _opaque, _release
-from csa_jax.kernels.gluon.window import BLOCK_T, BT, HBC, _producer, _program_blocks
+from csa_jax.kernels.gluon.window import (BLOCK_T, BT, HBC, _producer, _program_blocks,
+                                          _span_barriers, _span_buffers)
 
 WG_WARPS = gl.constexpr(4)
 NUM_WARPS = 4                # the default partition (the producer); 12 warps in all
@@ -286,27 +287,17 @@ def csa_window_xchg_kernel(q_ptr, kv_ptr, sink_ptr, bad_ptr, o_ptr, lse_ptr,
     # [1, ...]: the consumers index them with an opaque 0 (_xconsumer)
     q_smem = gl.allocate_shared_memory(
         dtype, [1, HBC, D], gl.NVMMASharedLayout.get_default_for([HBC, D], dtype))
-    win_a = gl.allocate_shared_memory(
-        dtype, [1, W, D], gl.NVMMASharedLayout.get_default_for([W, D], dtype))
-    win_b = gl.allocate_shared_memory(
-        dtype, [1, BT, D], gl.NVMMASharedLayout.get_default_for([BT, D], dtype))
+    win_a, win_b = _span_buffers(dtype, W, D, True)
     p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HBC, HALF], dtype)
     p_a = gl.allocate_shared_memory(dtype, [HBC, HALF], p_layout)
     p_b = gl.allocate_shared_memory(dtype, [HBC, HALF], p_layout)
     p_c = gl.allocate_shared_memory(
         dtype, [HBC, BT], gl.NVMMASharedLayout.get_default_for([HBC, BT], dtype))
     mx = gl.allocate_shared_memory(gl.float32, [2 * HBC], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    q_ready, q_free, span_ready, span_free = _span_barriers(2)   # 2 consumer warpgroups
     bar: gl.constexpr = mbarrier.MBarrierLayout()
-    q_ready = gl.allocate_shared_memory(gl.int64, [1], bar)
-    q_free = gl.allocate_shared_memory(gl.int64, [1], bar)
-    span_ready = gl.allocate_shared_memory(gl.int64, [1], bar)
-    span_free = gl.allocate_shared_memory(gl.int64, [1], bar)
     ex_m = gl.allocate_shared_memory(gl.int64, [2, 1], bar)
     ex_p = gl.allocate_shared_memory(gl.int64, [2, 1], bar)
-    mbarrier.init(q_ready, count=PRODUCER_WARPS * 32)
-    mbarrier.init(q_free, count=2)                    # one arrival per consumer warpgroup
-    mbarrier.init(span_ready, count=PRODUCER_WARPS * 32)
-    mbarrier.init(span_free, count=2)
     for w in gl.static_range(2):
         mbarrier.init(ex_m.index(w), count=1)
         mbarrier.init(ex_p.index(w), count=1)
