@@ -27,14 +27,13 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-import traceback
 
 import jax
 import jax.numpy as jnp
 
 from benchmarks.common import apply_overrides, parse_variants, time_fn
-from benchmarks.gluon_check import (RESULTS, TOL, parse_shapes, random_case, rel, report,
-                                    run_parts)
+from benchmarks.gluon_check import (RESULTS, grad_check, parse_shapes, random_case, rel, report,
+                                    report_failure, run_parts)
 
 
 def time_ms(fn, args, reps):
@@ -92,17 +91,11 @@ def part_grad(seed, variants, cases=None, skip=()):
             try:
                 got = _run_bwd(g, cfg, (q, kv, idx, s, o, lse, do, dlse), scale)
             except Exception as e:  # noqa: BLE001
-                traceback.print_exc(limit=4)
-                report(part="grad", case=name, variant=vname, ok=False,
-                       error=f"{type(e).__name__}: {e}"[:500])
+                report_failure(e, part="grad", case=name, variant=vname)
                 continue
-            errs = {n: rel(a, b) for n, a, b in zip(("dq", "dkv", "dsink"), got, ref)}
-            if not sink:
-                errs.pop("dsink")      # no sink: the vjp zeroes it (vjp._bwd)
-            tol = TOL[jnp.dtype(dt).name]
+            errs, ok = grad_check(got, ref, sink, dt)
             report(part="grad", case=name, variant=vname, shape=[B, T, H, D], K=K,
-                   dtype=jnp.dtype(dt).name, sink=sink, errs=errs,
-                   ok=all(e <= tol for e in errs.values()))
+                   dtype=jnp.dtype(dt).name, sink=sink, errs=errs, ok=ok)
     if "e2e" in skip:
         return
     # End to end: jax.grad through sparse_attention, forward and backward Gluon.
@@ -175,9 +168,7 @@ def part_time(seed, shapes, variants, skip=()):
                 report(**row)
                 del out
             except Exception as e:  # noqa: BLE001
-                traceback.print_exc(limit=4)
-                report(part="time", family=family, ratio=ratio, T=T, impl=name, ok=False,
-                       error=f"{type(e).__name__}: {e}"[:400])
+                report_failure(e, 400, part="time", family=family, ratio=ratio, T=T, impl=name)
         del ref, args, o, lse
         for impl in () if "step" in skip else ("pallas_triton", "gluon"):
             try:
@@ -189,9 +180,7 @@ def part_time(seed, shapes, variants, skip=()):
                 report(part="step", family=family, ratio=ratio, T=T, impl=impl, step_ms=ms,
                        step_tflops_nominal=3.5 * nominal / ms / 1e9)
             except Exception as e:  # noqa: BLE001
-                traceback.print_exc(limit=4)
-                report(part="step", family=family, ratio=ratio, T=T, impl=impl, ok=False,
-                       error=f"{type(e).__name__}: {e}"[:400])
+                report_failure(e, 400, part="step", family=family, ratio=ratio, T=T, impl=impl)
         del pr
 
 

@@ -27,7 +27,6 @@ import argparse
 import dataclasses
 import sys
 import time
-import traceback
 import zlib
 
 import jax
@@ -35,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import parse_variants
-from benchmarks.gluon_check import TOL, rel, report, run_parts
+from benchmarks.gluon_check import grad_check, rel, report, report_failure, run_parts
 
 # name, B, T, H, D, N (kv rows >= T), window, K, dtype, sink
 CASES = [
@@ -100,17 +99,11 @@ def part_grad(seed, cases, variants):
             try:
                 got = _bwd(g, cfg, args, scale)
             except Exception as e:  # noqa: BLE001
-                traceback.print_exc(limit=4)
-                report(part="grad", case=name, variant=vname, ok=False,
-                       error=f"{type(e).__name__}: {e}"[:500])
+                report_failure(e, part="grad", case=name, variant=vname)
                 continue
-            errs = {n: rel(a, b) for n, a, b in zip(("dq", "dkv", "dsink"), got, ref)}
-            if not sink:
-                errs.pop("dsink")
-            tol = TOL[jnp.dtype(dt).name]
+            errs, ok = grad_check(got, ref, sink, dt)
             report(part="grad", case=name, variant=vname, shape=[B, T, H, D], window=W, K=K,
-                   dtype=jnp.dtype(dt).name, sink=sink, errs=errs,
-                   ok=all(np.isfinite(e) and e <= tol for e in errs.values()))
+                   dtype=jnp.dtype(dt).name, sink=sink, errs=errs, ok=ok)
 
 
 def part_det(seed):
@@ -181,9 +174,7 @@ def part_time(seed, shapes, reps, win_variants=""):
                     del again
                 report(**row)
             except Exception as e:  # noqa: BLE001
-                traceback.print_exc(limit=4)
-                report(part="time", family=family, T=T, variant=vname, ok=False,
-                       error=f"{type(e).__name__}: {e}"[:400])
+                report_failure(e, 400, part="time", family=family, T=T, variant=vname)
         del ref, args, o, lse, pr
 
 

@@ -70,6 +70,23 @@ def rel(a, b, mask=None):
     return float(np.abs(a - b).max(initial=0.0) / den)
 
 
+def report_failure(e, limit=500, **row):
+    """In an except block: e's traceback (4 frames from the try) to stderr, then the row
+    reported as failed (**row, ok=False, error="Type: message" cut to `limit` characters)."""
+    traceback.print_exc(limit=4)
+    report(**row, ok=False, error=f"{type(e).__name__}: {e}"[:limit])
+
+
+def grad_check(got, ref, sink, dtype, rel_fn=rel):
+    """(errs, ok) of a backward's (dq, dkv, dsink) against a reference's: rel_fn error of
+    each (no dsink without a sink: the vjp zeroes it), ok if every error is within TOL of
+    the dtype (a NaN is not)."""
+    errs = {n: rel_fn(a, b) for n, a, b in zip(("dq", "dkv", "dsink"), got, ref)}
+    if not sink:
+        errs.pop("dsink")
+    return errs, all(e <= TOL[jnp.dtype(dtype).name] for e in errs.values())
+
+
 # ----------------------------------------------------------------------------- probe
 
 
@@ -115,8 +132,7 @@ def check_forward(name, q, kv, idx, sink, *, scale=None, ref_o=None):
         xo, xl = csa_jax.sparse_attention(q, kv, idx, sink, scale=scale, impl="xla")
         jax.block_until_ready((o, lse))
     except Exception as e:  # noqa: BLE001
-        traceback.print_exc(limit=4)
-        report(part="forward", case=name, ok=False, error=f"{type(e).__name__}: {e}"[:500])
+        report_failure(e, part="forward", case=name)
         return
     valid = (idx >= 0) & (idx < kv.shape[1])
     empty = ~valid.any(-1)                                     # [B, T]
@@ -217,9 +233,7 @@ def part_time(seed, shapes):
                     row["ok"] = row["err_o"] <= 2e-2
                 report(**row)
             except Exception as e:  # noqa: BLE001
-                traceback.print_exc(limit=4)
-                report(part="time", family=family, ratio=ratio, T=T, impl=impl, ok=False,
-                       error=f"{type(e).__name__}: {e}"[:400])
+                report_failure(e, 400, part="time", family=family, ratio=ratio, T=T, impl=impl)
         del pr, outs
 
 
@@ -258,8 +272,7 @@ def part_window(seed, only=""):
             if layout == "cr0":
                 _window_poison(name, q, kv, idx, s)
         except Exception as e:  # noqa: BLE001
-            traceback.print_exc(limit=4)
-            report(part="window", case=name, ok=False, error=f"{type(e).__name__}: {e}"[:500])
+            report_failure(e, part="window", case=name)
         finally:
             OVERRIDES.clear()
             OVERRIDES.update(saved)

@@ -39,14 +39,13 @@ import argparse
 import dataclasses
 import sys
 import time
-import traceback
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from benchmarks.common import parse_variants, time_fn
-from benchmarks.gluon_check import parse_shapes, report, run_parts
+from benchmarks.gluon_check import grad_check, parse_shapes, report, report_failure, run_parts
 
 _DIMS = (((2, 3), (2, 3)), ((0, 1), (0, 1)))
 
@@ -117,8 +116,7 @@ def part_pieces(shapes, seed, reps, reduce_variants, gluon_reduce_variants, inte
                     r["tflops"] = flops / ms / 1e9
                 report(**r)
             except Exception as e:  # noqa: BLE001
-                traceback.print_exc(limit=4)
-                report(**base, piece=name, ok=False, error=f"{type(e).__name__}: {e}"[:400])
+                report_failure(e, 400, **base, piece=name)
 
         stack = lambda a, b: jnp.stack([a, b], axis=2)
         qdo = jax.block_until_ready(jax.jit(stack)(q_p, do_p))
@@ -260,9 +258,7 @@ def part_bwd(shapes, seed, reps, variants, dq_time=True, step=False):
                 report(**r, ok=ok)
                 del out1, out2
             except Exception as e:  # noqa: BLE001
-                traceback.print_exc(limit=4)
-                report(part="bwd", family=family, ratio=ratio, T=T, variant=name, ok=False,
-                       error=f"{type(e).__name__}: {e}"[:400])
+                report_failure(e, 400, part="bwd", family=family, ratio=ratio, T=T, variant=name)
         del ref, args, o, lse, pr
 
 
@@ -296,19 +292,13 @@ def part_grad(seed, variants, cases=GRAD_CASES):
                 got = jax.block_until_ready(f(*args))
                 again = jax.block_until_ready(f(*args))
             except Exception as e:  # noqa: BLE001
-                traceback.print_exc(limit=4)
-                report(part="grad", case=name, variant=vname, ok=False,
-                       error=f"{type(e).__name__}: {e}"[:500])
+                report_failure(e, part="grad", case=name, variant=vname)
                 continue
-            errs = {n: rel(a, b) for n, a, b in zip(("dq", "dkv", "dsink"), got, ref)}
-            if not sink:
-                errs.pop("dsink")
+            errs, ok = grad_check(got, ref, sink, dt, rel)
             same = {n: bool(jnp.array_equal(a, b)) for n, a, b in
                     zip(("dq", "dkv", "dsink"), got, again)}
-            tol = gbc.TOL[jnp.dtype(dt).name]
             report(part="grad", case=name, variant=vname, config=kw, errs=errs,
-                   bit_identical=same,
-                   ok=all(e <= tol for e in errs.values()) and all(same.values()))
+                   bit_identical=same, ok=ok and all(same.values()))
 
 
 def parse_reduce_variants(spec):

@@ -94,3 +94,30 @@ def test_bench_train_config_variant_overrides_the_impl_default():
     assert got == dataclasses.replace(base, num_warps=2, block_k_dq=64)
     assert registry.get("pallas_triton").default_config(*shapes) == base   # restored
     assert bench_train.best_impl("small", 256, 1, "bfloat16", {"config.num_warps": 4}) == "xla"
+
+
+def test_grad_check_and_failure_rows(capsys):
+    """benchmarks/gluon_check's grad-check helpers (gluon_bwd_check, gluon_bwd_win_check,
+    gluon_dkv_parts): per-gradient errors, dsink dropped without a sink, NaN or over-TOL fails;
+    a failure row keeps the caller's fields first, then ok=False and the cut error."""
+    import json
+
+    import jax.numpy as jnp
+
+    from benchmarks import gluon_check as gc
+    ref = (jnp.ones((2, 3)), jnp.full((4,), 2.0), jnp.ones((1,)))
+    got = (ref[0] * 1.01, ref[1], ref[2] * 3)
+    errs, ok = gc.grad_check(got, ref, False, jnp.bfloat16)
+    assert set(errs) == {"dq", "dkv"} and abs(errs["dq"] - 0.01) < 1e-6 and ok
+    assert not gc.grad_check(got, ref, True, jnp.bfloat16)[1]           # dsink off by 2x
+    assert not gc.grad_check(got, ref, False, jnp.float16)[1]           # 1% > f16's 5e-3
+    assert not gc.grad_check((ref[0] * jnp.nan,) + ref[1:], ref, True, "bfloat16")[1]
+    try:
+        raise ValueError("x" * 600)
+    except ValueError as e:
+        gc.report_failure(e, 400, part="grad", case="c", variant="v")
+    cap = capsys.readouterr()
+    row = json.loads(cap.out.splitlines()[-1])
+    assert list(row) == ["part", "case", "variant", "ok", "error"] and row["ok"] is False
+    assert row["error"] == ("ValueError: " + "x" * 600)[:400] and "Traceback" in cap.err
+    gc.RESULTS.remove(row)
