@@ -6,9 +6,9 @@
 
 `dump` compiles each kernel of KERNELS (the Gluon kernels at their defaults and at the switches
 that select other code paths: fwd.py's pipeline / smem_epilogue / prefetch, fwd_alt.py's orders
-and split, bwd.py's pair / lockstep / qdo / dq operands / ablations, bwd_alt.py's orders, the
-window kernels, the AMD forward and dq kernels with trans / qdo / tdm_rows) for every target it
-is built for, on the CPU (triton 3.6.0's bundled compilers, a fresh cache directory), and writes
+and split, bwd.py's pair / lockstep / qdo / dq operands / ablations / pipeline, bwd_pipe.py's
+blocked kernel, bwd_alt.py's orders, the window kernels, the AMD forward and dq kernels with
+trans / qdo / tdm_rows) for every target it is built for, on the CPU (triton 3.6.0's bundled compilers, a fresh cache directory), and writes
 per kernel/target sha256 hashes of:
 
 - ptx (sm_90a): the PTX with source line info removed (`.loc` / `.file` directives, the
@@ -80,8 +80,8 @@ def sass(cubin):
 def kernels():
     """(name, kernel, arg types, constexprs, warps, targets) of every kernel variant compared."""
     from csa_jax.kernels import gluon as impl
-    from csa_jax.kernels.gluon import (amd_bwd, amd_fwd, bwd, bwd_alt, fwd, fwd_alt, window,
-                                       window_xchg)
+    from csa_jax.kernels.gluon import (amd_bwd, amd_fwd, bwd, bwd_alt, bwd_pipe, fwd, fwd_alt,
+                                       window, window_xchg)
     base = impl.default_config((1, 4096, 128, 512), (1, 5120, 512), (1, 4096, 1152), "bfloat16")
     nv = ("sm_90a",)
     dims = dict(SHAPE, BK=base.block_k, stages=base.stages, prefetch=base.prefetch)
@@ -107,9 +107,17 @@ def kernels():
                    ("qdo=0", dict(qdo=False)), ("pair=0,prefetch", dict(pair=False, prefetch=True))]
     dq_variants += [(f"dq_operand={op}", dict(dq_operand=op)) for op in bwd.DQ_OPERANDS[1:]]
     dq_variants += [(f"pair=0,ablate={a}", dict(pair=False, ablate=a)) for a in (1, 2, 3, 4)]
+    dq_variants += [(f"ablate={a}", dict(ablate=a)) for a in (5, 6)]       # paired: no gathers
+    dq_variants += [("pipeline", dict(pipeline=True))]
     for tag, over in dq_variants:
         yield (f"csa_dq[{tag}]", bwd.csa_dq_kernel, bwd.arg_types(),
                bwd.constexprs(**{**bdims, **over}), bwd.CONSUMER_WARPS, nv)
+    for stages, ahead in ((2, False), (3, True)):
+        yield (f"csa_dq_blk[stages={stages}{',ahead' if ahead else ''}]",
+               bwd_pipe.csa_dq_blk_kernel, bwd.arg_types(), bwd.constexprs(**{**bdims, "stages": stages, "pipeline": True,
+                                                  "qdo_regs": 1, "scores_ahead": ahead,
+                                                  "producer_regs": 40 if ahead else 96}),
+               bwd.CONSUMER_WARPS, nv)
     for order in bwd_alt.ORDERS:
         for qdo in (True, False):
             yield (f"csa_dq_alt[{order}{'' if qdo else ',qdo=0'}]", bwd_alt.csa_dq_alt_kernel,
