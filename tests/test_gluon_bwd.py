@@ -156,6 +156,27 @@ def test_dq_kernel_pair_compiles(qdo, fuse):
     assert (ptx.count("ld.global") >= plain.asm["ptx"].count("ld.global") + 8) == fuse
 
 
+def test_dq_kernel_no_gather_ablation():
+    """Config.bwd_ablate 5 / 6 (benchmark only) in the paired lockstep kernel: the producer's
+    16 cp.async a tile (32 rows x 1 KiB over 128 threads) are gone, the [q; dO] copy's stay;
+    5 keeps the row-id loads (live through a predicated store of them), 6 drops them; same
+    registers, no spills; refused by name where the kernel is not the paired lockstep one."""
+    for a in (5, 6):
+        assert gluon.Config(bwd_pair=True, bwd_ablate=a).bwd_ablate == a
+    for bad in (dict(bwd_ablate=5), dict(bwd_ablate=6, bwd_pair=True, bwd_pipeline=True),
+                dict(bwd_ablate=5, bwd_pair=True, bwd_schedule="alternate"),
+                dict(bwd_ablate=7, bwd_pair=True)):
+        with pytest.raises(ValueError, match=f"bwd_ablate={bad['bwd_ablate']}"):
+            gluon.Config(**bad)
+    base, _ = _compile_dq(pair=True, qdo=True, fuse_delta=True)
+    ptx = {a: _compile_dq(pair=True, qdo=True, fuse_delta=True, ablate=a)[0].asm["ptx"]
+           for a in (5, 6)}
+    n = {a: (p.count("cp.async.cg"), p.count("ld.global")) for a, p in ptx.items()}
+    assert n[5][0] == n[6][0] == base.asm["ptx"].count("cp.async.cg") - 16, n
+    assert n[6][1] < n[5][1] and n[6][1] < base.asm["ptx"].count("ld.global"), n
+    assert ptx[5].count("st.global") > ptx[6].count("st.global")     # the ids' store
+
+
 def test_dq_kernel_pipeline_compiles():
     """Config.bwd_pipeline: the same buffers (200,876 B), no spills, the same wgmma shapes; the
     dq product left in flight (one wait_group 1 per tile: tile i-1's dq product retired behind
