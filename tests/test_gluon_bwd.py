@@ -145,6 +145,9 @@ def test_dq_kernel_pair_compiles(qdo, fuse):
     the same wgmma shapes; with Config.bwd_fuse_delta the o / dO loads of delta (16-byte)."""
     c, r = _compile_dq(pair=True, qdo=qdo, fuse_delta=fuse)
     assert r["shared"] == 200_876, r
+    # ptxas did not serialize the wgmma (its C7514 warning: what slows bwd_scores_ahead down,
+    # docs/perf/gluon_bwd_h200.md part 5)
+    assert "C7514" not in r["ptxas"], r["ptxas"]
     assert r["shared"] <= bwd.shared_bytes(512, 32, 2, pair=True) + 1024
     ptx = c.asm["ptx"]
     assert set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16", ptx)) == {"32", "256"}
