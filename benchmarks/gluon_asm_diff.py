@@ -6,11 +6,11 @@
 
 `dump` compiles each kernel of KERNELS (the Gluon kernels at their defaults and at the switches
 that select other code paths: fwd.py's pipeline / smem_epilogue / prefetch, fwd_alt.py's orders
-and split, bwd.py's pair / lockstep / qdo / dq operands / ablations, bwd_pipe.py's pipelined
-and blocked dq kernels, bwd_alt.py's orders, the window kernels (window.py with cr0 / cr128 / P
-in shared memory, window_xchg.py, bwd_win.py's dq kernel at 5 settings), the AMD forward and dq
-kernels with trans / qdo / tdm_rows) for every target it
-is built for, on the CPU (triton 3.6.0's bundled compilers, a fresh cache directory), and writes
+and split, bwd.py's pair / lockstep / qdo / dq operands / ablations (the paired kernel's
+no-gather 5 / 6 too), bwd_pipe.py's pipelined and blocked dq kernels, bwd_alt.py's orders,
+the window kernels (window.py with cr0 / cr128 / P in shared memory, window_xchg.py, bwd_win.py's
+dq kernel at 5 settings), the AMD forward and dq kernels with trans / qdo / tdm_rows) for every
+target it is built for, on the CPU (triton 3.6.0's bundled compilers, a fresh cache directory), and writes
 per kernel/target sha256 hashes of:
 
 - ptx (sm_90a): the PTX with source line info removed (`.loc` / `.file` directives, the
@@ -109,6 +109,7 @@ def kernels():
                    ("qdo=0", dict(qdo=False)), ("pair=0,prefetch", dict(pair=False, prefetch=True))]
     dq_variants += [(f"dq_operand={op}", dict(dq_operand=op)) for op in bwd.DQ_OPERANDS[1:]]
     dq_variants += [(f"pair=0,ablate={a}", dict(pair=False, ablate=a)) for a in (1, 2, 3, 4)]
+    dq_variants += [(f"ablate={a}", dict(ablate=a)) for a in (5, 6)]       # paired: no gathers
     for tag, over in dq_variants:
         yield (f"csa_dq[{tag}]", bwd.csa_dq_kernel, bwd.arg_types(),
                bwd.constexprs(**{**bdims, **over}), bwd.CONSUMER_WARPS, nv)

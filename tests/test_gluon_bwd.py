@@ -145,6 +145,9 @@ def test_dq_kernel_pair_compiles(qdo, fuse):
     the same wgmma shapes; with Config.bwd_fuse_delta the o / dO loads of delta (16-byte)."""
     c, r = _compile_dq(pair=True, qdo=qdo, fuse_delta=fuse)
     assert r["shared"] == 200_876, r
+    # ptxas did not serialize the wgmma (its C7514 warning: what slows bwd_scores_ahead down,
+    # docs/perf/gluon_bwd_h200.md part 5)
+    assert "C7514" not in r["ptxas"], r["ptxas"]
     assert r["shared"] <= bwd.shared_bytes(512, 32, 2, pair=True) + 1024
     ptx = c.asm["ptx"]
     assert set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16", ptx)) == {"32", "256"}
@@ -154,6 +157,27 @@ def test_dq_kernel_pair_compiles(qdo, fuse):
     plain, _ = _compile_dq(pair=True, qdo=qdo)
     # delta's 4 chunks x (o, dO, dlse) loads
     assert (ptx.count("ld.global") >= plain.asm["ptx"].count("ld.global") + 8) == fuse
+
+
+def test_dq_kernel_no_gather_ablation():
+    """Config.bwd_ablate 5 / 6 (benchmark only) in the paired lockstep kernel: the producer's
+    16 cp.async a tile (32 rows x 1 KiB over 128 threads) are gone, the [q; dO] copy's stay;
+    5 keeps the row-id loads (live through a predicated store of them), 6 drops them; same
+    registers, no spills; refused by name where the kernel is not the paired lockstep one."""
+    for a in (5, 6):
+        assert gluon.Config(bwd_pair=True, bwd_ablate=a).bwd_ablate == a
+    for bad in (dict(bwd_ablate=5), dict(bwd_ablate=6, bwd_pair=True, bwd_pipeline=True),
+                dict(bwd_ablate=5, bwd_pair=True, bwd_schedule="alternate"),
+                dict(bwd_ablate=7, bwd_pair=True)):
+        with pytest.raises(ValueError, match=f"bwd_ablate={bad['bwd_ablate']}"):
+            gluon.Config(**bad)
+    base, _ = _compile_dq(pair=True, qdo=True, fuse_delta=True)
+    ptx = {a: _compile_dq(pair=True, qdo=True, fuse_delta=True, ablate=a)[0].asm["ptx"]
+           for a in (5, 6)}
+    n = {a: (p.count("cp.async.cg"), p.count("ld.global")) for a, p in ptx.items()}
+    assert n[5][0] == n[6][0] == base.asm["ptx"].count("cp.async.cg") - 16, n
+    assert n[6][1] < n[5][1] and n[6][1] < base.asm["ptx"].count("ld.global"), n
+    assert ptx[5].count("st.global") > ptx[6].count("st.global")     # the ids' store
 
 
 def test_dq_kernel_pipeline_compiles():

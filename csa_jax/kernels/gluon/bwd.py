@@ -86,9 +86,11 @@ def _qdo_row(r, HBC: gl.constexpr, PAIR: gl.constexpr):
 @gluon.jit
 def _dq_pair_producer(q_ptr, do_ptr, kv_ptr, idx_ptr, qdo_smem, ring, full, consumed, q_bar,
                       row, b, ntiles, N: gl.constexpr, D: gl.constexpr, K: gl.constexpr,
-                      BK: gl.constexpr, STAGES: gl.constexpr, HBC: gl.constexpr):
+                      BK: gl.constexpr, STAGES: gl.constexpr, HBC: gl.constexpr,
+                      ABLATE: gl.constexpr = 0):
     """Config.bwd_pair's producer: q and dO rows interleaved into [q; dO] (_qdo_row) by one
-    cp.async pass, then the kv ring as fwd._producer's (row ids loaded per tile)."""
+    cp.async pass, then the kv ring as fwd._producer's (row ids loaded per tile; ABLATE:
+    _kv_ring's)."""
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [PRODUCER_WARPS, 1], [1, 0])
     cols = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
     r = gl.arange(0, 2 * HBC, layout=gl.SliceLayout(1, layout))
@@ -97,26 +99,35 @@ def _dq_pair_producer(q_ptr, do_ptr, kv_ptr, idx_ptr, qdo_smem, ring, full, cons
     src = gl.where((plane == 0)[:, None], q_ptr + off, do_ptr + off)
     async_copy.async_copy_global_to_shared(qdo_smem, src)
     async_copy.mbarrier_arrive(q_bar, increment_count=False)
-    _kv_ring(kv_ptr, idx_ptr, ring, full, consumed, b, ntiles, N, D, K, BK, STAGES)
+    _kv_ring(kv_ptr, idx_ptr, ring, full, consumed, b, ntiles, N, D, K, BK, STAGES, ABLATE)
 
 
 @gluon.jit
 def _kv_ring(kv_ptr, idx_ptr, ring, full, consumed, b, ntiles, N: gl.constexpr,
-             D: gl.constexpr, K: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr):
+             D: gl.constexpr, K: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
+             ABLATE: gl.constexpr = 0):
     """The paired producers' kv ring: tile i's BK rows gathered with cp.async into stage
-    i % STAGES once its previous tile was consumed (row ids loaded per tile, -1 zero-filled)."""
+    i % STAGES once its previous tile was consumed (row ids loaded per tile, -1 zero-filled).
+    ABLATE (Config.bwd_ablate, BENCHMARK ONLY: the consumers then compute on stale stages):
+    5 = no gathers (the row ids still loaded, kept live by a store back to where they came
+    from under a predicate that is never true for sanitized ids >= -1), 6 = no row-id loads
+    either; both still wait for `consumed` and arrive on `full`, so the pipeline runs."""
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [PRODUCER_WARPS, 1], [1, 0])
     cols = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
     krows = gl.arange(0, BK, layout=gl.SliceLayout(1, layout))
     kv_base = kv_ptr + b.to(gl.int64) * (N * D)
     for i in range(ntiles):
         s = i % STAGES
-        ids = gl.load(idx_ptr + i * BK + krows)
-        valid = ids >= 0
-        ptrs = kv_base + gl.where(valid, ids, 0).to(gl.int64)[:, None] * D + cols[None, :]
+        if ABLATE != 6:
+            ids = gl.load(idx_ptr + i * BK + krows)
+            valid = ids >= 0
+            ptrs = kv_base + gl.where(valid, ids, 0).to(gl.int64)[:, None] * D + cols[None, :]
         if i >= STAGES:
             mbarrier.wait(consumed.index(s), ((i // STAGES) - 1) & 1)
-        async_copy.async_copy_global_to_shared(ring.index(s), ptrs, mask=valid[:, None])
+        if ABLATE == 0:
+            async_copy.async_copy_global_to_shared(ring.index(s), ptrs, mask=valid[:, None])
+        elif ABLATE == 5:
+            gl.store(idx_ptr + i * BK + krows, ids, mask=ids < -1)
         async_copy.mbarrier_arrive(full.index(s), increment_count=False)
 
 
@@ -451,7 +462,7 @@ def csa_dq_kernel(q_ptr, do_ptr, kv_ptr, idx_ptr, ntiles_ptr, lse_ptr, dc_ptr, o
                                  ntiles, D, K, NHB * HBC, BK, STAGES, HBC, QK_SCALE, SCALE, QDO,
                                  DQ_OP, FUSE)),
             (_dq_pair_producer, (q_ptr, do_ptr, kv_ptr, idx_tok, qdo_smem, ring, full, consumed,
-                                 q_bar, row, b, ntiles, N, D, K, BK, STAGES, HBC)),
+                                 q_bar, row, b, ntiles, N, D, K, BK, STAGES, HBC, ABLATE)),
         ], [PRODUCER_WARPS], [PRODUCER_REGS])
     else:
         gl.warp_specialize([

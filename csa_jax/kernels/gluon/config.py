@@ -100,7 +100,9 @@ class Config:
     bwd_prefetch: the dq kernel loads the next tile's row ids ahead (producer and consumers, as
         `prefetch` in the forward); off by default: not yet timed in the dq kernel.
     bwd_ablate: BENCHMARK ONLY, wrong results: 1 = no scale*dS / P stores, 2 = no dq product,
-        3 = no score product, 4 = no compute (the dq kernel's consumers only wait and release).
+        3 = no score product, 4 = no compute (the dq kernel's consumers only wait and release);
+        5, 6 (bwd_pair's lockstep kernel only): the producer issues no kv-row gathers and still
+        hands each ring stage over (5: the row ids still loaded; 6: not loaded either).
     bwd_dq_operand: how the dq kernel's dq product takes the kv tile, the transposed operand
         (bwd.py _dq_product; issue 14's ablation): "desc" (dq += dS kv, the tile as B through an
         MN-major shared-memory descriptor; default), or dq^T += kv^T dS^T with kv^T as A:
@@ -123,7 +125,7 @@ class Config:
         one (head, slot) in the same thread: p and dS are formed in registers, without the f32
         S / dP exchange through shared memory (16 KiB stored and loaded per 32-row tile) and
         one of the tile's three partition barriers; dsp leaves in 4-byte stores. 16 KiB less
-        shared memory. No bwd_prefetch / bwd_ablate modes.
+        shared memory. No bwd_prefetch / bwd_ablate 1..4 modes.
     bwd_fuse_delta: the dq kernel forms delta = sum(o * dO) per head itself (o read in 16-row
         chunks while the producer copies q and dO; dlse - delta written out for dsink) instead
         of an XLA reduction reading o and dO (4.3 GB at Pro T = 16384). NVIDIA only (the AMD
@@ -244,15 +246,21 @@ class Config:
             raise ValueError(f"bwd_stages={self.bwd_stages!r} must be an int in 1..4")
         if not isinstance(self.bwd_prefetch, bool):
             raise ValueError(f"bwd_prefetch={self.bwd_prefetch!r} must be a bool")
-        if isinstance(self.bwd_ablate, bool) or self.bwd_ablate not in (0, 1, 2, 3, 4):
-            raise ValueError(f"bwd_ablate={self.bwd_ablate!r} must be 0 (off) or 1..4 "
+        if isinstance(self.bwd_ablate, bool) or self.bwd_ablate not in (0, 1, 2, 3, 4, 5, 6):
+            raise ValueError(f"bwd_ablate={self.bwd_ablate!r} must be 0 (off) or 1..6 "
                              f"(benchmark only)")
         for name in ("bwd_qdo", "bwd_narrow_keys", "bwd_pair", "bwd_fuse_delta"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
-        if self.bwd_pair and (self.bwd_prefetch or self.bwd_ablate):
-            raise ValueError(f"bwd_pair=True has no bwd_prefetch / bwd_ablate modes (got "
+        if self.bwd_pair and (self.bwd_prefetch or self.bwd_ablate in (1, 2, 3, 4)):
+            raise ValueError(f"bwd_pair=True has no bwd_prefetch / bwd_ablate 1..4 modes (got "
                              f"bwd_prefetch={self.bwd_prefetch}, bwd_ablate={self.bwd_ablate})")
+        if self.bwd_ablate in (5, 6) and not (self.bwd_pair and self.bwd_pipeline is False
+                                              and self.bwd_schedule == "lockstep"):
+            raise ValueError(f"bwd_ablate={self.bwd_ablate} (no kv gathers) needs the paired "
+                             f"lockstep dq kernel: bwd_pair=True, bwd_pipeline=False, "
+                             f"bwd_schedule='lockstep' (got {self.bwd_pair}, "
+                             f"{self.bwd_pipeline!r}, {self.bwd_schedule!r})")
         if not isinstance(self.bwd_pipeline, bool):
             raise ValueError(f"bwd_pipeline={self.bwd_pipeline!r} must be a bool")
         if self.bwd_pipeline and not (self.bwd_pair and self.bwd_schedule == "lockstep"
