@@ -129,24 +129,26 @@ def check_problem(pr, impl_fn, ref_fn, *, name, tol=None):
     return row
 
 
+def emit_row(rows, row, out=None, meta=None):
+    """Append and print a row; a failed one also prints `# FAIL <config>: <what>`."""
+    rows.append(row)
+    print(json.dumps(row), flush=True)
+    if not row["ok"]:
+        what = row.get("error") or ", ".join(
+            f"{n} {row['errs'][n]:.2e} > {row['tol']:g}" if n in row.get("errs", {}) else n
+            for n in row["failed"])
+        print(f"# FAIL {row['config']}: {what}", flush=True)
+    if out:
+        with open(out, "w") as f:
+            json.dump(dict(meta=meta, rows=rows), f, indent=1)
+
+
 def run(configs, cr4_indices, impl, ref, overrides, seed, out=None, meta=None):
     from csa_jax import problems, registry
     from csa_jax.config import preset
     from benchmarks.common import apply_overrides
     rows = []
-
-    def emit(row):
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-        if not row["ok"]:
-            what = row.get("error") or ", ".join(
-                f"{n} {row['errs'][n]:.2e} > {row['tol']:g}" if n in row.get("errs", {}) else n
-                for n in row["failed"])
-            print(f"# FAIL {row['config']}: {what}", flush=True)
-        if out:
-            with open(out, "w") as f:
-                json.dump(dict(meta=meta, rows=rows), f, indent=1)
-
+    emit = lambda row: emit_row(rows, row, out, meta)
     for family, ratio, T in configs:
         c = preset(family, ratio)
         base = dict(family=family, ratio=ratio, T=T, impl=impl, ref=ref, seed=seed)
