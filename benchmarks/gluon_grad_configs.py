@@ -212,13 +212,14 @@ def main(argv=None):
                     help="comma list of family:ratio:T (default: the 18 grid configs)")
     ap.add_argument("--cr4-indices", default="causal,random",
                     help="index modes of the cr4 configs (csa_jax.problems.INDEX_MODES)")
-    ap.add_argument("--impl", default="gluon")
-    ap.add_argument("--ref", default="xla")
+    ap.add_argument("--impl", default="gluon", help="the impl checked (default gluon)")
+    ap.add_argument("--ref", default="xla", help="the reference impl (default xla)")
     ap.add_argument("--config", default="",
                     help="key=val,... overrides of the impl's default Config (layout=auto: "
                          "the row's cr promise); default none: the user's defaults")
-    ap.add_argument("--seed", type=int, default=int(time.time()) % 100000)
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--seed", type=int, default=int(time.time()) % 100000,
+                    help="make_problem's seed (default: from the clock; printed)")
+    ap.add_argument("--out", default=None, help="JSON file, rewritten after every row")
     args = ap.parse_args(argv)
     from benchmarks.common import parse_overrides
     from csa_jax.problems import INDEX_MODES
