@@ -323,7 +323,7 @@ def test_config_switch():
                 dict(bwd_stages=True), dict(bwd_prefetch=1), dict(bwd_ablate=5),
                 dict(bwd_ablate=True), dict(bwd_qdo=1), dict(bwd_narrow_keys="yes"),
                 dict(bwd_block_r=24), dict(bwd_reduce_warps=3), dict(bwd_reduce="xla"),
-                dict(bwd_dq_operand="strided"), dict(bwd_interm="cublas"),
+                dict(bwd_dq_operand="strided_x"), dict(bwd_interm="cublas"),
                 dict(bwd_interm_operand="strided"), dict(bwd_interm_stages=5),
                 dict(bwd_interm_pipeline=1),
                 dict(bwd_interm_pipeline=True, bwd_interm_operand="movmatrix"),
