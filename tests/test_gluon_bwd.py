@@ -83,17 +83,19 @@ def _compile_dq(**kw):
     ("desc", {"32", "256"}, {}),
     ("desc_a", {"32", "64"}, {}),
     ("ldsm_trans", {"32", "64"}, {"ldmatrix.sync.aligned.m8n8.x4.trans": 8}),
-    ("movmatrix", {"32", "64"}, {"ldmatrix.sync.aligned.m8n8.x4.shared": 8, "movmatrix": 32})])
+    ("movmatrix", {"32", "64"}, {"ldmatrix.sync.aligned.m8n8.x4.shared": 8, "movmatrix": 32}),
+    ("strided", {"32", "64"}, {"ld.shared.b16": 64})])
 def test_dq_kernel_operand_modes_compile(op, wgmma, mix):
-    """Config.bwd_dq_operand: the four ways the dq product takes the kv tile compile with the
-    same shared memory, no spills, the instruction shapes and shared loads meant, and no extra
+    """Config.bwd_dq_operand: the five ways the dq product takes the kv tile compile with the
+    same shared memory, no spills, the instruction shapes and shared loads meant (strided: one
+    2-byte load per element of the 512 x 32 tile over 256 threads, no ldmatrix), and no extra
     shared-memory round trip (st.shared count as the default's)."""
     c, r = _compile_dq(dq_operand=op)
     assert r["shared"] == 217_292, r
     ptx = c.asm["ptx"]
     assert set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16", ptx)) == wgmma
     keys = ("ldmatrix.sync.aligned.m8n8.x4.trans", "ldmatrix.sync.aligned.m8n8.x4.shared",
-            "movmatrix")
+            "movmatrix", "ld.shared.b16")
     assert {k: ptx.count(k) for k in keys if ptx.count(k)} == mix
     assert ptx.count("st.shared") == 12
 
@@ -123,7 +125,7 @@ def test_interm_kernel_compiles_sm90(op, stages, mix):
     assert ("wgmma.wait_group.sync.aligned 1" in ptx) == op.endswith("_pipe")
     assert all(x.endswith(tail) for x in calls), calls[:2]
     keys = ("ldmatrix.sync.aligned.m8n8.x4.trans", "ldmatrix.sync.aligned.m8n8.x4.shared",
-            "movmatrix")
+            "movmatrix", "ld.shared.b16")
     assert {k: ptx.count(k) for k in keys if ptx.count(k)} == mix
 
 
