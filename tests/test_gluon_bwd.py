@@ -318,6 +318,26 @@ def test_transpose_probe_amd_transpose_load():
     assert rows["gfx942", 1]["lds_mix"].get("ds_read_u16", 0) >= 32
 
 
+def test_amd_dq_kernel_strided_read_gfx950():
+    """amd_bwd.py trans=2 (the strided mode, no AMD GPU here): on gfx950 the kv tile of dS kv
+    is read with plain 2-byte ds_read_u16 where the default uses CDNA4's ds_read_b64_tr_b16."""
+    from csa_jax.kernels.gluon import amd_bwd
+    d = amd_bwd.DQ_DEFAULTS["gfx950"]
+    mix = {}
+    for trans in (0, 2):
+        c = adapter.compile_kernel(
+            amd_bwd.csa_dq_amd_kernel, amd_bwd.arg_types("bf16"),
+            amd_bwd.constexprs(target="gfx950", T=64, N=300, NHB=2, D=512, K=192,
+                               BK=d["block_k"], stages=d["stages"], scale=0.05, qdo=d["qdo"],
+                               trans=trans),
+            target="gfx950", num_warps=d["warps"])
+        asm = c.asm["amdgcn"]
+        mix[trans] = {k: len(re.findall(rf"^\s+{k}\b", asm, re.M))
+                      for k in ("ds_read_b64_tr_b16", "ds_read_u16")}
+    assert mix[0]["ds_read_b64_tr_b16"] > 0 and mix[0]["ds_read_u16"] == 0, mix
+    assert mix[2]["ds_read_b64_tr_b16"] == 0 and mix[2]["ds_read_u16"] > 0, mix
+
+
 def test_config_switch():
     assert gluon.Config().bwd == "gluon"
     assert dataclasses.replace(gluon.Config(), bwd="pallas_triton").bwd == "pallas_triton"

@@ -45,7 +45,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from csa_jax.kernels.gluon.dims import HB, SMEM_LIMIT, padded_dims
 from csa_jax.kernels.gluon.dims import dq_shared_bytes as shared_bytes
-from csa_jax.kernels.gluon.regtrans import strided_layout, swap_rows01, transpose_load
+from csa_jax.kernels.gluon.regtrans import strided_layout, swap01, transpose_load
 from csa_jax.kernels.gluon.fwd import (
     CONSUMER_WARPS, LOG2E, PRODUCER_WARPS, _next_ids, _producer, _program, _release,
     _wait_tile)
@@ -161,7 +161,7 @@ def _dq_product(tile, ds_smem, acc, D: gl.constexpr, BK: gl.constexpr, DQ_OP: gl
     4 "strided":    A in registers by plain 2-byte shared loads in transposed (strided)
                     order, no ldmatrix (regtrans.strided_layout: a_dot with two lane bases
                     of D exchanged; the rows swapped back by renaming, so acc holds dq^T's
-                    rows in swap_rows01 order, undone in _store_dq)."""
+                    rows in swap01 order, undone in _store_dq)."""
     a_dot: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc.type.layout, k_width=2)
     if DQ_OP == 0:
         acc = warpgroup_mma(ds_smem, tile, acc)
@@ -173,7 +173,7 @@ def _dq_product(tile, ds_smem, acc, D: gl.constexpr, BK: gl.constexpr, DQ_OP: gl
         acc = warpgroup_mma(transpose_load(tile, a_dot, D, BK), ds_smem.permute((1, 0)), acc)
     else:
         a = tile.permute((1, 0)).load(strided_layout(gl.to_linear_layout(a_dot, [D, BK])))
-        a = gl.convert_layout(swap_rows01(a, D, BK), a_dot)
+        a = gl.convert_layout(swap01(a, D, BK, 0), a_dot)
         acc = warpgroup_mma(a, ds_smem.permute((1, 0)), acc)
     return acc
 
@@ -201,7 +201,7 @@ def _store_dq(dq_ptr, acc, row, D: gl.constexpr, HBC: gl.constexpr, SCALE: gl.co
     """dq = scale * acc in dq's dtype, straight from the accumulator layout (acc = dq^T for
     the kv-as-A operand modes: element (d, h) goes to dq[h, d])."""
     if DQ_OP == 4:
-        acc = swap_rows01(acc, D, HBC)          # _dq_product's "strided" row order
+        acc = swap01(acc, D, HBC, 0)            # _dq_product's "strided" row order
     acc_layout: gl.constexpr = acc.type.layout
     if DQ_OP == 0:
         orows = gl.arange(0, HBC, layout=gl.SliceLayout(1, acc_layout))
