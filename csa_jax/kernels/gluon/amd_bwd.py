@@ -79,12 +79,13 @@ def csa_dq_amd_kernel(q_ptr, do_ptr, kv_ptr, idx_ptr, ntiles_ptr, lse_ptr, dc_pt
         ds = p * (dp + dc[:, None])
         gl.store(ds_ptrs + i * BK, (ds * SCALE).to(dtype))
         gl.store(p_ptrs + i * BK, p.to(dtype))
+        dsa = gl.convert_layout(ds.to(dtype), L.a_op)
         if TRANS == 2:        # plain 2-byte LDS reads in transposed order (regtrans.py)
             kvt = tile.load(strided_layout(gl.to_linear_layout(L.b_op, [BK, D]), 1))
             kvt = gl.convert_layout(swap01(kvt, BK, D, 1), L.b_op)
         else:
             kvt = _tile_operand(tile, L.b_op, L.rl, TRANS)
-        acc = _mma(gl.convert_layout(ds.to(dtype), L.a_op), kvt, acc, MMA)
+        acc = _mma(dsa, kvt, acc, MMA)
     _drain(LOADER)
     zero = gl.zeros([HBC, BK], dtype, L.mma)
     for i in range(ntiles, K // BK):          # past the last non-empty tile: exact zeros
