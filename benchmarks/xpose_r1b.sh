@@ -1,4 +1,4 @@
-# xpose round 1b: expects commit 27d1f30 (branch xpose) or later (later commits: docs only). <= 197 s wall, 3 parts in sequence.
+# xpose round 1b: expects commit a2f26c5 (branch xpose) or later (later commits: docs only). <= 197 s wall, 3 parts in sequence.
 # Issue 14's transposed-operand ablation per config: the default dq kernel's Config.bwd_dq_operand, everything else equal:
 #   default = "desc" (kv as the MN-major, "transposed", B descriptor), da = desc_a (kv^T as an MN-major A descriptor),
 #   lt = ldsm_trans (kv^T into registers by ldmatrix .trans, the transpose-load), mm = movmatrix (plain ldmatrix + an
