@@ -56,8 +56,9 @@ def parse_args(argv=None):
     ap.add_argument("--reps", type=int, default=10, help="timed repetitions (median)")
     ap.add_argument("--time-cap", type=float, default=10.0,
                     help="seconds of timed runs per (config, impl, mode); fewer reps past it")
-    ap.add_argument("--check", choices=["auto", "reduced", "none"], default="auto",
-                    help="auto: vs xla on the same inputs if xla runs, else at T=1024")
+    ap.add_argument("--check", choices=["auto", "reduced", "default", "none"], default="auto",
+                    help="auto: vs xla on the same inputs if xla runs, else at T=1024; "
+                         "default: each variant vs its impl's default row on the same inputs")
     ap.add_argument("--variants", default="",
                     help="extra configs of non-xla impls: 'name:key=val,key=val;name2:...'")
     ap.add_argument("--impl-config", default="",
@@ -194,6 +195,13 @@ def main(argv=None):
                                 traceback.print_exc(limit=3)
                             if impl == "xla" and outs:
                                 ref_outs = outs
+                            elif args.check == "default":
+                                if vname == "default":
+                                    ref_outs = outs
+                                elif outs and ref_outs:
+                                    row["rel_err_vs_default"] = {
+                                        k: rel_err(outs[k], ref_outs[k])
+                                        for k in OUT_NAMES if k in outs and k in ref_outs}
                             elif outs and args.check != "none":
                                 try:
                                     if ref_outs is not None and args.check == "auto":

@@ -83,17 +83,19 @@ def _compile_dq(**kw):
     ("desc", {"32", "256"}, {}),
     ("desc_a", {"32", "64"}, {}),
     ("ldsm_trans", {"32", "64"}, {"ldmatrix.sync.aligned.m8n8.x4.trans": 8}),
-    ("movmatrix", {"32", "64"}, {"ldmatrix.sync.aligned.m8n8.x4.shared": 8, "movmatrix": 32})])
+    ("movmatrix", {"32", "64"}, {"ldmatrix.sync.aligned.m8n8.x4.shared": 8, "movmatrix": 32}),
+    ("strided", {"32", "64"}, {"ld.shared.b16": 64})])
 def test_dq_kernel_operand_modes_compile(op, wgmma, mix):
-    """Config.bwd_dq_operand: the four ways the dq product takes the kv tile compile with the
-    same shared memory, no spills, the instruction shapes and shared loads meant, and no extra
+    """Config.bwd_dq_operand: the five ways the dq product takes the kv tile compile with the
+    same shared memory, no spills, the instruction shapes and shared loads meant (strided: one
+    2-byte load per element of the 512 x 32 tile over 256 threads, no ldmatrix), and no extra
     shared-memory round trip (st.shared count as the default's)."""
     c, r = _compile_dq(dq_operand=op)
     assert r["shared"] == 217_292, r
     ptx = c.asm["ptx"]
     assert set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16", ptx)) == wgmma
     keys = ("ldmatrix.sync.aligned.m8n8.x4.trans", "ldmatrix.sync.aligned.m8n8.x4.shared",
-            "movmatrix")
+            "movmatrix", "ld.shared.b16")
     assert {k: ptx.count(k) for k in keys if ptx.count(k)} == mix
     assert ptx.count("st.shared") == 12
 
@@ -123,7 +125,7 @@ def test_interm_kernel_compiles_sm90(op, stages, mix):
     assert ("wgmma.wait_group.sync.aligned 1" in ptx) == op.endswith("_pipe")
     assert all(x.endswith(tail) for x in calls), calls[:2]
     keys = ("ldmatrix.sync.aligned.m8n8.x4.trans", "ldmatrix.sync.aligned.m8n8.x4.shared",
-            "movmatrix")
+            "movmatrix", "ld.shared.b16")
     assert {k: ptx.count(k) for k in keys if ptx.count(k)} == mix
 
 
@@ -319,6 +321,26 @@ def test_transpose_probe_amd_transpose_load():
     assert rows["gfx942", 1]["lds_mix"].get("ds_read_u16", 0) >= 32
 
 
+def test_amd_dq_kernel_strided_read_gfx950():
+    """amd_bwd.py trans=2 (the strided mode, no AMD GPU here): on gfx950 the kv tile of dS kv
+    is read with plain 2-byte ds_read_u16 where the default uses CDNA4's ds_read_b64_tr_b16."""
+    from csa_jax.kernels.gluon import amd_bwd
+    d = amd_bwd.DQ_DEFAULTS["gfx950"]
+    mix = {}
+    for trans in (0, 2):
+        c = adapter.compile_kernel(
+            amd_bwd.csa_dq_amd_kernel, amd_bwd.arg_types("bf16"),
+            amd_bwd.constexprs(target="gfx950", T=64, N=300, NHB=2, D=512, K=192,
+                               BK=d["block_k"], stages=d["stages"], scale=0.05, qdo=d["qdo"],
+                               trans=trans),
+            target="gfx950", num_warps=d["warps"])
+        asm = c.asm["amdgcn"]
+        mix[trans] = {k: len(re.findall(rf"^\s+{k}\b", asm, re.M))
+                      for k in ("ds_read_b64_tr_b16", "ds_read_u16")}
+    assert mix[0]["ds_read_b64_tr_b16"] > 0 and mix[0]["ds_read_u16"] == 0, mix
+    assert mix[2]["ds_read_b64_tr_b16"] == 0 and mix[2]["ds_read_u16"] > 0, mix
+
+
 def test_config_switch():
     assert gluon.Config().bwd == "gluon"
     assert dataclasses.replace(gluon.Config(), bwd="pallas_triton").bwd == "pallas_triton"
@@ -326,7 +348,7 @@ def test_config_switch():
                 dict(bwd_stages=True), dict(bwd_prefetch=1), dict(bwd_ablate=5),
                 dict(bwd_ablate=True), dict(bwd_qdo=1), dict(bwd_narrow_keys="yes"),
                 dict(bwd_block_r=24), dict(bwd_reduce_warps=3), dict(bwd_reduce="xla"),
-                dict(bwd_dq_operand="strided"), dict(bwd_interm="cublas"),
+                dict(bwd_dq_operand="strided_x"), dict(bwd_interm="cublas"),
                 dict(bwd_interm_operand="strided"), dict(bwd_interm_stages=5),
                 dict(bwd_interm_pipeline=1),
                 dict(bwd_interm_pipeline=True, bwd_interm_operand="movmatrix"),

@@ -24,6 +24,7 @@ from csa_jax.kernels.gluon.amd_fwd import (
     ARCH, HBC_, _drain, _first_tiles, _layouts, _lds_layout, _load_block, _mma, _program_setup,
     _tile_operand, _tile_scores)
 from csa_jax.kernels.gluon.dims import AMD_DQ_DEFAULTS
+from csa_jax.kernels.gluon.regtrans import strided_layout, swap01
 from csa_jax.kernels.gluon.fwd import LOG2E
 
 _LOG2E = gl.constexpr(LOG2E)
@@ -78,21 +79,32 @@ def csa_dq_amd_kernel(q_ptr, do_ptr, kv_ptr, idx_ptr, ntiles_ptr, lse_ptr, dc_pt
         ds = p * (dp + dc[:, None])
         gl.store(ds_ptrs + i * BK, (ds * SCALE).to(dtype))
         gl.store(p_ptrs + i * BK, p.to(dtype))
-        acc = _mma(gl.convert_layout(ds.to(dtype), L.a_op),
-                   _tile_operand(tile, L.b_op, L.rl, TRANS), acc, MMA)
+        dsa = gl.convert_layout(ds.to(dtype), L.a_op)
+        if TRANS == 2:        # plain 2-byte LDS reads in transposed order (regtrans.py)
+            kvt = tile.load(strided_layout(gl.to_linear_layout(L.b_op, [BK, D]), 1))
+            kvt = gl.convert_layout(swap01(kvt, BK, D, 1), L.b_op)
+        else:
+            kvt = _tile_operand(tile, L.b_op, L.rl, TRANS)
+        acc = _mma(dsa, kvt, acc, MMA)
     _drain(LOADER)
     zero = gl.zeros([HBC, BK], dtype, L.mma)
     for i in range(ntiles, K // BK):          # past the last non-empty tile: exact zeros
         gl.store(ds_ptrs + i * BK, zero)
         gl.store(p_ptrs + i * BK, zero)
-    ocols = gl.arange(0, D, layout=L.scol)
+    if TRANS == 2:
+        acc = swap01(acc, HBC, D, 1)          # dq's columns back in order
+        hrows = gl.arange(0, HBC, layout=gl.SliceLayout(1, acc.type.layout))
+        ocols = gl.arange(0, D, layout=gl.SliceLayout(0, acc.type.layout))
+    else:
+        ocols = gl.arange(0, D, layout=L.scol)
     gl.store(dq_ptr + blk + hrows[:, None] * D + ocols[None, :],
              (acc * SCALE).to(dq_ptr.dtype.element_ty))
 
 
 def constexprs(*, target, T, N, NHB, D, K, BK, stages, scale, qdo=0, trans=0):
     """Compile-time parameters for an AMD target; qdo 1 = dO in LDS (read per tile) instead of
-    registers; trans: how dS kv reads the kv tile (amd_fwd.constexprs)."""
+    registers; trans: how dS kv reads the kv tile (amd_fwd.constexprs; 2 = plain 2-byte LDS
+    reads in transposed order, the dq kernel only: regtrans.strided_layout)."""
     a = ARCH[target]
     return dict(T=T, N=N, NHB=NHB, D=D, K=K, BK=BK, STAGES=stages,
                 QK_SCALE=float(scale) * LOG2E, SCALE=float(scale), MMA=a["mma"],

@@ -45,7 +45,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from csa_jax.kernels.gluon.dims import HB, SMEM_LIMIT, padded_dims
 from csa_jax.kernels.gluon.dims import dq_shared_bytes as shared_bytes
-from csa_jax.kernels.gluon.regtrans import transpose_load
+from csa_jax.kernels.gluon.regtrans import strided_layout, swap01, transpose_load
 from csa_jax.kernels.gluon.fwd import (
     CONSUMER_WARPS, LOG2E, PRODUCER_WARPS, _next_ids, _producer, _program, _release,
     _wait_tile)
@@ -150,14 +150,18 @@ def _store_qdo(qdo_ptr, qdo_smem, row, D: gl.constexpr, HBC: gl.constexpr,
 
 @gluon.jit
 def _dq_product(tile, ds_smem, acc, D: gl.constexpr, BK: gl.constexpr, DQ_OP: gl.constexpr):
-    """dq += dS kv for one tile, the kv tile taken one of four ways (Config.bwd_dq_operand):
+    """dq += dS kv for one tile, the kv tile taken one of five ways (Config.bwd_dq_operand):
     0 "desc":       dq += dS kv, the tile [BK, D] as B through an MN-major ("transposed")
                     shared-memory descriptor (the timed default);
     then dq^T += kv^T dS^T with dS^T (K-major descriptor) as B and kv^T [D, BK] as A:
     1 "desc_a":     A from shared memory through an MN-major descriptor;
     2 "ldsm_trans": A in registers, loaded with ldmatrix .trans (the transpose-load);
     3 "movmatrix":  A in registers, loaded with plain ldmatrix and transposed in registers
-                    (regtrans.transpose_load: PTX movmatrix, no shared-memory round trip)."""
+                    (regtrans.transpose_load: PTX movmatrix, no shared-memory round trip);
+    4 "strided":    A in registers by plain 2-byte shared loads in transposed (strided)
+                    order, no ldmatrix (regtrans.strided_layout: a_dot with two lane bases
+                    of D exchanged; the rows swapped back by renaming, so acc holds dq^T's
+                    rows in swap01 order, undone in _store_dq)."""
     a_dot: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc.type.layout, k_width=2)
     if DQ_OP == 0:
         acc = warpgroup_mma(ds_smem, tile, acc)
@@ -165,8 +169,12 @@ def _dq_product(tile, ds_smem, acc, D: gl.constexpr, BK: gl.constexpr, DQ_OP: gl
         acc = warpgroup_mma(tile.permute((1, 0)), ds_smem.permute((1, 0)), acc)
     elif DQ_OP == 2:
         acc = warpgroup_mma(tile.permute((1, 0)).load(a_dot), ds_smem.permute((1, 0)), acc)
-    else:
+    elif DQ_OP == 3:
         acc = warpgroup_mma(transpose_load(tile, a_dot, D, BK), ds_smem.permute((1, 0)), acc)
+    else:
+        a = tile.permute((1, 0)).load(strided_layout(gl.to_linear_layout(a_dot, [D, BK])))
+        a = gl.convert_layout(swap01(a, D, BK, 0), a_dot)
+        acc = warpgroup_mma(a, ds_smem.permute((1, 0)), acc)
     return acc
 
 
@@ -192,6 +200,8 @@ def _store_dq(dq_ptr, acc, row, D: gl.constexpr, HBC: gl.constexpr, SCALE: gl.co
               DQ_OP: gl.constexpr):
     """dq = scale * acc in dq's dtype, straight from the accumulator layout (acc = dq^T for
     the kv-as-A operand modes: element (d, h) goes to dq[h, d])."""
+    if DQ_OP == 4:
+        acc = swap01(acc, D, HBC, 0)            # _dq_product's "strided" row order
     acc_layout: gl.constexpr = acc.type.layout
     if DQ_OP == 0:
         orows = gl.arange(0, HBC, layout=gl.SliceLayout(1, acc_layout))
@@ -491,7 +501,7 @@ def ew_cols(bk):
     return 8 if bk >= 32 else 4
 
 
-DQ_OPERANDS = ("desc", "desc_a", "ldsm_trans", "movmatrix")     # Config.bwd_dq_operand
+DQ_OPERANDS = ("desc", "desc_a", "ldsm_trans", "movmatrix", "strided")  # Config.bwd_dq_operand
 
 
 def constexprs(*, T, N, NHB, D, K, BK, stages, scale, producer_regs, prefetch=False, ablate=0,

@@ -107,7 +107,8 @@ class Config:
         (bwd.py _dq_product; issue 14's ablation): "desc" (dq += dS kv, the tile as B through an
         MN-major shared-memory descriptor; default), or dq^T += kv^T dS^T with kv^T as A:
         "desc_a" (MN-major A descriptor), "ldsm_trans" (registers by ldmatrix .trans),
-        "movmatrix" (registers by plain ldmatrix + an explicit register transpose).
+        "movmatrix" (registers by plain ldmatrix + an explicit register transpose),
+        "strided" (registers by plain strided 2-byte shared loads, no ldmatrix).
     bwd_interm: how the per-slot intermediate interm = dsp^T [q; dO] is formed: "xla" (one
         batched XLA dot per token on a stacked [q; dO]) or "gluon" (kernels/gluon/interm.py: a
         warp-specialized wgmma GEMM reading q and dO in place, dsp^T and [q; dO] through
@@ -294,9 +295,9 @@ class Config:
         r = self.bwd_alt_regs
         if isinstance(r, bool) or not isinstance(r, int) or r % 8 or not 128 <= r <= 240:
             raise ValueError(f"bwd_alt_regs={r!r} must be a multiple of 8 in 128..240")
-        if self.bwd_dq_operand not in ("desc", "desc_a", "ldsm_trans", "movmatrix"):
+        if self.bwd_dq_operand not in ("desc", "desc_a", "ldsm_trans", "movmatrix", "strided"):
             raise ValueError(f"bwd_dq_operand={self.bwd_dq_operand!r} must be 'desc', 'desc_a', "
-                             f"'ldsm_trans' or 'movmatrix'")
+                             f"'ldsm_trans', 'movmatrix' or 'strided'")
         if self.bwd_interm not in ("xla", "gluon"):
             raise ValueError(f"bwd_interm={self.bwd_interm!r} must be 'xla' or 'gluon'")
         if self.bwd_interm_operand not in ("desc", "ldsm_trans", "movmatrix"):
