@@ -1,5 +1,5 @@
 # xpose round 2 (final call, MERGED tree; needs branch xpose's bwd_dq_operand="strided" and bench_csa --check default with the
-# on-device error, commit COMMIT). <= 60 s wall, one process under timeout -k 3 56.
+# on-device error, commit 70d6173). <= 60 s wall, one process under timeout -k 3 56.
 # Round 1b's sweep lost its time to bench_csa's host-side float64 error check of T = 16384 outputs (2 of 15 Pro rows in 120 s);
 # the check now runs on the device (_rel_err_device, same definition as problems.rel_err, f32). Issue 14's transposed-operand
 # ablation, the default dq kernel, everything else equal: fwd / bwd / step of the 5 Config.bwd_dq_operand modes at Pro cr4
