@@ -25,8 +25,8 @@ exit status 1 if any row failed.
 Run ONE such process on a GPU at a time: six at once (XLA_PYTHON_CLIENT_PREALLOCATE=false, session
 5's final call) ran out of device memory at T = 16384, each process's allocator keeping its own
 peak (docs/perf/gluon_bwd_h200.md part 5d); alone, the Pro cr4 (2 index modes) + cr0 T = 16384 rows took 21 s.
---impl / --ref choose other registered impls (e.g. a CPU dry run: --impl xla --ref xla, or
---impl pallas_triton, interpreted where there is no GPU).
+--impl / --ref choose other registered impls (e.g. a CPU dry run of the plumbing:
+--impl xla --ref xla --configs flash:0:256).
 """
 from __future__ import annotations
 
