@@ -19,11 +19,14 @@ bit-identical across the two runs.
 One JSON line per (config, index mode), printed as it finishes (a killed run keeps its rows;
 --out is rewritten after each row); a failure also prints a `# FAIL <config>: <output> ...`
 line naming the config and the output; an exception is a failed row with the stage (inputs /
-impl / ref / compare) and the error. Memory is freed between configs (the xla reference at
-Pro cr4 T = 16384 materializes [T, K, D] gathers, ~19 GB). The summary table is printed last;
+impl / ref / compare) and the error. Memory is freed between configs (the xla reference is
+chunked, but one of its allocations at Pro cr0 T = 16384 is 11.5 GiB). The summary table is printed last;
 exit status 1 if any row failed.
---impl / --ref choose other registered impls (e.g. a CPU dry run: --impl xla --ref xla, or
---impl pallas_triton, interpreted where there is no GPU).
+Run ONE such process on a GPU at a time: six at once (XLA_PYTHON_CLIENT_PREALLOCATE=false, session
+5's final call) ran out of device memory at T = 16384, each process's allocator keeping its own
+peak (docs/perf/gluon_bwd_h200.md part 5d); alone, the Pro cr4 (2 index modes) + cr0 T = 16384 rows took 21 s.
+--impl / --ref choose other registered impls (e.g. a CPU dry run of the plumbing:
+--impl xla --ref xla --configs flash:0:256).
 """
 from __future__ import annotations
 
