@@ -38,8 +38,8 @@ import traceback
 import jax
 import jax.numpy as jnp
 
-from benchmarks.common import (apply_overrides, flops, make_problem, parse_overrides,
-                               parse_variants, time_fn)
+from benchmarks.common import (apply_overrides, device_diff_stats, flops, make_problem,
+                               parse_overrides, parse_variants, time_fn)
 from csa_jax import problems, registry
 
 
@@ -95,14 +95,11 @@ def build_fns(mod, cfg_obj, scale, interpret):
 rel_err = problems.rel_err
 
 
-@jax.jit
 def _rel_err_device(a, b):
-    """problems.rel_err on the device (f32; no host copy: --check default at T = 16384)."""
-    a, b = a.astype(jnp.float32), b.astype(jnp.float32)
-    fin = jnp.isfinite(b)
-    den = jnp.maximum(jnp.max(jnp.where(fin, jnp.abs(b), 0.0)), 1e-30)
-    err = jnp.max(jnp.where(fin, jnp.abs(a - b), 0.0)) / den
-    return jnp.where(jnp.isnan(a).any(), jnp.nan, err)
+    """problems.rel_err from common.device_diff_stats (f32 on the device; no host copy:
+    --check default at T = 16384)."""
+    diff, den, nan, _ = device_diff_stats(a, b)
+    return float("nan") if bool(nan) else float(diff) / max(float(den), 1e-30)
 
 
 OUT_NAMES = ("o", "lse", "dq", "dkv", "dsink")
@@ -210,7 +207,7 @@ def main(argv=None):
                                     ref_outs = outs
                                 elif outs and ref_outs:
                                     row["rel_err_vs_default"] = {
-                                        k: float(_rel_err_device(outs[k], ref_outs[k]))
+                                        k: _rel_err_device(outs[k], ref_outs[k])
                                         for k in OUT_NAMES if k in outs and k in ref_outs}
                             elif outs and args.check != "none":
                                 try:

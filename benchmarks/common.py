@@ -55,6 +55,18 @@ def timed_probe(name, make, reps, cap):
     return dict(probe=name, ms=ms, reps=n, first_s=first), out, (fn, args)
 
 
+@jax.jit
+def device_diff_stats(a, b):
+    """problems.rel_err's pieces on the device (a host float64 copy of a 1e9-element dq costs
+    seconds): max |a - b| and max |b| over b's finite entries, whether a has a NaN, whether
+    a's and b's non-finite entries differ in place."""
+    a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+    fin = jnp.isfinite(b)
+    diff = jnp.max(jnp.where(fin, jnp.abs(a - b), 0.0), initial=0.0)
+    den = jnp.max(jnp.where(fin, jnp.abs(b), 0.0), initial=0.0)
+    return diff, den, jnp.any(jnp.isnan(a)), jnp.any(jnp.isfinite(a) != fin)
+
+
 def _value(v):
     v = v.strip()
     if v.lower() in ("true", "false"):

@@ -41,6 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.common import device_diff_stats
 from benchmarks.gluon_check import TOL, parse_shapes
 
 OUTS = ("o", "lse", "dq", "dkv", "dsink")
@@ -63,24 +64,12 @@ def vjp_fn(impl, scale, config=None):
     return jax.jit(run)
 
 
-@jax.jit
-def _diff_stats(a, b):
-    """On the device (a host float64 copy of a 1e9-element dq costs seconds): max |a - b| and
-    max |b| over b's finite entries, whether a has a NaN, whether a's and b's non-finite
-    entries differ in place."""
-    a, b = a.astype(jnp.float32), b.astype(jnp.float32)
-    fin = jnp.isfinite(b)
-    diff = jnp.max(jnp.where(fin, jnp.abs(a - b), 0.0), initial=0.0)
-    den = jnp.max(jnp.where(fin, jnp.abs(b), 0.0), initial=0.0)
-    return diff, den, jnp.any(jnp.isnan(a)), jnp.any(jnp.isfinite(a) != fin)
-
-
 def rel_err(a, b):
     """gluon_check.rel's max-abs error over max-abs reference (ref's finite entries); NaN if a
     has a NaN, inf if a is non-finite where b is finite or the reverse."""
     if a.shape != b.shape:
         raise ValueError(f"shape {a.shape} vs reference {b.shape}")
-    diff, den, nan, moved = (np.asarray(x) for x in _diff_stats(a, b))
+    diff, den, nan, moved = (np.asarray(x) for x in device_diff_stats(a, b))
     if nan:
         return float("nan")
     if moved:
