@@ -42,8 +42,12 @@ class MetricsWriter:
     """
 
     def __init__(self, workdir, *, start_step: int, total_steps: int, progress: bool = True):
-        from tensorboardX import SummaryWriter
         from tqdm import tqdm
+
+        try:
+            from tensorboardX import SummaryWriter
+        except ImportError:  # metrics.jsonl is the record; TensorBoard is a view of it
+            SummaryWriter = None
 
         self.workdir = Path(workdir)
         self.path = self.workdir / "metrics.jsonl"
@@ -52,17 +56,21 @@ class MetricsWriter:
         tmp.write_text("".join(to_json_line(r) for r in kept))
         os.replace(tmp, self.path)  # atomic
         self._file = open(self.path, "a")
-        self._tb = SummaryWriter(str(self.workdir / "tb"), purge_step=start_step + 1)
+        self._tb = None if SummaryWriter is None else SummaryWriter(str(self.workdir / "tb"),
+                                                                      purge_step=start_step + 1)
         self._post: dict = {}
         self._bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True,
                          disable=not progress, file=sys.stderr)
+        if self._tb is None:
+            self.message(f"tensorboardX is not installed: no TensorBoard log in {self.workdir / 'tb'} "
+                         f"(metrics.jsonl is written; pip install 'csa_jax[train]' for both)")
 
     def write(self, record: dict) -> None:
         self._file.write(to_json_line(record))
         self._file.flush()
         step = record["step"]
         for k, v in record.items():
-            if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
+            if self._tb is not None and k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
                 self._tb.add_scalar(k, v, step)
         self._post.update({k: f"{record[k]:.4g}" for k in ("loss", "eval_loss") if k in record})
         if "tokens_per_sec" in record:
@@ -79,7 +87,8 @@ class MetricsWriter:
         if self._file.closed:
             return
         self._bar.close()
-        self._tb.close()
+        if self._tb is not None:
+            self._tb.close()
         self._file.close()
 
 
