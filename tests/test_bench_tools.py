@@ -121,3 +121,61 @@ def test_grad_check_and_failure_rows(capsys):
     assert list(row) == ["part", "case", "variant", "ok", "error"] and row["ok"] is False
     assert row["error"] == ("ValueError: " + "x" * 600)[:400] and "Traceback" in cap.err
     gc.RESULTS.remove(row)
+
+
+def _xpose_rows(name, step_ms, errs=None):
+    """bench_csa --check default rows of one config: the default and four modes."""
+    fam, cr, T = name.split("-")
+    rows = []
+    for v, s in step_ms.items():
+        r = dict(family=fam, ratio=int(cr[2:]), T=int(T[1:]), variant=v, fwd_ms=1.0, bwd_ms=s - 1.0, step_ms=s)
+        if v != "default":
+            r["rel_err_vs_default"] = (errs or {}).get(v, {"o": 0.0, "dq": 0.0})
+        rows.append(r)
+    return rows
+
+
+def test_xpose_table_geomeans_and_error_gate(tmp_path, capsys):
+    import json
+    import math
+
+    from benchmarks import xpose_table
+
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    json.dump({"rows": _xpose_rows("pro-cr4-T4096", dict(default=10.0, da=11.0, lt=12.0, mm=13.0, st=14.0))}, open(a, "w"))
+    # b re-measures nothing of a's config and adds one whose strided mode differs from the default
+    json.dump({"rows": _xpose_rows("pro-cr0-T4096", dict(default=4.0, da=4.0, lt=4.0, mm=5.0, st=8.0),
+                                   errs={"st": {"dq": 3e-3}})}, open(b, "w"))
+    s = xpose_table.summarize(xpose_table.load([a, b]))
+    assert s["configs"] == ["pro-cr4-T4096", "pro-cr0-T4096"]
+    assert math.isclose(s["default_over_st_step"], math.sqrt(1.4 * 2.0))
+    assert math.isclose(s["lt_over_mm_step"], math.sqrt(13 / 12 * 5 / 4))
+    assert xpose_table.main([str(a)]) == 0
+    assert xpose_table.main([str(a), str(b)]) == 1            # st's 3e-3 > the default tol 0 (bit-equal)
+    assert "FAIL pro-cr0-T4096 st" in capsys.readouterr().err
+    assert xpose_table.main([str(a), str(b), "--tol", "1e-2"]) == 0
+    # a later file's rows replace an earlier one's for the same config
+    json.dump({"rows": _xpose_rows("pro-cr4-T4096", dict(default=10.0, da=10.0, lt=10.0, mm=10.0, st=10.0))}, open(b, "w"))
+    assert xpose_table.summarize(xpose_table.load([a, b]))["default_over_st_step"] == 1.0
+
+
+def test_metrics_writer_without_tensorboardx(tmp_path, monkeypatch, capsys):
+    import builtins
+    import json
+
+    from train.metrics import MetricsWriter
+
+    real = builtins.__import__
+
+    def no_tbx(name, *a, **k):
+        if name == "tensorboardX":
+            raise ImportError("No module named 'tensorboardX'")
+        return real(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", no_tbx)
+    w = MetricsWriter(tmp_path, start_step=0, total_steps=2, progress=False)
+    w.write({"step": 1, "loss": 2.5})
+    w.close()
+    assert json.loads((tmp_path / "metrics.jsonl").read_text()) == {"step": 1, "loss": 2.5}
+    assert not (tmp_path / "tb").exists()
+    assert "tensorboardX is not installed" in capsys.readouterr().err
