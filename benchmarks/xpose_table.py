@@ -9,7 +9,8 @@ step ms, the largest error against the default, and default-over-mode ratios; th
 means over the configs where every mode was timed, of the default over each mode and of the
 transpose-load (`lt`) over the register transpose (`mm`) and the strided reads (`st`), the
 paper's Table 10 / 11 comparison. A config measured in more than one file keeps the last file's
-rows. Exit status 1 when a variant's outputs differ from the default's by more than --tol.
+rows. Exit status 1 when a variant's outputs differ from the default's by more than --tol, or a
+row has no time (it failed to build or run).
 """
 from __future__ import annotations
 
@@ -22,17 +23,21 @@ MODES = {"default": "desc (default)", "da": "desc_a", "lt": "ldsm_trans", "mm": 
          "st": "strided (b)"}
 
 
-def load(paths):
-    """{config name: {variant: row}}, in first-seen config order; a later file's config replaces."""
+def load(paths, failed=None):
+    """{config name: {variant: row}}, in first-seen config order; a later file's config replaces.
+    Rows without a step time (a variant that failed to build or run) are left out of the table
+    and, with `failed` a list, appended to it as (config, variant, error)."""
     table = {}
     for p in paths:
         with open(p) as f:
             rows = json.load(f)["rows"]
         seen = {}
         for r in rows:
-            if "error" in r and not r.get("step_ms"):
-                continue
             name = f"{r['family']}-cr{r['ratio']}-T{r['T']}"
+            if not all(r.get(f"{k}_ms") for k in ("fwd", "bwd", "step")):
+                if failed is not None:
+                    failed.append((name, r.get("variant"), r.get("error", "no fwd / bwd / step time")))
+                continue
             seen.setdefault(name, {})[r["variant"]] = r
         for name, by_variant in seen.items():
             table.pop(name, None)
@@ -105,11 +110,14 @@ def main(argv=None):
     ap.add_argument("--tol", type=float, default=0.0,
                     help="largest error a variant may have against the default (default 0: bit-equal)")
     args = ap.parse_args(argv)
-    text, bad = render(load(args.files), args.tol)
+    failed = []
+    text, bad = render(load(args.files, failed), args.tol)
     print(text)
     for c, v, e in bad:
         print(f"# FAIL {c} {v}: max error vs default {e} > {args.tol}", file=sys.stderr)
-    return 1 if bad else 0
+    for c, v, e in failed:
+        print(f"# FAIL {c} {v}: not timed: {str(e)[:200]}", file=sys.stderr)
+    return 1 if bad or failed else 0
 
 
 if __name__ == "__main__":

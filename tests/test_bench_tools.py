@@ -154,6 +154,12 @@ def test_xpose_table_geomeans_and_error_gate(tmp_path, capsys):
     assert xpose_table.main([str(a), str(b)]) == 1            # st's 3e-3 > the default tol 0 (bit-equal)
     assert "FAIL pro-cr0-T4096 st" in capsys.readouterr().err
     assert xpose_table.main([str(a), str(b), "--tol", "1e-2"]) == 0
+    # a variant that failed (an error row, no times) fails the table too
+    json.dump({"rows": _xpose_rows("pro-cr0-T4096", dict(default=4.0))
+               + [dict(family="pro", ratio=0, T=4096, variant="mm", error="CompilationError: out of shared memory")]},
+              open(b, "w"))
+    assert xpose_table.main([str(a), str(b)]) == 1
+    assert "FAIL pro-cr0-T4096 mm: not timed: CompilationError" in capsys.readouterr().err
     # a later file's rows replace an earlier one's for the same config
     json.dump({"rows": _xpose_rows("pro-cr4-T4096", dict(default=10.0, da=10.0, lt=10.0, mm=10.0, st=10.0))}, open(b, "w"))
     assert xpose_table.summarize(xpose_table.load([a, b]))["default_over_st_step"] == 1.0
