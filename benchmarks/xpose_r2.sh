@@ -1,3 +1,4 @@
+# Superseded by benchmarks/xpose_sweep.sh (all 18 configs); kept as session 5's final call ran it (docs/perf/gluon_bwd_h200.md part 5c).
 # xpose round 2 (final call, MERGED tree; needs branch xpose's bwd_dq_operand="strided" and bench_csa --check default with the
 # on-device error, commit 70d6173). <= 60 s wall, one process under timeout -k 3 56.
 # Round 1b's sweep lost its time to bench_csa's host-side float64 error check of T = 16384 outputs (2 of 15 Pro rows in 120 s);

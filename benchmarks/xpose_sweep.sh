@@ -12,6 +12,7 @@ export PYTHONUNBUFFERED=1
 O=${OUT:?set OUT to a results folder}; PY=${PY:-python3}; PART=${PART:-all}
 V='lt:bwd_dq_operand=ldsm_trans;mm:bwd_dq_operand=movmatrix;da:bwd_dq_operand=desc_a;st:bwd_dq_operand=strided'
 run() {  # name reps time-cap families ratios seqs timeout
+  rm -f "$O/$1.json"          # a failed run leaves no older file of its name behind
   timeout -k 3 "$7" $PY -m benchmarks.bench_csa --impls gluon --families "$4" --ratios "$5" --seqs "$6" --cr4-indices random \
     --modes fwd,bwd,step --reps "$2" --time-cap "$3" --check default --variants "$V" --out "$O/$1.json" > "$O/$1.log" 2>&1
   echo "$1 rc=$?"
@@ -24,4 +25,6 @@ if [ "$PART" != cr4 ]; then
   run xpose_win_r30 30 1.0 pro,flash 0,128 16384,8192,4096 420
   run xpose_flash4_r30 30 1.0 flash 4 8192,4096 120
 fi
-$PY -m benchmarks.xpose_table $(ls "$O"/xpose_*.json)
+files=()   # this script's groups only (other JSON in $O stays out); PART=cr4 + PART=rest into one $O make one table
+for n in xpose_pro_cr4 xpose_flash_cr4_16384 xpose_win_r30 xpose_flash4_r30; do [ -f "$O/$n.json" ] && files+=("$O/$n.json"); done
+$PY -m benchmarks.xpose_table "${files[@]}"

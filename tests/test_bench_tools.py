@@ -154,6 +154,10 @@ def test_xpose_table_geomeans_and_error_gate(tmp_path, capsys):
     assert xpose_table.main([str(a), str(b)]) == 1            # st's 3e-3 > the default tol 0 (bit-equal)
     assert "FAIL pro-cr0-T4096 st" in capsys.readouterr().err
     assert xpose_table.main([str(a), str(b), "--tol", "1e-2"]) == 0
+    # a variant of another name is listed and gated too
+    json.dump({"rows": _xpose_rows("pro-cr0-T4096", dict(default=4.0, zz=4.5), errs={"zz": {"dq": 1e-3}})}, open(b, "w"))
+    assert xpose_table.main([str(a), str(b)]) == 1
+    assert "FAIL pro-cr0-T4096 zz" in capsys.readouterr().err
     # a variant that failed (an error row, no times) fails the table too
     json.dump({"rows": _xpose_rows("pro-cr0-T4096", dict(default=4.0))
                + [dict(family="pro", ratio=0, T=4096, variant="mm", error="CompilationError: out of shared memory")]},
@@ -164,24 +168,3 @@ def test_xpose_table_geomeans_and_error_gate(tmp_path, capsys):
     json.dump({"rows": _xpose_rows("pro-cr4-T4096", dict(default=10.0, da=10.0, lt=10.0, mm=10.0, st=10.0))}, open(b, "w"))
     assert xpose_table.summarize(xpose_table.load([a, b]))["default_over_st_step"] == 1.0
 
-
-def test_metrics_writer_without_tensorboardx(tmp_path, monkeypatch, capsys):
-    import builtins
-    import json
-
-    from train.metrics import MetricsWriter
-
-    real = builtins.__import__
-
-    def no_tbx(name, *a, **k):
-        if name == "tensorboardX":
-            raise ImportError("No module named 'tensorboardX'")
-        return real(name, *a, **k)
-
-    monkeypatch.setattr(builtins, "__import__", no_tbx)
-    w = MetricsWriter(tmp_path, start_step=0, total_steps=2, progress=False)
-    w.write({"step": 1, "loss": 2.5})
-    w.close()
-    assert json.loads((tmp_path / "metrics.jsonl").read_text()) == {"step": 1, "loss": 2.5}
-    assert not (tmp_path / "tb").exists()
-    assert "tensorboardX is not installed" in capsys.readouterr().err

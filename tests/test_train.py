@@ -211,3 +211,25 @@ def test_schedules_and_config_errors():
         get_preset("tiny", model=dict(head_dim=32, rope_dim=48))
     for name in ("small", "v4-flash-layer", "v4-pro-layer"):
         get_preset(name)  # every preset is a valid config
+
+
+def test_metrics_writer_without_tensorboardx(tmp_path, monkeypatch, capsys):
+    import builtins
+    import json
+
+    from train.metrics import MetricsWriter
+
+    real = builtins.__import__
+
+    def no_tbx(name, *a, **k):
+        if name == "tensorboardX":
+            raise ImportError("No module named 'tensorboardX'")
+        return real(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", no_tbx)
+    w = MetricsWriter(tmp_path, start_step=0, total_steps=2, progress=False)
+    w.write({"step": 1, "loss": 2.5})
+    w.close()
+    assert json.loads((tmp_path / "metrics.jsonl").read_text()) == {"step": 1, "loss": 2.5}
+    assert not (tmp_path / "tb").exists()
+    assert "tensorboardX is not installed" in capsys.readouterr().err
