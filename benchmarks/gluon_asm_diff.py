@@ -1,37 +1,40 @@
-"""Did a source change alter the generated GPU code? Hashes of every Gluon kernel's final assembly.
+"""Did a source change alter the generated GPU code? Hashes of every Gluon kernel that the
+library's default path launches, captured from the dispatch itself, on a CPU.
 
     python -m benchmarks.gluon_asm_diff dump OUT.json [--only REGEX] [--no-line-info]
-        [--keep DIR] [--label COMMIT]
+        [--keep DIR] [--label COMMIT] [--T 4096]
     python -m benchmarks.gluon_asm_diff compare BEFORE.json AFTER.json [--only REGEX]
 
-`dump` compiles each kernel of KERNELS (the Gluon kernels at their defaults and at the switches
-that select other code paths: fwd.py's pipeline / smem_epilogue / prefetch, fwd_alt.py's orders
-and split, bwd.py's pair / lockstep / qdo / dq operands / ablations (the paired kernel's
-no-gather 5 / 6 too), bwd_pipe.py's pipelined and blocked dq kernels, bwd_alt.py's orders,
-the window kernels (window.py with cr0 / cr128 / P in shared memory, window_xchg.py, bwd_win.py's
-dq kernel at 5 settings), the AMD forward and dq kernels with trans / qdo / tdm_rows) for every
-target it is built for, on the CPU (triton 3.6.0's bundled compilers, a fresh cache directory), and writes
-per kernel/target sha256 hashes of:
+`dump` runs impl="gluon"'s forward and backward (the impl-module interface: default_config,
+forward, backward) under `jax.eval_shape` for every V4 layer type (Flash H = 64 and Pro H = 128,
+cr0 / cr4 / cr128, D = 512, T = --T), once as NVIDIA Hopper and once per AMD target
+(gfx942 / gfx950 / gfx1250), with the launch (`adapter.gluon_call`) replaced by a recorder: so
+the kernels compared are exactly those the dispatch picks at its defaults, with the constexprs
+it computes, whatever the source files are called. cr0 is captured twice: with no layout
+promise and with layout "cr0" (what the NNX layer passes). Each recorded launch is compiled for
+its target with triton 3.6.0's bundled compilers (a fresh cache directory) and hashed:
 
 - ptx (sm_90a): the PTX with source line info removed (`.loc` / `.file` directives, the
-  `$L__tmp` labels they use, the `.debug_*` sections), which is the only place file names and
-  line numbers appear;
-- sass (sm_90a): `cuobjdump -sass` of the cubin (machine code, no line info);
-- amdgcn (gfx942 / gfx950 / gfx1250): the assembly text with the same removal (`.loc`,
-  `.file`, `.Ltmp` labels, `.debug_*` sections);
-- raw: the unmodified PTX / amdgcn text (differs whenever a kernel's source lines move);
-- with --no-line-info (TRITON_DISABLE_LINE_INFO: no debug info at all), `raw` and `bin` (the
-  cubin / hsaco bytes) are comparable too.
+  `$L__tmp` labels they use, the `.debug_*` sections) and the kernel's own name replaced by
+  `KERNEL` (a renamed function is the same code);
+- sass (sm_90a): `cuobjdump -sass` of the cubin, the name replaced likewise;
+- amdgcn (gfx942 / gfx950 / gfx1250): the assembly text with the same removals;
+- raw / bin: the unmodified text / binary (differ whenever a source line moves, unless both
+  dumps were made with --no-line-info; compared only for a kernel that kept its name).
 
---label names the tree's commit when it is not a git checkout (a `git archive` of it).
-`compare` prints one line per kernel/target whose normalized hashes (ptx, sass, amdgcn, and bin
-when both files were made with --no-line-info) differ, or were compiled in one file only, and
-exits 1 if there is any. --keep DIR writes the normalized texts there, to diff a mismatch.
-Used in docs/perf/gpu_resources.md ("Deduplicated kernels: generated code unchanged").
+Line info changes ptxas's register allocation (seen: the same normalized PTX, other SASS), so
+the comparison that proves "same code" is two --no-line-info dumps.
+
+Rows are keyed `job[family,layer(,promise)]@target` (job: fwd, dq, reduce, in launch order).
+`compare` prints one line per row whose normalized hashes differ or that is in one file only,
+and exits 1 if there is any. The dump needs only the impl-module interface and
+`adapter.gluon_call`, so the same script dumps an older checkout:
+`PYTHONPATH=OLD_TREE python benchmarks/gluon_asm_diff.py dump before.json --label COMMIT`.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -40,8 +43,10 @@ import subprocess
 import sys
 import tempfile
 
-SHAPE = dict(T=4096, N=5120, NHB=2, D=512, K=1152, scale=512 ** -0.5)
 _DROP = re.compile(r"^\s*(\.loc|\.file)\s|^\s*(\$L__tmp|\.Ltmp)\d+:\s*$")
+FAMILIES = (("flash", 64, 512), ("pro", 128, 1024))      # (family, H, cr4 top-k)
+LAYERS = (0, 4, 128)
+AMD_TARGETS = ("gfx942", "gfx950", "gfx1250")
 
 
 def strip_line_info(text):
@@ -68,6 +73,13 @@ def _sha(data):
     return hashlib.sha256(data if isinstance(data, bytes) else data.encode()).hexdigest()
 
 
+def _unname(text, name):
+    """The text with the kernel's own name (entry symbol, parameter names) made neutral, and the
+    padding before end-of-line comments (which follows the name's length) made one space."""
+    text = re.sub(rf"\b{re.escape(name)}(?=\b|_param)", "KERNEL", text)
+    return re.sub(r"[ \t]+//", " //", text)
+
+
 def sass(cubin):
     from triton.backends.nvidia.compiler import get_ptxas
     tool = os.path.join(os.path.dirname(get_ptxas(90).path), "cuobjdump")
@@ -79,136 +91,125 @@ def sass(cubin):
                               check=True).stdout
 
 
-def kernels():
-    """(name, kernel, arg types, constexprs, warps, targets) of every kernel variant compared."""
-    from csa_jax.kernels import gluon as impl
-    from csa_jax.kernels.gluon import (amd_bwd, amd_fwd, bwd, bwd_alt, bwd_pipe, bwd_win, fwd,
-                                       fwd_alt, window, window_xchg)
-    base = impl.default_config((1, 4096, 128, 512), (1, 5120, 512), (1, 4096, 1152), "bfloat16")
-    nv = ("sm_90a",)
-    dims = dict(SHAPE, BK=base.block_k, stages=base.stages, prefetch=base.prefetch)
-    lock = dict(producer_regs=base.producer_regs)
-    for tag, over in (("", {}), ("pipeline", dict(pipeline=True)),
-                      ("smem_epilogue", dict(smem_epilogue=True)),
-                      ("noprefetch", dict(prefetch=False)), ("ablate=1", dict(ablate=1)),
-                      ("ablate=4", dict(ablate=4))):
-        yield (f"csa_fwd[lockstep{',' + tag if tag else ''}]", fwd.csa_fwd_kernel,
-               fwd.arg_types(), fwd.constexprs(**{**dims, **lock, **over}), fwd.CONSUMER_WARPS, nv)
-    for order in fwd_alt.ORDERS:
-        for split in (False, True):
-            yield (f"csa_fwd_alt[{order}{',split' if split else ''}]", fwd_alt.csa_fwd_alt_kernel,
-                   fwd.arg_types(), fwd_alt.constexprs(**dims, consumer_regs=base.alt_regs,
-                                                       split=split, order=order),
-                   fwd_alt.NUM_WARPS, nv)
-    bdims = dict(SHAPE, BK=base.bwd_block_k, stages=base.bwd_stages,
-                 producer_regs=base.producer_regs, prefetch=base.bwd_prefetch,
-                 qdo=base.bwd_qdo, dq_operand=base.bwd_dq_operand, pair=base.bwd_pair,
-                 fuse_delta=base.bwd_fuse_delta)
-    dq_variants = [("default", {}), ("pair=0", dict(pair=False)),
-                   ("pair=0,qdo=0,fuse=0", dict(pair=False, qdo=False, fuse_delta=False)),
-                   ("qdo=0", dict(qdo=False)), ("pair=0,prefetch", dict(pair=False, prefetch=True))]
-    dq_variants += [(f"dq_operand={op}", dict(dq_operand=op)) for op in bwd.DQ_OPERANDS[1:]]
-    dq_variants += [(f"pair=0,ablate={a}", dict(pair=False, ablate=a)) for a in (1, 2, 3, 4)]
-    dq_variants += [(f"ablate={a}", dict(ablate=a)) for a in (5, 6)]       # paired: no gathers
-    for tag, over in dq_variants:
-        yield (f"csa_dq[{tag}]", bwd.csa_dq_kernel, bwd.arg_types(),
-               bwd.constexprs(**{**bdims, **over}), bwd.CONSUMER_WARPS, nv)
-    # bwd_pipe.py: Config.bwd_pipeline's consumer (bwd.csa_dq_kernel, PIPE) and the blocked
-    # bwd_qdo_regs=1 kernel, 2 stages and 3 with bwd_scores_ahead (producer 40 registers)
-    yield ("csa_dq[pipeline]", bwd.csa_dq_kernel, bwd.arg_types(),
-           bwd.constexprs(**{**bdims, "pipeline": True}), bwd.CONSUMER_WARPS, nv)
-    for tag, over in (("", {}), (",stages=3,ahead", dict(stages=3, producer_regs=40,
-                                                         scores_ahead=True))):
-        yield (f"csa_dq_blk[qdo_regs=1{tag}]", bwd_pipe.csa_dq_blk_kernel, bwd.arg_types(),
-               bwd.constexprs(**{**bdims, "pipeline": True, "qdo_regs": 1, **over}),
-               bwd.CONSUMER_WARPS, nv)
-    for order in bwd_alt.ORDERS:
-        for qdo in (True, False):
-            yield (f"csa_dq_alt[{order}{'' if qdo else ',qdo=0'}]", bwd_alt.csa_dq_alt_kernel,
-                   bwd.arg_types(),
-                   bwd_alt.constexprs(**SHAPE, BK=32, stages=2, consumer_regs=base.bwd_alt_regs,
-                                      qdo=qdo, fuse_delta=base.bwd_fuse_delta, order=order),
-                   bwd_alt.NUM_WARPS, nv)
-    for ratio in (0, 128):
-        consts = window.constexprs(T=4096, N=4096 + (4096 // ratio if ratio else 0), NHB=2,
-                                   D=512, window=base.window, G=window.programs(1, 4096, 2),
-                                   ratio=ratio, pool_tile=base.pool_tile,
-                                   pool_stages=base.pool_stages, scale=SHAPE["scale"],
-                                   producer_regs=base.win_producer_regs, p_smem=base.win_p_smem)
-        yield (f"csa_window[cr{ratio}]", window.csa_window_kernel, window.arg_types(), consts,
-               window.CONSUMER_WARPS, nv)
-        if not ratio:              # cr0 with the window's P through shared memory (P_SMEM 1)
-            yield ("csa_window[cr0,p_smem]", window.csa_window_kernel, window.arg_types(),
-                   {**consts, "P_SMEM": window.p_smem_mode(512, base.window, 0, base.pool_tile,
-                                                           True)}, window.CONSUMER_WARPS, nv)
-    consts = window_xchg.constexprs(T=4096, N=4096, NHB=2, D=512, window=base.window,
-                                    G=window.programs(1, 4096, 2), scale=SHAPE["scale"],
-                                    consumer_regs=base.win_regs)
-    yield ("csa_window_xchg[cr0]", window_xchg.csa_window_xchg_kernel, window.arg_types(),
-           consts, window_xchg.NUM_WARPS, nv)
-    # bwd_win.py (Config.bwd_win, cr0): the 4 settings of tests/test_gluon_bwd_win.py + ablate 3
-    for tag, over in (("", {}), ("qdo=0,fuse=0", dict(qdo=False, fuse_delta=0)),
-                      ("fuse=2,dq_mm,dsp_block", dict(fuse_delta=2, dq_mm=True, dsp_block=True)),
-                      ("overlap=0", dict(overlap=False)), ("ablate=3", dict(ablate=3))):
-        consts = bwd_win.constexprs(**{**dict(
-            T=4096, N=4096, NH2=4, D=512, window=base.window, G=window.programs(1, 4096, 4),
-            scale=SHAPE["scale"], producer_regs=base.bwd_win_producer_regs, qdo=True,
-            fuse_delta=1), **over})
-        yield (f"csa_dq_win[cr0{',' + tag if tag else ''}]", bwd_win.csa_dq_win_kernel,
-               bwd_win.arg_types(), consts, bwd_win.CONSUMER_WARPS, nv)
-    for target, d in amd_fwd.TARGET_DEFAULTS.items():
-        for trans in (0, 1):
-            yield (f"csa_fwd_amd[trans={trans}]", amd_fwd.csa_fwd_amd_kernel, amd_fwd.arg_types(),
-                   amd_fwd.constexprs(target=target, BK=d["block_k"], stages=d["stages"],
-                                      trans=trans, **SHAPE), d["warps"], (target,))
-    yield ("csa_fwd_amd[tdm_rows]", amd_fwd.csa_fwd_amd_kernel, amd_fwd.arg_types(),
-           amd_fwd.constexprs(target="gfx1250", BK=32, stages=2, tdm_rows=True, **SHAPE), 8,
-           ("gfx1250",))
-    for target, d in amd_bwd.DQ_DEFAULTS.items():
-        for trans in (0, 1):
-            for qdo in (0, 1):
-                yield (f"csa_dq_amd[trans={trans},qdo={qdo}]", amd_bwd.csa_dq_amd_kernel,
-                       amd_bwd.arg_types(),
-                       amd_bwd.constexprs(target=target, BK=d["block_k"], stages=d["stages"],
-                                          qdo=qdo, trans=trans, **SHAPE), d["warps"], (target,))
+def shapes(T):
+    """(tag, q_shape, kv_shape, idx_shape, layout) of every V4 layer type at T tokens."""
+    for family, H, topk in FAMILIES:
+        for ratio in LAYERS:
+            pool = 0 if ratio == 0 else T // ratio
+            K = 128 + (topk if ratio == 4 else pool)
+            q, kv, idx = (1, T, H, 512), (1, T + pool, 512), (1, T, K)
+            yield f"{family},cr{ratio}", q, kv, idx, None
+            if ratio == 0:
+                yield f"{family},cr0,promise", q, kv, idx, "cr0"
 
 
-def dump(out, only=None, no_line_info=False, keep=None, label=None):
+@contextlib.contextmanager
+def _recording(gluon, arch):
+    """Within: gluon_call records (kernel, arg types, constexprs, warps) and returns zeros;
+    the package believes it runs on NVIDIA Hopper (arch None) or on AMD `arch`."""
+    import jax.numpy as jnp
+    from csa_jax.kernels.gluon import adapter
+    calls = []
+
+    def record(*arrays, kernel, out_shape, grid, num_warps, name="", **constexprs):
+        del grid, name
+        outs = out_shape if isinstance(out_shape, (list, tuple)) else [out_shape]
+        types = [adapter.triton_type(a.dtype) for a in (*arrays, *outs)]
+        calls.append((kernel, types, dict(constexprs), num_warps))
+        zeros = [jnp.zeros(s.shape, s.dtype) for s in outs]
+        return zeros if isinstance(out_shape, (list, tuple)) else zeros[0]
+
+    saved = adapter.gluon_call, gluon._cannot_run, gluon._amd
+    adapter.gluon_call = record
+    gluon._cannot_run = lambda *a, **k: None
+    gluon._amd = lambda: arch
+    try:
+        yield calls
+    finally:
+        adapter.gluon_call, gluon._cannot_run, gluon._amd = saved
+
+
+def _config(gluon, q, kv, idx, layout):
+    cfg = gluon.default_config(q, kv, idx, "bfloat16")
+    if layout is None:
+        return cfg
+    import dataclasses
+    return dataclasses.replace(cfg, layout=layout, window=128)
+
+
+def captured(T=4096):
+    """(key, kernel, arg types, constexprs, warps, target) of every launch the default path
+    makes, in launch order, for NVIDIA (sm_90a) and each AMD target."""
+    import jax
+    import jax.numpy as jnp
+    from csa_jax.kernels import gluon
+    S = jax.ShapeDtypeStruct
+    for target in ("sm_90a", *AMD_TARGETS):
+        arch = None if target == "sm_90a" else target
+        for tag, q, kv, idx, layout in shapes(T):
+            if arch and layout:
+                continue                 # AMD runs its generic kernel under any promise
+            with _recording(gluon, arch) as calls:
+                cfg = _config(gluon, q, kv, idx, layout)
+                bf, f32, i32 = jnp.bfloat16, jnp.float32, jnp.int32
+                args = (S(q, bf), S(kv, bf), S(idx, i32), S(q[2:3], f32))
+                fwd = lambda *a: gluon.forward(*a, scale=512 ** -0.5, interpret=False,  # noqa: E731
+                                               config=cfg)
+                jax.eval_shape(fwd, *args)
+                n_fwd = len(calls)
+                bwd = lambda *a: gluon.backward(*a, scale=512 ** -0.5, interpret=False,  # noqa: E731
+                                                config=cfg)
+                jax.eval_shape(bwd, *args, S(q, bf), S(q[:3], f32), S(q, bf), S(q[:3], f32))
+            names = ["fwd"] * n_fwd + ["dq"] + ["reduce"] * (len(calls) - n_fwd - 1)
+            jobs = {}
+            for job, (kernel, types, consts, warps) in zip(names, calls):
+                jobs[job] = jobs.get(job, 0) + 1
+                key = f"{job}{jobs[job] if jobs[job] > 1 else ''}[{tag}]@{target}"
+                yield key, kernel, types, consts, warps, target
+
+
+def dump(out, only=None, no_line_info=False, keep=None, label=None, T=4096):
     import triton
     from csa_jax.kernels.gluon import adapter
     triton.knobs.cache.dir = tempfile.mkdtemp(prefix="gluon_asm_diff_")
     triton.knobs.compilation.disable_line_info = bool(no_line_info)
-    rows = {}
-    for name, fn, types, consts, warps, targets in kernels():
-        for target in targets:
-            key = f"{name}@{target}"
-            if only and not re.search(only, key):
-                continue
-            try:
-                c = adapter.compile_kernel(fn, types, consts, target=target, num_warps=warps)
-            except Exception as e:  # noqa: BLE001 (a kernel that stops compiling is a result)
-                rows[key] = dict(error=str(e).strip().splitlines()[-1][:300])
-                print(f"{key}: ERROR {rows[key]['error']}", flush=True)
-                continue
-            text_key, bin_key = ("ptx", "cubin") if "ptx" in c.asm else ("amdgcn", "hsaco")
-            norm = strip_line_info(c.asm[text_key])
-            row = {text_key: _sha(norm), "raw": _sha(c.asm[text_key]),
-                   "bin": _sha(c.asm[bin_key]), "lines": norm.count("\n")}
-            if bin_key == "cubin":
-                row["sass"] = _sha(sass(c.asm["cubin"]))
-            rows[key] = row
-            if keep:
-                os.makedirs(keep, exist_ok=True)
-                safe = re.sub(r"[^A-Za-z0-9_.=,@-]", "_", key)
-                with open(os.path.join(keep, f"{safe}.{text_key}"), "w") as f:
-                    f.write(norm)
-            print(f"{key}: {text_key} {row[text_key][:16]} ({row['lines']} lines)", flush=True)
-    meta = dict(no_line_info=bool(no_line_info), triton=triton.__version__,
+    rows, seen = {}, {}
+    for key, fn, types, consts, warps, target in captured(T):
+        if only and not re.search(only, key):
+            continue
+        ident = (fn.__module__, fn.__name__, tuple(types), tuple(sorted(consts.items())), warps,
+                 target)
+        if ident in seen:                # the same launch at another layer: compiled once
+            rows[key] = dict(rows[seen[ident]], same_as=seen[ident])
+            print(f"{key}: = {seen[ident]}", flush=True)
+            continue
+        try:
+            c = adapter.compile_kernel(fn, types, consts, target=target, num_warps=warps)
+        except Exception as e:  # noqa: BLE001 (a kernel that stops compiling is a result)
+            rows[key] = dict(error=str(e).strip().splitlines()[-1][:300])
+            print(f"{key}: ERROR {rows[key]['error']}", flush=True)
+            continue
+        seen[ident] = key
+        text_key, bin_key = ("ptx", "cubin") if "ptx" in c.asm else ("amdgcn", "hsaco")
+        norm = _unname(strip_line_info(c.asm[text_key]), c.metadata.name)
+        row = {text_key: _sha(norm), "raw": _sha(c.asm[text_key]),
+               "bin": _sha(c.asm[bin_key]), "lines": norm.count("\n"), "kernel": fn.__name__}
+        if bin_key == "cubin":
+            row["sass"] = _sha(_unname(sass(c.asm["cubin"]), c.metadata.name))
+        rows[key] = row
+        if keep:
+            os.makedirs(keep, exist_ok=True)
+            safe = re.sub(r"[^A-Za-z0-9_.=,@-]", "_", key)
+            with open(os.path.join(keep, f"{safe}.{text_key}"), "w") as f:
+                f.write(norm)
+        print(f"{key}: {fn.__name__} {text_key} {row[text_key][:16]} ({row['lines']} lines)",
+              flush=True)
+    meta = dict(no_line_info=bool(no_line_info), triton=triton.__version__, T=T,
                 commit=label or _git("rev-parse", "--short", "HEAD"),
                 dirty=bool(_git("status", "--porcelain", "--untracked-files=no")) and not label)
     with open(out, "w") as f:
         json.dump(dict(meta=meta, kernels=rows), f, indent=1, sort_keys=True)
-    print(f"{len(rows)} kernel/target rows -> {out} ({meta})")
+    print(f"{len(rows)} kernel/target rows ({len(seen)} distinct launches) -> {out} ({meta})")
     return 0 if not any("error" in r for r in rows.values()) else 1
 
 
@@ -223,8 +224,7 @@ def compare(a_path, b_path, only=None):
     with open(b_path) as f:
         b = json.load(f)
     fields = ["ptx", "sass", "amdgcn"]
-    if a["meta"]["no_line_info"] and b["meta"]["no_line_info"]:
-        fields += ["raw", "bin"]
+    extra = a["meta"]["no_line_info"] and b["meta"]["no_line_info"]
     bad = 0
     keys = sorted(k for k in set(a["kernels"]) | set(b["kernels"])
                   if not only or re.search(only, k))
@@ -234,13 +234,15 @@ def compare(a_path, b_path, only=None):
             bad += 1
             print(f"{key}: only in {a_path if rb is None else b_path}")
             continue
-        diff = [k for k in fields + ["error"] if ra.get(k) != rb.get(k)]
+        # raw / bin carry the kernel's name: compared only where it is the same
+        same = fields + (["raw", "bin"] if extra and ra.get("kernel") == rb.get("kernel") else [])
+        diff = [k for k in same + ["error"] if ra.get(k) != rb.get(k)]
         if diff:
             bad += 1
             print(f"{key}: differs in {', '.join(diff)}")
     n = len(set(a["kernels"]) & set(b["kernels"]) & set(keys))
     print(f"{n} kernel/target rows in both ({a['meta']['commit']} vs {b['meta']['commit']}), "
-          f"compared on {', '.join(fields)}: {bad} differ")
+          f"compared on {', '.join(fields)}{' (+ raw, bin where the name is the same)' if extra else ''}: {bad} differ")
     return 1 if bad else 0
 
 
@@ -249,14 +251,15 @@ def main(argv=None):
     sub = ap.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("dump")
     d.add_argument("out")
-    d.add_argument("--only", default=None, help="regex on 'name@target'")
+    d.add_argument("--only", default=None, help="regex on 'job[family,layer]@target'")
     d.add_argument("--no-line-info", action="store_true")
-    d.add_argument("--keep", default=None)
+    d.add_argument("--keep", default=None, help="write the normalized texts to this folder")
     d.add_argument("--label", default=None, help="the commit the tree is (default: git HEAD)")
+    d.add_argument("--T", type=int, default=4096, help="tokens of the captured shapes")
     c = sub.add_parser("compare")
     c.add_argument("before")
     c.add_argument("after")
-    c.add_argument("--only", default=None, help="regex on 'name@target'")
+    c.add_argument("--only", default=None, help="regex on 'job[family,layer]@target'")
     args = ap.parse_args(argv)
     if args.cmd == "compare":
         return compare(args.before, args.after, args.only)
@@ -265,7 +268,7 @@ def main(argv=None):
     if why:
         print(f"skipped: {why}")
         return 0
-    return dump(args.out, args.only, args.no_line_info, args.keep, args.label)
+    return dump(args.out, args.only, args.no_line_info, args.keep, args.label, args.T)
 
 
 if __name__ == "__main__":

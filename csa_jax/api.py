@@ -10,6 +10,7 @@ import numpy as np
 
 from csa_jax import registry
 from csa_jax.common import sanitize_indices
+from csa_jax.layouts import as_layout
 from csa_jax.vjp import attention
 
 # Compiled once per shape and static option, also for eager callers.
@@ -61,13 +62,13 @@ def _platform():
 
 def resolve_impl(impl, q_shape, kv_shape, idx_shape, dtype) -> registry.Impl:
     """The registered Impl to run: `impl` itself, or for "auto" the platform's best (the order and
-    the rules are csa_jax/registry.py's; on NVIDIA GPUs pallas_triton, whose forward is 1.5-3x the
-    reference and a `small` training step 1.85x: docs/perf/triton_h200.md, train_h200.md)."""
+    the rules are csa_jax/registry.py's: on NVIDIA Hopper gluon where it can run the problem,
+    then pallas_triton; pallas_tpu on TPUs; xla elsewhere)."""
     return registry.resolve(impl, q_shape, kv_shape, idx_shape, dtype, _platform())
 
 
 def sparse_attention(q, kv, idx, sink=None, *, scale=None, impl="auto", interpret=None,
-                     config=None):
+                     config=None, layout=None):
     """Compressed sparse attention (csa_spec.md section 3): returns (o, lse).
 
     q    [B, T, H, D] bf16/f16/f32, already normed and rotated.
@@ -83,6 +84,12 @@ def sparse_attention(q, kv, idx, sink=None, *, scale=None, impl="auto", interpre
     interpret: None (interpret a Pallas impl when its hardware is absent), True/False, or the
          dialect's InterpretParams, passed through (e.g. race detection).
     config: the impl's own Config (e.g. csa_jax.reference.Config(dkv="scatter")); None = default.
+    layout: what idx is known to hold: None (nothing), "cr0" | "cr4" | "cr128" (window 128,
+         pool ratio 128) or csa_jax.Layout(kind, window=, pool_ratio=) (csa_jax/layouts.py). An
+         impl that can use it reads structured tiles instead of the list (gluon's cr0 window
+         kernel; pallas_tpu's window / pool tiles); the values are the same. A concrete idx that
+         breaks it raises ValueError; under jit its tokens' outputs are NaN. With an explicit
+         `config` the config's own layout field must agree.
 
     o [B, T, H, D] in q.dtype; lse [B, T, H] f32, natural log, sink included. A row with no valid
     slot gives o = 0 and lse = sink[h] (or EMPTY_LSE = -1e30 without a sink). A NaN or +inf
@@ -100,12 +107,19 @@ def sparse_attention(q, kv, idx, sink=None, *, scale=None, impl="auto", interpre
     scale = float(scale)
     if not np.isfinite(scale) or scale == 0:
         raise ValueError(f"scale={scale} must be finite and non-zero")
+    promise = None if layout is None else as_layout(layout)
     impl = resolve_impl(impl, q.shape, kv.shape, idx.shape, q.dtype)
     if config is None:
-        config = impl.default_config(q.shape, kv.shape, idx.shape, q.dtype)
+        config = impl.default_config(q.shape, kv.shape, idx.shape, q.dtype, promise)
     elif not isinstance(config, impl.Config):
         raise TypeError(f"config for impl={impl.name!r} must be {impl.mod.__name__}.Config, "
                         f"got {type(config).__name__}")
+    elif promise is not None and hasattr(config, "layout"):
+        have = (config.layout, config.window, config.pool_ratio)
+        if promise.kind != "generic" and have != (promise.kind, promise.window,
+                                                  promise.pool_ratio):
+            raise ValueError(f"layout={promise} disagrees with config.layout / window / "
+                             f"pool_ratio = {have}; give one of them")
     idx = sanitize_indices(idx, kv.shape[1])
     check_layout = getattr(impl.mod, "check_layout", None)
     if check_layout is not None and not isinstance(idx, jax.core.Tracer):

@@ -281,7 +281,8 @@ class CSAAttention(nnx.Module):
 
         with jax.named_scope("csa_attention"):
             sink = self.sink[...].astype(jnp.float32)
-            o, lse = csa_jax.sparse_attention(q, kv, idx, sink, impl=cfg.impl)
+            o, lse = csa_jax.sparse_attention(q, kv, idx, sink, impl=cfg.impl,
+                                              layout=self.layout)
         if m == _INDEXER_RATIO and cfg.indexer_loss_coef > 0:
             with jax.named_scope("indexer_loss"):
                 aux = cfg.indexer_loss_coef * self._indexer_loss(q, kv, idx, lse, q_idx, k_idx, w,
@@ -294,6 +295,17 @@ class CSAAttention(nnx.Module):
             y = jnp.einsum("btgk,gkr->btgr", og, self.wo_a[...].astype(dt))  # [B, T, G, o_rank]
             y = y.reshape(B, T, G * cfg.o_rank) @ self.wo_b[...].astype(dt)  # [B, T, C]
         return y, aux
+
+    @property
+    def layout(self) -> csa_jax.Layout:
+        """What index_lists promises about its lists (csa_jax.Layout), passed to the op so an
+        impl can read structured tiles (gluon's cr0 window kernel) without a user Config."""
+        cfg = self.cfg
+        if cfg.ratio == 0:
+            return csa_jax.Layout("cr0", window=cfg.window)
+        if cfg.ratio == _INDEXER_RATIO:
+            return csa_jax.Layout("cr4", window=cfg.window)
+        return csa_jax.Layout("cr128", window=cfg.window, pool_ratio=cfg.ratio)
 
     def index_lists(self, B, T, topk=None):
         """[B, T, K] int32 kv rows per token: [window | pool] (csa_spec.md section 4). topk: the

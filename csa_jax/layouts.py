@@ -12,10 +12,56 @@ cr128's pool of P = K - window rows), fused by XLA; no sort, nothing in the kern
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["violations", "poison"]
+__all__ = ["Layout", "KINDS", "as_layout", "violations", "poison"]
+
+KINDS = ("generic", "cr0", "cr4", "cr128")
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """A caller's promise about idx (csa_spec.md section 4), for `sparse_attention(layout=...)`.
+
+    kind: "generic" (nothing promised); "cr0": slots [0, window) hold token t's window rows
+        max(0, t - window + 1) .. t (each once, any order, -1 for the rest), every later slot -1
+        (csa_jax.build_indices(T, 0, window=window)); "cr4": the same window, the other slots
+        arbitrary; "cr128": the same window, then the visible pool rows T + p,
+        p < (t + 1) // pool_ratio (any order), -1 elsewhere (build_indices(T, pool_ratio)).
+    window, pool_ratio: the layer's window and (cr128) pool ratio.
+    An impl may use the promise to read structured tiles instead of the list (gluon's cr0
+    window kernel, pallas_tpu's window / pool tiles); others ignore it. Under jit a broken
+    promise makes the offending tokens' outputs NaN, eagerly it raises ValueError.
+    """
+    kind: str = "generic"
+    window: int = 128
+    pool_ratio: int = 128
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"layout kind={self.kind!r} must be one of {KINDS}")
+        for name in ("window", "pool_ratio"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"layout {name}={v!r} must be a positive int")
+        if self.pool_ratio < 2:
+            raise ValueError(f"layout pool_ratio={self.pool_ratio} must be >= 2")
+
+
+def as_layout(layout) -> Layout:
+    """None -> Layout() (generic); a kind string -> Layout(kind) (window 128, pool ratio 128:
+    V4's); a Layout -> itself."""
+    if layout is None:
+        return Layout()
+    if isinstance(layout, str):
+        return Layout(layout)
+    if isinstance(layout, Layout):
+        return layout
+    raise TypeError(f"layout must be None, one of {KINDS} or a csa_jax.Layout, got "
+                    f"{type(layout).__name__}")
 
 
 def _exact_set(vals, lo, count, width):

@@ -29,6 +29,7 @@ import dataclasses
 import functools
 import importlib
 import importlib.metadata
+import inspect
 import types
 
 from csa_jax import reference
@@ -113,8 +114,19 @@ class Impl:
     def Config(self):
         return self.mod.Config
 
-    def default_config(self, q_shape, kv_shape, idx_shape, dtype):
+    def default_config(self, q_shape, kv_shape, idx_shape, dtype, layout=None):
+        """The module's default Config; a layout promise (csa_jax.Layout) is passed to the
+        modules whose default_config takes one (`layout`, `window`, `pool_ratio` keywords)."""
+        if layout is not None and self.takes_layout:
+            return self.mod.default_config(q_shape, kv_shape, idx_shape, dtype,
+                                           layout=layout.kind, window=layout.window,
+                                           pool_ratio=layout.pool_ratio)
         return self.mod.default_config(q_shape, kv_shape, idx_shape, dtype)
+
+    @property
+    def takes_layout(self) -> bool:
+        """Whether the impl uses a layout promise (its default_config takes `layout`)."""
+        return "layout" in inspect.signature(self.mod.default_config).parameters
 
     def unsupported(self, q_shape, kv_shape, idx_shape, dtype) -> str | None:
         """Why "auto" should not pick this impl for the problem here (None = it may)."""

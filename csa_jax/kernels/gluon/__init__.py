@@ -1,25 +1,22 @@
-"""impl="gluon": CSA kernels in Triton's Gluon dialect (NVIDIA Hopper), called from JAX.
+"""impl="gluon": CSA kernels in Triton's Gluon dialect, called from JAX (docs/gluon.md).
 
-The impl-module interface of csa_jax/registry.py: Config, default_config (both in config.py,
-re-exported here), forward, backward, unsupported. The forward is the warp-specialized kernel of
-fwd.py (a producer partition gathering kv rows with cp.async into an mbarrier ring, two consumer
-warpgroups on wgmma), launched through jax-triton's primitive by adapter.py.
+The impl-module interface of csa_jax/registry.py: Config, default_config (config.py),
+forward, backward, unsupported, check_layout. One kernel per job (the explicit data mover: a
+producer partition gathers kv rows with cp.async into an mbarrier ring, consumer warpgroups
+run wgmma; ring.py holds what they share):
 
-BACKWARD (Config.bwd): "gluon" (default) = the warp-specialized dq kernel of bwd.py (it also
-stores scale*dS and P) + the deterministic per-slot GEMM and inverse-map gather-reduce for dkv
-(the reduce: the Pallas Triton impl's or dkv.py's, Config.bwd_reduce); "pallas_triton" = the
-whole Pallas Triton-dialect backward (its default config) on the forward's (o, lse), which
-follow the same contract.
+- forward, NVIDIA Hopper: fwd.py (FlashMLA's alternating consumer warpgroups); under the cr0
+  promise with window 128, window.py (a block of 16 tokens copies its window once);
+- backward: bwd.py's dq kernel (it also writes scale*dS, P and [q; dO]), then dkv by a per-slot
+  GEMM in XLA and dkv.py's deterministic inverse-map gather-reduce; Config.bwd="pallas_triton"
+  runs that impl's whole backward instead;
+- AMD (gfx942 / gfx950 / gfx1250): amd_fwd.py and amd_bwd.py, COMPILED FOR THOSE TARGETS ON A
+  CPU, NEVER RUN (no AMD GPU was available: neither their numerics nor the ROCm launch path
+  are tested); auto never picks gluon on ROCm.
 
 Needs the optional extra `csa_jax[gluon]` (triton==3.6.0, jax-triton==0.3.1) and an NVIDIA GPU of
 compute capability 9.0 (sm_90a: wgmma, setmaxnreg). Gluon has no CPU interpreter: on a CPU the
 kernels can only be compiled (adapter.compile_kernel), never run.
-
-AMD (ROCm): on a gfx942 / gfx950 / gfx1250 device the forward is amd_fwd.py's kernel and the
-backward's dq kernel amd_bwd.py's (Config defaults per target from dims.AMD_DEFAULTS /
-AMD_DQ_DEFAULTS; dkv as on NVIDIA, the pallas_triton GEMM + reduce). COMPILED FOR THOSE TARGETS
-ON A CPU, NEVER RUN: no AMD GPU was available, so neither the kernels' numerics nor the ROCm
-launch path (adapter.gluon_call) are tested; auto never picks gluon on ROCm.
 """
 from __future__ import annotations
 
@@ -27,11 +24,8 @@ import jax
 import jax.numpy as jnp
 
 from csa_jax.kernels.gluon.adapter import missing as _missing_triton
-from csa_jax.kernels.gluon.config import (  # noqa: F401  (the package's Config interface)
-    _BWD_TILE_KEYS, _SMEM_BUDGET, LAYOUTS, NVIDIA_BWD, WIN_AUTO, WIN_SCHEDULES, Config,
-    _bwd_default, _bwd_tiles, _check_layout_fields, default_config, replace_config,
-    shared_bytes)
-from csa_jax.kernels.gluon.dims import AMD_DEFAULTS, amd_arch
+from csa_jax.kernels.gluon.config import LAYOUTS, SMEM_BUDGET, Config, default_config  # noqa: F401
+from csa_jax.kernels.gluon.dims import AMD_DEFAULTS, amd_arch, fwd_shared_bytes
 
 _GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 
@@ -73,8 +67,9 @@ def _cannot_run(q_shape, dtype):
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         return f"dtype {jnp.dtype(dtype).name}: the Gluon kernel takes bf16/f16 (wgmma)"
     cfg = default_config(q_shape, None, None, dtype)
-    if shared_bytes(q_shape[3], cfg) > _SMEM_BUDGET:
-        return f"D={q_shape[3]} needs {shared_bytes(q_shape[3], cfg)} B of shared memory"
+    need = fwd_shared_bytes(q_shape[3], cfg.block_k, cfg.stages)
+    if need > SMEM_BUDGET:
+        return f"D={q_shape[3]} needs {need} B of shared memory"
     return None
 
 
@@ -147,17 +142,16 @@ def check_layout(idx, num_kv, config):
 
 def forward(q, kv, idx, sink, *, scale, interpret, config):
     """o [B, T, H, D] (q.dtype), lse [B, T, H] f32 (the impl interface: csa_jax/registry.py).
-    layout cr0 / cr128: the window-reuse kernel, which does not read idx; a concrete idx is
-    checked here (check_layout); for a traced one csa_jax/layouts.py finds the tokens that break
-    the promise and the kernel writes their o and lse as NaN."""
+    Config.window_kernel: the cr0 window kernel, which does not read idx; a concrete idx is
+    checked by the op before tracing (check_layout); for a traced one csa_jax/layouts.py finds
+    the tokens that break the promise and the kernel writes their o and lse as NaN."""
     _check(q, kv, idx, interpret)
     arch = _amd()
-    if arch:
+    if arch:            # (a layout promise is only a promise: AMD runs its gather kernel)
         from csa_jax.kernels.gluon import amd_fwd
         return amd_fwd.forward(q, kv, idx, sink, scale=float(scale), arch=arch,
                                block_k=config.block_k, stages=config.stages)
-    # (the layout promise is only a promise: AMD runs its generic kernel above)
-    if config.window_schedule() not in ("generic", "gather"):
+    if config.window_kernel:
         from csa_jax import layouts
         from csa_jax.kernels.gluon import window as _win
         if isinstance(idx, jax.core.Tracer):
@@ -165,39 +159,23 @@ def forward(q, kv, idx, sink, *, scale, interpret, config):
         else:
             check_layout(idx, kv.shape[1], config)
             bad = jnp.zeros(idx.shape[:2], jnp.int32)
-        return _win.forward(q, kv, sink, bad, scale=float(scale), config=config)
+        return _win.forward(q, kv, sink, bad, scale=float(scale), window=config.window)
+    if config.stages % 2:
+        raise ValueError(f"stages={config.stages}: the NVIDIA forward (alternating consumer "
+                         f"warpgroups) needs an even ring depth (2 or 4)")
     from csa_jax.kernels.gluon import fwd as _fwd
     return _fwd.forward(q, kv, idx, sink, scale=float(scale), config=config)
 
 
 def backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, interpret, config):
-    """(dq, dkv, dsink): Config.bwd picks the Gluon dq kernel or the pallas_triton backward."""
+    """(dq, dkv, dsink): Config.bwd picks the Gluon dq kernel + dkv path or the pallas_triton
+    backward."""
     _check(q, kv, idx, interpret)
-    if config.bwd_win:
-        from csa_jax.kernels.gluon import bwd_win as _bw
-        return _bw.checked_backward(q, kv, idx, sink, o, lse, do, dlse, scale=scale,
-                                    config=config, amd=_amd())
     if config.bwd == "gluon":
         from csa_jax.kernels.gluon import bwd as _bwd
         return _bwd.backward(q, kv, idx, sink, o, lse, do, dlse, scale=float(scale),
-                             block_k=config.bwd_block_k, stages=config.bwd_stages,
-                             producer_regs=config.producer_regs, prefetch=config.bwd_prefetch,
-                             ablate=config.bwd_ablate, qdo=config.bwd_qdo,
-                             dq_operand=config.bwd_dq_operand, pair=config.bwd_pair,
-                             fuse_delta=config.bwd_fuse_delta,
-                             dq_pipeline=config.bwd_pipeline, qdo_regs=config.bwd_qdo_regs,
-                             scores_ahead=config.bwd_scores_ahead,
-                             schedule=config.bwd_schedule,
-                             alt_regs=config.bwd_alt_regs, alt_order=config.bwd_alt_order,
-                             interm=config.bwd_interm,
-                             interm_operand=config.bwd_interm_operand,
-                             interm_stages=config.bwd_interm_stages,
-                             interm_pipeline=config.bwd_interm_pipeline,
-                             narrow_keys=config.bwd_narrow_keys, reduce=config.bwd_reduce,
-                             block_r=config.bwd_block_r, reduce_warps=config.bwd_reduce_warps,
-                             amd=_amd())
+                             block_k=config.bwd_block_k, stages=config.bwd_stages, amd=_amd())
     from csa_jax.kernels import triton as pt      # the pallas_triton impl module
     cfg = pt.default_config(q.shape, kv.shape, idx.shape, q.dtype)
     return pt.backward(q, kv, idx, sink, o, lse, do, dlse, scale=scale, interpret=False,
                        config=cfg)
-

@@ -25,7 +25,7 @@ from csa_jax.kernels.gluon.amd_fwd import (
     _tile_operand, _tile_scores)
 from csa_jax.kernels.gluon.dims import AMD_DQ_DEFAULTS
 from csa_jax.kernels.gluon.regtrans import strided_layout, swap01
-from csa_jax.kernels.gluon.fwd import LOG2E
+from csa_jax.kernels.gluon.ring import LOG2E
 
 _LOG2E = gl.constexpr(LOG2E)
 

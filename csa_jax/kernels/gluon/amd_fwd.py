@@ -45,7 +45,7 @@ from triton.experimental.gluon.language.amd.gfx1250 import mbarrier as g1250_bar
 from triton.experimental.gluon.language.amd.gfx1250 import tdm
 
 from csa_jax.kernels.gluon.dims import AMD_DEFAULTS, AMD_LDS, amd_lds_bytes
-from csa_jax.kernels.gluon.fwd import LOG2E, _finish, _program, _softmax_step
+from csa_jax.kernels.gluon.ring import LOG2E, _finish, _program, _softmax_step
 
 HBC_ = gl.constexpr(64)
 # LOADER: how kv tiles reach LDS. 0 = buffer_load into registers, then a local store (CDNA3:
@@ -373,7 +373,7 @@ def forward(q, kv, idx, sink, *, scale, arch, block_k=None, stages=None):
     architecture `arch` (a key of ARCH). NEVER RUN: no AMD GPU was available; the launch goes
     through adapter.gluon_call's ROCm branch, itself untested."""
     from csa_jax.kernels.gluon.adapter import gluon_call
-    from csa_jax.kernels.gluon.fwd import out_shapes, prepare, unpad
+    from csa_jax.kernels.gluon.ring import out_shapes, prepare, unpad
     if arch not in ARCH:
         raise NotImplementedError(f"no AMD Gluon forward for arch={arch!r}; built for "
                                   f"{sorted(ARCH)}")

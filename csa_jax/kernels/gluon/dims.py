@@ -15,73 +15,28 @@ def padded_dims(H, D, K, block_k):
     return round_up(H, HB), Dp, round_up(K, block_k)
 
 
-def dq_shared_bytes(D, block_k, stages, itemsize=2, pair=False):
-    """Shared memory of the dq kernel's buffers (bwd.py): [q; dO], the ring, the S/dP exchange
-    (none with pair: Config.bwd_pair), dS, the barriers."""
+def fwd_shared_bytes(D, block_k, stages, itemsize=2):
+    """Shared memory of the NVIDIA forward's buffers (fwd.py): q, the ring, the two P tiles and
+    the (max, sum) exchange; the compiler adds a few KiB."""
     Dp = padded_dims(HB, D, block_k, block_k)[1]
-    if pair:
-        return (2 * HB + stages * block_k) * Dp * itemsize + HB * block_k * itemsize + 8 * (
-            2 * stages + 1)
-    return ((2 * HB + stages * block_k) * Dp * itemsize + 2 * HB * block_k * 4
-            + HB * block_k * itemsize + 8 * (2 * stages + 2))
+    return (HB + stages * block_k) * Dp * itemsize + 2 * HB * block_k * itemsize + 8 * HB * 4
 
 
-def dq_blk_shared_bytes(D, block_k, stages, itemsize=2):
-    """Shared memory of the dq kernel with bwd_pipeline + bwd_qdo_regs (bwd_pipe.py
-    csa_dq_blk_kernel): [q; dO] in 64-column blocks, the ring, the barriers; dS lives in the
-    [q; dO] block held in registers."""
+def dq_shared_bytes(D, block_k, stages, itemsize=2):
+    """Shared memory of the dq kernel's buffers (bwd.py): [q; dO], the ring, dS, the barriers."""
     Dp = padded_dims(HB, D, block_k, block_k)[1]
-    return (2 * HB + stages * block_k) * Dp * itemsize + 8 * (2 * stages + 1)
+    return ((2 * HB + stages * block_k) * Dp * itemsize + HB * block_k * itemsize
+            + 8 * (2 * stages + 1))
 
 
-def dq_alt_shared_bytes(D, block_k, stages, itemsize=2):
-    """Shared memory of the alternating dq kernel (bwd_alt.py): [q; dO], the ring, the two dS
-    buffers, the barriers."""
-    Dp = padded_dims(HB, D, block_k, block_k)[1]
-    return (2 * HB + stages * block_k) * Dp * itemsize + 2 * HB * block_k * itemsize + 8 * (
-        2 * stages + 5)
+def dq_tiles(D):
+    """(block_k, stages) of the dq kernel: the largest of 64 x 3, 64 x 2, 32 x 3, 32 x 2, 16 x 4
+    whose buffers fit with 8 KiB to spare (32 x 2 at D = 512); None if none fits."""
+    for bk, st in ((64, 3), (64, 2), (32, 3), (32, 2), (16, 4)):
+        if dq_shared_bytes(D, bk, st) <= SMEM_LIMIT - 8192:
+            return bk, st
+    return None
 
-
-
-def dq_win_shared_bytes(D, window, itemsize=2, heads=32, block_t=16):
-    """Shared memory of the cr0 window dq kernel (bwd_win.py, Config.bwd_win): [q; dO] of 32
-    heads (64 paired rows), the span (window + 16 rows), dS of the token [32, window + 16], 4
-    barriers. D = 512, window 128: 65,536 + 147,456 + 9,216 + 32 = 222,240 B."""
-    Dp = padded_dims(HB, D, 1, 1)[1]
-    return ((2 * heads + window + block_t) * Dp + heads * (window + block_t)) * itemsize + 32
-
-
-def check_bwd_win(c):
-    """Config.bwd_win's checks (ValueError naming the bad field)."""
-    if not isinstance(c.bwd_win, bool):
-        raise ValueError(f"bwd_win={c.bwd_win!r} must be a bool")
-    r = c.bwd_win_producer_regs
-    if isinstance(r, bool) or not isinstance(r, int) or r % 8 or not 24 <= r <= 256:
-        raise ValueError(f"bwd_win_producer_regs={r!r} must be a multiple of 8 in 24..256")
-    if isinstance(c.bwd_win_ablate, bool) or c.bwd_win_ablate not in (0, 1, 2, 3):
-        raise ValueError(f"bwd_win_ablate={c.bwd_win_ablate!r} must be 0 (off) or 1..3 "
-                         f"(benchmark only)")
-    for name in ("bwd_win_overlap", "bwd_win_dq_movmatrix"):
-        if not isinstance(getattr(c, name), bool):
-            raise ValueError(f"{name}={getattr(c, name)!r} must be a bool")
-    if c.bwd_win_dsp not in ("canonical", "block"):
-        raise ValueError(f"bwd_win_dsp={c.bwd_win_dsp!r} must be 'canonical' or 'block'")
-    if c.bwd_win_delta not in ("global", "smem"):
-        raise ValueError(f"bwd_win_delta={c.bwd_win_delta!r} must be 'global' or 'smem'")
-    if not c.bwd_win:
-        if c.bwd_win_ablate:
-            raise ValueError("bwd_win_ablate applies to bwd_win=True only")
-        return
-    if c.layout != "cr0":
-        raise ValueError(f"bwd_win=True needs layout='cr0' (the window dq kernel covers the "
-                         f"window slots only; cr128's pool slots are not built), got "
-                         f"layout={c.layout!r}")
-    if c.bwd != "gluon" or c.bwd_interm != "xla":
-        raise ValueError(f"bwd_win=True runs with bwd='gluon' and bwd_interm='xla', got "
-                         f"bwd={c.bwd!r}, bwd_interm={c.bwd_interm!r}")
-    if c.bwd_ablate or c.bwd_schedule != "lockstep":
-        raise ValueError(f"bwd_win=True has no bwd_ablate / bwd_schedule modes (got "
-                         f"bwd_ablate={c.bwd_ablate}, bwd_schedule={c.bwd_schedule!r})")
 
 # AMD targets of amd_fwd.py and their default tiles at D = 512 (block_k rows a tile, stages of
 # the LDS ring, warps a program), chosen from the CPU compile report (docs/perf/gpu_resources.md):

@@ -1,4 +1,4 @@
-"""The dkv gather-reduce in Gluon (Config.bwd_reduce="gluon"): deterministic, no atomics.
+"""The dkv gather-reduce in Gluon: deterministic, no atomics (the NVIDIA backward's).
 
 dkv[b, n] = sum of interm[b, e] over the entries e of kv row n in the CSR inverse map
 (offsets [B*N, 2] = each row's [start, end) in perm, perm [B, E] = flat slot positions sorted by
@@ -13,8 +13,6 @@ entry order, then a fixed tree over the R rows, so the bits are the same on ever
 out-of-range slots are in no row's range and contribute nothing; a row with no entries gets 0.
 """
 from __future__ import annotations
-
-import dataclasses
 
 import jax
 from triton.experimental import gluon
@@ -90,36 +88,30 @@ def reduce_rows(offsets, perm, interm, dtype, *, block_r=16, num_warps=4):
         name="csa_gluon_dkv_reduce", **constexprs(N=N, E=E, D=D, R=block_r)).reshape(B, N, D)
 
 
-def dkv_dsink(dsp, qdo_st, q_p, do_p, idx_p, d, kv_dtype, sink, lse, dc, *, idx_shape, qdo,
-              interm, interm_operand, interm_stages, interm_pipeline, narrow_keys, reduce,
-              block_r, reduce_warps, interpret_reduce):
-    """(dkv [B, N, D], dsink) from a dq kernel's dsp (and qdo copy): the Pallas Triton impl's
-    deterministic per-slot GEMM + inverse-map gather-reduce over idx_p [B, T, Kp] (the slot
-    order dsp was written in; bwd_win.py passes its canonical window), dsink in XLA."""
+def dkv_dsink(dsp, qdo_st, q_p, do_p, idx_p, d, kv_dtype, sink, lse, dc, *, idx_shape,
+              interpret_reduce=False):
+    """(dkv [B, N, D], dsink) from a dq kernel's dsp: the deterministic per-slot GEMM
+    interm[t] = dsp[t]^T [q; dO][t] and the inverse-map gather-reduce over idx_p [B, T, Kp] (the
+    slot order dsp was written in), dsink in XLA. With qdo_st (the NVIDIA dq kernel's copy of
+    [q; dO], dsp head block first) the GEMM reads it and the reduce is this file's Gluon kernel;
+    without (the AMD dq kernel) the Pallas Triton impl's stack, GEMM and reduce
+    (interpret_reduce: its interpreter, for the CPU test of the wrapper)."""
     import jax.numpy as jnp
     from csa_jax.kernels.triton import default_config as pt_default_config
     from csa_jax.kernels.triton.backward import _interm_gemm, _inverse_map, _reduce_call
     B, T, Hp, Dp, Kp = d.B, d.T, d.Hp, d.Dp, d.Kp
     dt = dsp.dtype                                   # q.dtype
-    ptc = pt_default_config((B, T, d.H, d.D), (B, d.N, d.D), idx_shape, dt)
-    if interm == "gluon":
-        from csa_jax.kernels.gluon import interm as _interm
-        per_slot = _interm.interm(dsp, q_p, do_p, stages=interm_stages, operand=interm_operand,
-                                  pipeline=interm_pipeline)
-    elif qdo:   # interm[t] = dsp[t]^T qdo[t], contracting (head block, plane, head) = 2 * Hp
+    if qdo_st is not None:
+        # interm[t] = dsp[t]^T qdo[t], contracting (head block, plane, head) = 2 * Hp
         per_slot = jax.lax.dot_general(dsp.reshape(B, T, 2 * Hp, Kp),
                                        qdo_st.reshape(B, T, 2 * Hp, Dp),
                                        (((2,), (2,)), ((0, 1), (0, 1))),
                                        preferred_element_type=dt)
+        offsets, perm = _inverse_map(idx_p, d.N, False)
+        dkv = reduce_rows(offsets, perm, per_slot.reshape(B, T * Kp, Dp), kv_dtype)
     else:
+        ptc = pt_default_config((B, T, d.H, d.D), (B, d.N, d.D), idx_shape, dt)
         per_slot = _interm_gemm(dsp.reshape(B, T, 2, Hp, Kp), q_p, do_p, None, dt)
-    if reduce == "gluon":
-        offsets, perm = _inverse_map(idx_p, d.N, narrow_keys)
-        dkv = reduce_rows(offsets, perm, per_slot.reshape(B, T * Kp, Dp), kv_dtype,
-                               block_r=block_r or 16, num_warps=reduce_warps or 4)
-    else:
-        ptc = dataclasses.replace(ptc, block_r=block_r or ptc.block_r,
-                                  num_warps_reduce=reduce_warps or ptc.num_warps_reduce)
-        dkv = _reduce_call(d, ptc, interpret_reduce, idx_p, per_slot, kv_dtype, narrow_keys)
+        dkv = _reduce_call(d, ptc, interpret_reduce, idx_p, per_slot, kv_dtype, False)
     w = jnp.exp(sink[None, None, :] - lse)
     return dkv[:, :, :d.D], jnp.sum(w * dc, axis=(0, 1))

@@ -1,29 +1,32 @@
-"""Window reuse for the structured layouts cr0 / cr128 (Config.layout): the Gluon forward kernel.
+"""Window reuse for cr0 layers (`layout="cr0"`, window 128): the window kernel, and its wrapper.
 
-Under the layout promise (csa_spec.md section 4, checked by check_layout / csa_jax/layouts.py)
-token t attends to the window rows max(0, t - W + 1) .. t and, for cr128, to the pool rows
-T + p, p < (t + 1) // R. Consecutive tokens share W - 1 of their W window rows, so instead of
-gathering W rows per token (fwd.py) a program owns blocks of BT = 16 consecutive tokens of one
-64-head block and copies each block's window union once, contiguously:
+Under the cr0 promise (csa_spec.md section 4: slots [0, window) hold token t's window rows
+max(0, t - window + 1) .. t, each once, any order, every later slot -1) idx is not read: a
+program owns strided blocks of BT = 16 consecutive tokens of one 64-head block; per block the
+span, kv rows t0 - W .. t0 + 15, is copied once into shared memory, and every token of the
+block reads its window at its own offset; per token q [64, D] is the only copy. Measured
+faster than the gather kernel at the layer's shapes (docs/perf/gluon_window_h200.md: Pro cr0
+T = 4096 0.653 vs 0.746 ms, Flash 0.364 vs 0.395 ms, Pro T = 16384 2.994 vs 3.166 ms).
 
-- span: the W + BT rows t0 - W .. t0 + BT - 1 of block t0 (a multiple of BT) sit in shared memory
-  as one [W + BT, D] buffer (144 KiB at W = 128, D = 512), loaded by 16-byte cp.async row copies
-  (rows < 0 or >= N zero-filled). Every token of the block reads its rows at its own offset:
-  S = q [kv rows t0-W .. t0-1 | t0 .. t0+15]^T as two wgmma products (N = W and N = BT on static
-  subviews of the buffer), the scores outside t - W + 1 .. t masked. The 16 extra columns per
-  token (144 instead of 128 rows in both products) are the price of static, 16-aligned subviews.
-- q [64, D] (64 KiB) is the only per-token load; it is released as soon as the token's QK^T
-  products are done, so the next token's q streams in during this token's softmax, PV and
-  epilogue. o goes out from the accumulator registers.
-- cr128: each token's visible pool rows stream through a PSTAGES-deep ring of PT-row tiles
-  (contiguous rows T + p, no index loads), one online-softmax step per tile, before the window.
-- programs: grid = B x G x NHB (head block fastest, so the two programs of a Pro token block run
-  side by side and share the span in L2); program g walks blocks g, g + G, g + 2G, ...
-  (strided, so cr128's growing pool is spread evenly), reloading the span once per block.
-
-The producer partition (4 warps) does every copy; the 8 consumer warps (2 warpgroups, the D = 512
-accumulator split by columns) compute, as in fwd.py, whose softmax step and epilogue are reused.
-idx is not read: the wrapper (forward) poisons tokens whose traced idx breaks the promise.
+- three partitions of one warpgroup each (384 threads): the producer is the default partition
+  (_producer: q per token, the span per block, 16-byte cp.async); consumer warpgroups 0 and 1
+  are the two workers (setmaxnreg CONSUMER_REGS).
+- warpgroup 0 computes the scores of the span's first W/2 rows, warpgroup 1 those of the next W/2
+  rows and of the block's 16 own rows, each over all of D (wgmma, q and the span from shared
+  memory, heads as M = 64; m64n64 + m64n16 per warpgroup at W = 128). Each keeps whole score rows
+  of its columns, so its row max and sum are warp shuffles, no barrier.
+- exchange 1 (`ex_m`): each publishes its row max (256 B) and takes the other's: the token's max.
+- exchange 2 (`ex_p`): each writes its bf16 P tiles to shared memory and takes the other's.
+  The other's row sum is summed from its P tiles (no second f32 buffer: with q 64 KiB + span
+  144 KiB + P 18 KiB the H200's 227 KiB per block leave ~500 B).
+- PV: each warpgroup owns D/2 output columns ([64, 256] f32, 128 registers a thread): its own P
+  from registers, the other's from shared memory, one product per span tile; then it writes its
+  half of o (warpgroup 0 also lse).
+The window is one softmax step per token (all W + 16 columns at once): no running rescale.
+Buffer reuse is ordered by the two exchanges (a warpgroup publishes token i + 1's max only after
+its PV and epilogue of token i, so the other may then overwrite the P tiles and the max slot).
+A traced idx is checked by csa_jax/layouts.py; the tokens that break the promise (`bad`) get NaN
+o and lse from the kernel itself.
 """
 from __future__ import annotations
 
@@ -34,12 +37,17 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait)
 
 from csa_jax.kernels.gluon.dims import HB, SMEM_LIMIT, padded_dims
-from csa_jax.kernels.gluon.fwd import (CONSUMER_WARPS, LOG2E, NEG, PRODUCER_WARPS, _finish,
-                                       _release, _softmax_step)
+from csa_jax.kernels.gluon.fwd import _opaque
+from csa_jax.kernels.gluon.ring import LOG2E, NEG, PRODUCER_WARPS, _finish, _pad, _release
 
 BLOCK_T = 16                   # tokens per window block = extra span rows (a wgmma K step)
 BT = gl.constexpr(BLOCK_T)
 HBC = gl.constexpr(HB)         # heads per program (wgmma M)
+WG_WARPS = gl.constexpr(4)
+NUM_WARPS = 4                  # the default partition (the producer); 12 warps in all
+CONSUMER_REGS = 216            # registers per consumer thread (setmaxnreg)
+WINDOWS = (128,)               # the windows the kernel runs for (checked and measured: 128)
+SMS = 132                      # streaming multiprocessors of the H200
 
 
 @gluon.jit
@@ -58,30 +66,12 @@ def _copy_rows(dst, base, row0, NROWS: gl.constexpr, N, D: gl.constexpr, COLS: g
 
 
 @gluon.jit
-def _prefetch_l2(ptr0, NELEM: gl.constexpr):
-    """prefetch.global.L2 of the NELEM contiguous elements from ptr0 on: one 128-byte line per
-    producer thread and step (a hint: no data, nothing to wait for)."""
-    layout: gl.constexpr = gl.BlockedLayout([1], [32], [PRODUCER_WARPS], [0])
-    LINE: gl.constexpr = 1024 // ptr0.dtype.element_ty.primitive_bitwidth   # elements a line
-    lines = gl.arange(0, NELEM // LINE, layout=layout)
-    gl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l",
-                              [ptr0 + lines.to(gl.int64) * LINE], dtype=gl.int32,
-                              is_pure=False, pack=1)
-
-
-@gluon.jit
-def _producer(q_ptr, kv_ptr, q_smem, win_a, win_b, pool, q_ready, q_free, span_ready, span_free,
-              pool_full, pool_free, b, hb, g, nblk, T: gl.constexpr, N: gl.constexpr,
-              NHB: gl.constexpr, D: gl.constexpr, W: gl.constexpr, G: gl.constexpr,
-              RATIO: gl.constexpr, PT: gl.constexpr, PSTAGES: gl.constexpr,
-              Q_ONCE: gl.constexpr = False, Q_AHEAD: gl.constexpr = 0):
-    """Q_ONCE (benchmark only, wrong results): q is copied for the program's first token only,
-    every later token's q_ready arrives without a copy (the kernel without q's loads).
-    Q_AHEAD > 0: when token it's q is copied, the q of token it + Q_AHEAD is prefetched into L2
-    (`prefetch.global.L2`, one per 128-byte line), so that its copy, which can only start once
-    the single q buffer is free, reads L2 instead of HBM."""
+def _producer(q_ptr, kv_ptr, q_smem, win_a, win_b, q_ready, q_free, span_ready, span_free,
+              b, hb, g, nblk, T: gl.constexpr, N: gl.constexpr, NHB: gl.constexpr,
+              D: gl.constexpr, W: gl.constexpr, G: gl.constexpr):
+    """Per token its q (once the consumers freed the single q buffer); per block, after the
+    block's first q (which waits only for a QK^T), its span."""
     kv_base = kv_ptr + b.to(gl.int64) * (N * D)
-    pc = 0                                            # pool tiles issued so far
     for k in range(nblk):
         t0 = (g + k * G) * BT
         for i in range(gl.minimum(T - t0, BT)):
@@ -89,397 +79,309 @@ def _producer(q_ptr, kv_ptr, q_smem, win_a, win_b, pool, q_ready, q_free, span_r
             qrow = ((b * T + t0 + i) * NHB + hb) * HBC
             if it > 0:
                 mbarrier.wait(q_free, (it - 1) & 1)
-            if not Q_ONCE or it == 0:
-                _copy_rows(q_smem, q_ptr, qrow, HBC, qrow + HBC, D, D)
+            _copy_rows(q_smem, q_ptr, qrow, HBC, qrow + HBC, D, D)
             async_copy.mbarrier_arrive(q_ready, increment_count=False)
-            if Q_AHEAD > 0:
-                ahead = it + Q_AHEAD
-                t_ahead = (g + (ahead // BT) * G) * BT + ahead % BT
-                ok = (ahead // BT < nblk) & (t_ahead < T)
-                row_ahead = gl.where(ok, ((b * T + t_ahead) * NHB + hb) * HBC, qrow)
-                _prefetch_l2(q_ptr + row_ahead.to(gl.int64) * D, HBC * D)
-            if i == 0:        # after the block's first q: that q waits only for a QK^T
+            if i == 0:
                 if k > 0:
                     mbarrier.wait(span_free, (k - 1) & 1)
                 _copy_rows(win_a, kv_base, t0 - W, W, N, D, D)
                 _copy_rows(win_b, kv_base, t0, BT, N, D, D)
                 async_copy.mbarrier_arrive(span_ready, increment_count=False)
-            if RATIO > 0:
-                vis = (t0 + i + 1) // RATIO
-                # at least one tile per token (all zero when none is visible): the window's P
-                # goes through the token's last pool slot (P_SMEM == 2), released after it
-                for j in range(gl.maximum(gl.cdiv(vis, PT), 1)):
-                    s = pc % PSTAGES
-                    if pc >= PSTAGES:
-                        mbarrier.wait(pool_free.index(s), ((pc // PSTAGES) - 1) & 1)
-                    # rows T + j*PT .. of the pool; rows past the visible ones zero-filled
-                    _copy_rows(pool.index(s), kv_base, T + j * PT, PT, T + vis, D, D)
-                    async_copy.mbarrier_arrive(pool_full.index(s), increment_count=False)
-                    pc += 1
 
 
 @gluon.jit
-def _scores(q_smem, tile, NC: gl.constexpr):
-    """S [64, NC] = q tile^T on wgmma (both operands in shared memory), columns split over the
-    two consumer warpgroups; issued async, waited by the caller."""
-    layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, NC // 2, 16])
-    return warpgroup_mma(q_smem, tile.permute((1, 0)), gl.zeros([HBC, NC], gl.float32, layout),
-                         use_acc=False, is_async=True)
-
-
-@gluon.jit
-def _step(sc, row0, lo, hi, m, l, NC: gl.constexpr, QK_SCALE: gl.constexpr):
-    """fwd._softmax_step on a tile of NC consecutive kv rows row0 ..: the rows outside
-    lo .. hi masked; m, l (and the returned alpha, m, l) in the row layout of `m`."""
-    s_layout: gl.constexpr = sc.type.layout
-    rows = row0 + gl.arange(0, NC, layout=gl.SliceLayout(0, s_layout))
-    ids = gl.where((rows >= lo) & (rows <= hi), rows, -1)
-    srow: gl.constexpr = gl.SliceLayout(1, s_layout)
-    p, alpha, m2, l2 = _softmax_step(sc, ids, gl.convert_layout(m, srow),
-                                     gl.convert_layout(l, srow), QK_SCALE)
-    keep: gl.constexpr = m.type.layout
-    return (p, gl.convert_layout(alpha, keep), gl.convert_layout(m2, keep),
-            gl.convert_layout(l2, keep))
-
-
-@gluon.jit
-def _masked(sc, row0, lo, hi, NC: gl.constexpr, QK_SCALE: gl.constexpr):
-    """Scores of NC consecutive kv rows row0 .. in the exp2 domain, -inf outside lo .. hi."""
-    rows = row0 + gl.arange(0, NC, layout=gl.SliceLayout(0, sc.type.layout))
+def _mask(sc, row0, lo, hi, QK_SCALE: gl.constexpr):
+    """Scores of consecutive kv rows row0 .. in the exp2 domain, -inf outside lo .. hi."""
+    n: gl.constexpr = sc.shape[1]
+    rows = row0 + gl.arange(0, n, layout=gl.SliceLayout(0, sc.type.layout))
     return gl.where(((rows >= lo) & (rows <= hi))[None, :], sc * QK_SCALE, float("-inf"))
 
 
 @gluon.jit
-def _rescale(acc, alpha):
-    return acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
+def _qk(q_smem, tile, layout: gl.constexpr):
+    n: gl.constexpr = tile.shape[0]
+    return warpgroup_mma(q_smem, tile.permute((1, 0)), gl.zeros([HBC, n], gl.float32, layout),
+                         use_acc=False, is_async=True)
 
 
 @gluon.jit
-def _pv(p, tile, acc):
-    """acc + p tile on wgmma (p from registers in the A-operand layout)."""
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc.type.layout,
-                                                 k_width=2)
-    return warpgroup_mma(gl.convert_layout(p.to(tile.dtype), a_layout), tile, acc)
+def _rowsum(p_smem, layout: gl.constexpr, srow: gl.constexpr):
+    """Row sums of a bf16 P tile in shared memory, in the row layout srow."""
+    return gl.convert_layout(gl.sum(p_smem.load(layout).to(gl.float32), axis=1), srow)
+
+
+@gluon.constexpr_function
+def _s_layout(W):
+    """Scores of a W/2-row span tile (one warpgroup, heads as M = 64)."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                     instr_shape=[16, W // 2, 16])
+
+
+@gluon.constexpr_function
+def _c_layout():
+    """Scores of the span's 16-row tail."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                     instr_shape=[16, BLOCK_T, 16])
+
+
+@gluon.constexpr_function
+def _o_layout(D):
+    """A warpgroup's [64, D/2] f32 accumulator."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                     instr_shape=[16, D // 2, 16])
 
 
 @gluon.jit
-def _pv_smem(p, pview, tile, acc):
-    """acc + p tile on wgmma with p through shared memory (both warpgroups write their columns
-    of p, then each reads all of it as the A operand): no register exchange of p, so no compiler
-    scratch for it. Callers have synchronised the partition since pview's previous readers."""
-    pview.store(p.to(pview.dtype))
+def _issue(bufs, q_ready, it, W: gl.constexpr, D: gl.constexpr, WG: gl.constexpr):
+    """Wait for token `it`'s q and issue this warpgroup's score products (async): warpgroup 0
+    the span rows t0 - W .. t0 - W/2 - 1, warpgroup 1 rows t0 - W/2 .. t0 - 1 and the tail
+    t0 .. t0 + 15. The buffers are indexed with an opaque 0 so that their wgmma descriptors
+    are rebuilt per token instead of hoisted out of the loops (and spilled: fwd.py)."""
+    q_smem, win_a, win_b = bufs[0], bufs[1], bufs[2]
+    s_layout: gl.constexpr = _s_layout(W)
+    c_layout: gl.constexpr = _c_layout()
+    o_layout: gl.constexpr = _o_layout(D)
+    HALF: gl.constexpr = W // 2
+    mbarrier.wait(q_ready, it & 1)
     fence_async_shared()
-    gl.thread_barrier()
-    return warpgroup_mma(pview, tile, acc)
+    z = _opaque(it * 0)
+    q = q_smem.index(z)
+    if WG == 0:
+        s = (_qk(q, win_a.index(z).slice(0, HALF), s_layout),)
+    else:
+        s = (_qk(q, win_a.index(z).slice(HALF, HALF), s_layout),
+             _qk(q, win_b.index(z), c_layout))
+    return s
 
 
 @gluon.jit
-def _consumer(sink_ptr, bad_ptr, o_ptr, lse_ptr, q_smem, win_a, win_b, pool, q_ready, q_free,
-              span_ready, span_free, pool_full, pool_free, b, hb, g, nblk, T: gl.constexpr,
-              NHB: gl.constexpr, D: gl.constexpr, W: gl.constexpr, G: gl.constexpr,
-              RATIO: gl.constexpr, PT: gl.constexpr, PSTAGES: gl.constexpr,
-              QK_SCALE: gl.constexpr, P_SMEM: gl.constexpr, ABLATE: gl.constexpr):
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, D // 2, 16])
-    orow: gl.constexpr = gl.SliceLayout(1, o_layout)
-    # rows per window product: all W when P goes through shared memory, else 64-row tiles (the
-    # register P operand of one product then stays at 16 registers a thread)
-    WT: gl.constexpr = W if P_SMEM != 0 else (64 if W > 64 else W)
-    srow: gl.constexpr = gl.SliceLayout(1, gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, WT // 2, 16]))
-    hrows = gl.arange(0, HBC, layout=srow)
-    orows = gl.arange(0, HBC, layout=orow)
-    ocols = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
-    sink_ptrs = sink_ptr + hb * HBC + hrows
-    pc = 0
+def _token(s, t0, t, it, bufs, bars, W: gl.constexpr, D: gl.constexpr,
+           QK_SCALE: gl.constexpr, WG: gl.constexpr):
+    """The token's softmax and PV from its score products `s` (in flight): (acc, m, l) of this
+    warpgroup's D/2 output columns, the token's row max and sum (exp2 domain)."""
+    q_smem, win_a, win_b, p_a, p_b, p_c, mx = bufs
+    q_ready, q_free, span_ready, span_free, ex_m, ex_p = bars
+    s_layout: gl.constexpr = _s_layout(W)
+    c_layout: gl.constexpr = _c_layout()
+    o_layout: gl.constexpr = _o_layout(D)
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    srow: gl.constexpr = gl.SliceLayout(1, s_layout)
+    crow: gl.constexpr = gl.SliceLayout(1, c_layout)
+    DH: gl.constexpr = D // 2
+    HALF: gl.constexpr = W // 2
+    OTHER: gl.constexpr = 1 - WG
+    dtype: gl.constexpr = p_a.dtype
+    ph = it & 1
+    lo = gl.maximum(t - W + 1, 0)                  # rows < 0 are zero-filled
+    if WG == 0:
+        sa = warpgroup_mma_wait(0, deps=[s[0]])
+        _release(q_free)                           # q may be refilled once both are
+        sa = _mask(sa, t0 - W, lo, t, QK_SCALE)
+        m_own = gl.max(sa, axis=1)
+    else:
+        sb, sc = warpgroup_mma_wait(0, deps=[s[0], s[1]])
+        _release(q_free)
+        sb = _mask(sb, t0 - HALF, lo, t, QK_SCALE)
+        sc = _mask(sc, t0, lo, t, QK_SCALE)
+        m_own = gl.maximum(gl.max(sb, axis=1), gl.convert_layout(gl.max(sc, axis=1), srow))
+    # exchange 1: the row max
+    mx.slice(WG * HBC, HBC).store(m_own)
+    _release(ex_m.index(WG))
+    mbarrier.wait(ex_m.index(OTHER), ph)
+    m = gl.maximum(gl.maximum(m_own, mx.slice(OTHER * HBC, HBC).load(srow)), NEG)
+    # P of this warpgroup's columns, to shared memory for the other
+    if WG == 0:
+        pa = gl.exp2(sa - m[:, None]).to(dtype)
+        l_own = gl.sum(pa.to(gl.float32), axis=1)
+        p_a.store(pa)
+    else:
+        pb = gl.exp2(sb - m[:, None]).to(dtype)
+        pc = gl.exp2(sc - gl.convert_layout(m, crow)[:, None]).to(dtype)
+        l_own = gl.sum(pb.to(gl.float32), axis=1) + gl.convert_layout(
+            gl.sum(pc.to(gl.float32), axis=1), srow)
+        p_b.store(pb)
+        p_c.store(pc)
+    fence_async_shared()          # P is read by the other warpgroup's wgmma
+    _release(ex_p.index(WG))
+    mbarrier.wait(ex_p.index(OTHER), ph)
+    # exchange 2 done. PV on this warpgroup's D/2 columns: own P from registers, the other's
+    # from shared memory
+    z = _opaque(it * 0)
+    va = win_a.index(z).slice(0, HALF).slice(WG * DH, DH, dim=1)
+    vb = win_a.index(z).slice(HALF, HALF).slice(WG * DH, DH, dim=1)
+    vc = win_b.index(z).slice(WG * DH, DH, dim=1)
+    acc = gl.zeros([HBC, DH], gl.float32, o_layout)
+    if WG == 0:
+        acc = warpgroup_mma(gl.convert_layout(pa, a_layout), va, acc, use_acc=False,
+                            is_async=True)
+        acc = warpgroup_mma(p_b, vb, acc, is_async=True)
+        acc = warpgroup_mma(p_c, vc, acc, is_async=True)
+        l_oth = _rowsum(p_b, s_layout, srow) + _rowsum(p_c, c_layout, srow)
+    else:
+        acc = warpgroup_mma(p_a, va, acc, use_acc=False, is_async=True)
+        acc = warpgroup_mma(gl.convert_layout(pb, a_layout), vb, acc, is_async=True)
+        acc = warpgroup_mma(gl.convert_layout(pc, a_layout), vc, acc, is_async=True)
+        l_oth = _rowsum(p_a, s_layout, srow)
+    acc = warpgroup_mma_wait(0, deps=[acc])
+    return acc, m, l_own + l_oth
+
+
+@gluon.jit
+def _final(acc, m, l, broken, sink_ptrs, o_dtype: gl.constexpr, D: gl.constexpr):
+    """(o, lse) of one token: this warpgroup's bf16 [64, D/2] half of o; NaN if `broken`."""
+    orow: gl.constexpr = gl.SliceLayout(1, _o_layout(D))
+    lse, o_scale = _finish(m, l, sink_ptrs)
+    o_scale = gl.where(broken, float("nan"), o_scale)
+    o = (acc * gl.convert_layout(o_scale, orow)[:, None]).to(o_dtype)
+    return o, gl.where(broken, float("nan"), lse)
+
+
+@gluon.jit
+def _store(o, lse, row, o_ptr, lse_ptr, W: gl.constexpr, D: gl.constexpr, WG: gl.constexpr):
+    """This warpgroup's half of o (and, warpgroup 0, lse) of one token."""
+    o_layout: gl.constexpr = _o_layout(D)
+    DH: gl.constexpr = D // 2
+    if WG == 0:
+        hrows = gl.arange(0, HBC, layout=gl.SliceLayout(1, _s_layout(W)))
+        gl.store(lse_ptr + row * HBC + hrows, lse)
+    orows = gl.arange(0, HBC, layout=gl.SliceLayout(1, o_layout))
+    ocols = WG * DH + gl.arange(0, DH, layout=gl.SliceLayout(0, o_layout))
+    gl.store(o_ptr + (row * HBC + orows).to(gl.int64)[:, None] * D + ocols[None, :], o)
+
+
+@gluon.jit
+def _consumer(sink_ptr, bad_ptr, o_ptr, lse_ptr, bufs, bars, b, hb, g, nblk,
+              T: gl.constexpr, NHB: gl.constexpr, D: gl.constexpr, W: gl.constexpr,
+              G: gl.constexpr, QK_SCALE: gl.constexpr, WG: gl.constexpr):
+    q_ready, q_free, span_ready, span_free, ex_m, ex_p = bars
+    s_layout: gl.constexpr = _s_layout(W)
+    sink_ptrs = sink_ptr + hb * HBC + gl.arange(0, HBC, layout=gl.SliceLayout(1, s_layout))
     for k in range(nblk):
         t0 = (g + k * G) * BT
         mbarrier.wait(span_ready, k & 1)
-        ntok = gl.minimum(T - t0, BT)
-        for i in range(ntok):
+        for i in range(gl.minimum(T - t0, BT)):
             t = t0 + i
             it = k * BT + i
-            m = gl.full([HBC], NEG, gl.float32, srow)
-            l = gl.zeros([HBC], gl.float32, srow)
-            acc = gl.zeros([HBC, D], gl.float32, o_layout)
-            mbarrier.wait(q_ready, it & 1)
-            fence_async_shared()
-            q0 = q_smem
-            # the promise check's verdict for this token (wrapper: NaN outputs if broken)
+            # the promise check's verdict for this token (wrapper: NaN if broken)
             broken = gl.load(bad_ptr + b * T + t) != 0
-            if ABLATE == 2:       # benchmark only: no compute, the copies' pace
-                _release(q_free)
-                if RATIO > 0:
-                    for j in range(gl.maximum(gl.cdiv((t + 1) // RATIO, PT), 1)):
-                        mbarrier.wait(pool_full.index(pc % PSTAGES), (pc // PSTAGES) & 1)
-                        _release(pool_free.index(pc % PSTAGES))
-                        pc += 1
-            else:
-                if RATIO > 0:
-                    vis = (t + 1) // RATIO
-                    npt = gl.maximum(gl.cdiv(vis, PT), 1)
-                    for j in range(npt):
-                        s = pc % PSTAGES
-                        mbarrier.wait(pool_full.index(s), (pc // PSTAGES) & 1)
-                        fence_async_shared()
-                        tile = pool.index(s)
-                        sp = _scores(q0, tile, PT)
-                        sp = warpgroup_mma_wait(0, deps=[sp])
-                        p, alpha, m, l = _step(sp, T + j * PT, T, T + vis - 1, m, l, PT,
-                                               QK_SCALE)
-                        acc = _pv(p, tile, _rescale(acc, alpha))
-                        if j < npt - 1 or P_SMEM != 2:
-                            _release(pool_free.index(s))
-                        pc += 1
-                # the span's first W rows (one product, or two of 64 rows), then its last BT rows
-                sa = _scores(q0, win_a.slice(0, WT), WT)
-                if W > WT:
-                    sa2 = _scores(q0, win_a.slice(WT, WT), WT)
-                sb = _scores(q0, win_b, BT)
-                if W > WT:
-                    sa, sa2, sb = warpgroup_mma_wait(0, deps=[sa, sa2, sb])
-                else:
-                    sa, sb = warpgroup_mma_wait(0, deps=[sa, sb])
-                _release(q_free)                          # the next token's q may load now
-                # one online step over the whole span (joint running max)
-                lo = gl.maximum(t - W + 1, 0)                  # rows < 0 are zero-filled
-                sa = _masked(sa, t0 - W, lo, t, WT, QK_SCALE)
-                mx = gl.max(sa, axis=1)
-                if W > WT:
-                    sa2 = _masked(sa2, t0 - W + WT, lo, t, WT, QK_SCALE)
-                    mx = gl.maximum(mx, gl.max(sa2, axis=1))
-                sb = _masked(sb, t0, lo, t, BT, QK_SCALE)
-                m_new = gl.maximum(m, gl.maximum(mx, gl.convert_layout(gl.max(sb, axis=1), srow)))
-                alpha = gl.exp2(m - m_new)
-                acc = _rescale(acc, alpha)
-                pa = gl.exp2(sa - m_new[:, None])
-                l = l * alpha + gl.sum(pa, axis=1)
-                if P_SMEM == 1:
-                    pview = pool
-                elif P_SMEM == 2:      # the token's last pool slot (its tile's products are done)
-                    pview = pool.index((pc - 1) % PSTAGES)._reinterpret(
-                        win_a.dtype, [W // WT, HBC, WT],
-                        gl.NVMMASharedLayout.get_default_for([HBC, WT], win_a.dtype))
-                if P_SMEM == 0:
-                    acc = _pv(pa, win_a.slice(0, WT), acc)
-                else:
-                    acc = _pv_smem(pa, pview.index(0), win_a.slice(0, WT), acc)
-                if W > WT:
-                    pa = gl.exp2(sa2 - m_new[:, None])
-                    l = l + gl.sum(pa, axis=1)
-                    if P_SMEM == 0:
-                        acc = _pv(pa, win_a.slice(WT, WT), acc)
-                    else:
-                        acc = _pv_smem(pa, pview.index(1), win_a.slice(WT, WT), acc)
-                m_b = gl.convert_layout(m_new, gl.SliceLayout(1, sb.type.layout))
-                pb = gl.exp2(sb - m_b[:, None])
-                l = l + gl.convert_layout(gl.sum(pb, axis=1), srow)
-                m = m_new
-                acc = _pv(pb, win_b, acc)
-                if P_SMEM == 2:
-                    _release(pool_free.index((pc - 1) % PSTAGES))
-                row = (b * T + t) * NHB + hb
-                lse, o_scale = _finish(m, l, sink_ptrs)
-                lse = gl.where(broken, float("nan"), lse)
-                o_scale = gl.where(broken, float("nan"), o_scale)
-                o = (acc * gl.convert_layout(o_scale, orow)[:, None]).to(o_ptr.dtype.element_ty)
-                if ABLATE != 1 or t < 0:  # ABLATE 1, benchmark only: everything but the stores
-                    gl.store(lse_ptr + row * HBC + hrows, lse)
-                    gl.store(o_ptr + (row * HBC + orows).to(gl.int64)[:, None] * D + ocols[None, :],
-                             o)
-        _release(span_free)
+            s = _issue(bufs, q_ready, it, W, D, WG)
+            acc, m, l = _token(s, t0, t, it, bufs, bars, W, D, QK_SCALE, WG)
+            o, lse = _final(acc, m, l, broken, sink_ptrs, o_ptr.dtype.element_ty, D)
+            _store(o, lse, (b * T + t) * NHB + hb, o_ptr, lse_ptr, W, D, WG)
+        _release(span_free)                    # past the block's reads of the span
 
 
 @gluon.jit
-def _program_blocks(T: gl.constexpr, NHB: gl.constexpr, G: gl.constexpr):
-    """(head block, g, sequence, number of blocks) of this program: program = (b, g, head
-    block), head block fastest; it owns the 16-token blocks g, g + G, ... below T / 16."""
+def csa_window_kernel(q_ptr, kv_ptr, sink_ptr, bad_ptr, o_ptr, lse_ptr,
+                      T: gl.constexpr, N: gl.constexpr, NHB: gl.constexpr,
+                      D: gl.constexpr, W: gl.constexpr, G: gl.constexpr,
+                      QK_SCALE: gl.constexpr, CONSUMER_REGS: gl.constexpr):
     pid = gl.program_id(0)
+    # program = (b, g, head block), head block fastest; it owns the 16-token blocks g, g + G,
+    # ... below T / 16
     NBLK: gl.constexpr = (T + BT - 1) // BT
     g = (pid // NHB) % G
-    return pid % NHB, g, pid // (NHB * G), gl.cdiv(NBLK - g, G)
-
-
-@gluon.jit
-def _span_buffers(dtype: gl.constexpr, W: gl.constexpr, D: gl.constexpr,
-                  INDEXED: gl.constexpr):
-    """A 16-token block's span in shared memory (this kernel's, window_xchg.py's and
-    bwd_win.py's): its first W rows win_a [W, D] and its last BT rows win_b [BT, D] (two
-    buffers: shapes are powers of two); [1, W, D] / [1, BT, D] with INDEXED (window_xchg.py's,
-    read through .index)."""
-    a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([W, D], dtype)
-    b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BT, D], dtype)
-    if INDEXED:
-        win_a = gl.allocate_shared_memory(dtype, [1, W, D], a_layout)
-        win_b = gl.allocate_shared_memory(dtype, [1, BT, D], b_layout)
-    else:
-        win_a = gl.allocate_shared_memory(dtype, [W, D], a_layout)
-        win_b = gl.allocate_shared_memory(dtype, [BT, D], b_layout)
-    return win_a, win_b
-
-
-@gluon.jit
-def _span_barriers(FREE: gl.constexpr):
-    """q_ready, q_free, span_ready, span_free (allocated in this order), initialized: the
-    producer's warps arrive on q_ready / span_ready when a token's q / the block's span has
-    landed, FREE consumer arrivals (one per consumer partition) free them. This kernel's,
-    window_xchg.py's (FREE 2) and bwd_win.py's."""
+    hb, b, nblk = pid % NHB, pid // (NHB * G), gl.cdiv(NBLK - g, G)
+    dtype: gl.constexpr = q_ptr.dtype.element_ty
+    HALF: gl.constexpr = W // 2
+    # [1, ...]: the consumers index them with an opaque 0 (_issue, _token)
+    q_smem = gl.allocate_shared_memory(
+        dtype, [1, HBC, D], gl.NVMMASharedLayout.get_default_for([HBC, D], dtype))
+    # the block's span: its first W rows win_a [W, D] and its last BT rows win_b [BT, D] (two
+    # buffers: shapes are powers of two)
+    win_a = gl.allocate_shared_memory(dtype, [1, W, D],
+                                      gl.NVMMASharedLayout.get_default_for([W, D], dtype))
+    win_b = gl.allocate_shared_memory(dtype, [1, BT, D],
+                                      gl.NVMMASharedLayout.get_default_for([BT, D], dtype))
+    p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HBC, HALF], dtype)
+    p_a = gl.allocate_shared_memory(dtype, [HBC, HALF], p_layout)
+    p_b = gl.allocate_shared_memory(dtype, [HBC, HALF], p_layout)
+    p_c = gl.allocate_shared_memory(
+        dtype, [HBC, BT], gl.NVMMASharedLayout.get_default_for([HBC, BT], dtype))
+    mx = gl.allocate_shared_memory(gl.float32, [2 * HBC], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    # the producer's warps arrive on q_ready / span_ready when a token's q / the block's span
+    # landed; one arrival of each consumer warpgroup frees them
     bar: gl.constexpr = mbarrier.MBarrierLayout()
     q_ready = gl.allocate_shared_memory(gl.int64, [1], bar)
     q_free = gl.allocate_shared_memory(gl.int64, [1], bar)
     span_ready = gl.allocate_shared_memory(gl.int64, [1], bar)
     span_free = gl.allocate_shared_memory(gl.int64, [1], bar)
     mbarrier.init(q_ready, count=PRODUCER_WARPS * 32)
-    mbarrier.init(q_free, count=FREE)
+    mbarrier.init(q_free, count=2)
     mbarrier.init(span_ready, count=PRODUCER_WARPS * 32)
-    mbarrier.init(span_free, count=FREE)
-    return q_ready, q_free, span_ready, span_free
-
-
-@gluon.jit
-def csa_window_kernel(q_ptr, kv_ptr, sink_ptr, bad_ptr, o_ptr, lse_ptr,
-                      T: gl.constexpr, N: gl.constexpr, NHB: gl.constexpr, D: gl.constexpr,
-                      W: gl.constexpr, G: gl.constexpr, RATIO: gl.constexpr, PT: gl.constexpr,
-                      PSTAGES: gl.constexpr, QK_SCALE: gl.constexpr,
-                      PRODUCER_REGS: gl.constexpr, P_SMEM: gl.constexpr,
-                      ABLATE: gl.constexpr):
-    hb, g, b, nblk = _program_blocks(T, NHB, G)
-    dtype: gl.constexpr = q_ptr.dtype.element_ty
-    q_smem = gl.allocate_shared_memory(
-        dtype, [HBC, D], gl.NVMMASharedLayout.get_default_for([HBC, D], dtype))
-    win_a, win_b = _span_buffers(dtype, W, D, False)
-    WT: gl.constexpr = W if P_SMEM != 0 else (64 if W > 64 else W)
-    PS: gl.constexpr = PSTAGES if RATIO > 0 else 1
-    if RATIO > 0:                  # the pool ring (P_SMEM 2: the window's P in its last slot)
-        pool = gl.allocate_shared_memory(
-            dtype, [PSTAGES, PT, D], gl.NVMMASharedLayout.get_default_for([PT, D], dtype))
-    elif P_SMEM == 1:              # cr0: `pool` is the window's P buffer
-        pool = gl.allocate_shared_memory(
-            dtype, [W // WT, HBC, WT], gl.NVMMASharedLayout.get_default_for([HBC, WT], dtype))
-    else:                          # cr0, P in registers: a placeholder
-        pool = gl.allocate_shared_memory(
-            dtype, [1, 8, 8], gl.NVMMASharedLayout.get_default_for([8, 8], dtype))
-    q_ready, q_free, span_ready, span_free = _span_barriers(1)
-    bar: gl.constexpr = mbarrier.MBarrierLayout()
-    pool_full = gl.allocate_shared_memory(gl.int64, [PS, 1], bar)
-    pool_free = gl.allocate_shared_memory(gl.int64, [PS, 1], bar)
-    for s in gl.static_range(PS):
-        mbarrier.init(pool_full.index(s), count=PRODUCER_WARPS * 32)
-        mbarrier.init(pool_free.index(s), count=1)
+    mbarrier.init(span_free, count=2)
+    ex_m = gl.allocate_shared_memory(gl.int64, [2, 1], bar)
+    ex_p = gl.allocate_shared_memory(gl.int64, [2, 1], bar)
+    for w in gl.static_range(2):
+        mbarrier.init(ex_m.index(w), count=1)
+        mbarrier.init(ex_p.index(w), count=1)
+    bufs = (q_smem, win_a, win_b, p_a, p_b, p_c, mx)
+    bars = (q_ready, q_free, span_ready, span_free, ex_m, ex_p)
     gl.warp_specialize([
-        (_consumer, (sink_ptr, bad_ptr, o_ptr, lse_ptr, q_smem, win_a, win_b, pool, q_ready, q_free,
-                     span_ready, span_free, pool_full, pool_free, b, hb, g, nblk, T, NHB, D,
-                     W, G, RATIO, PT, PSTAGES, QK_SCALE, P_SMEM, ABLATE)),
-        (_producer, (q_ptr, kv_ptr, q_smem, win_a, win_b, pool, q_ready, q_free, span_ready,
-                     span_free, pool_full, pool_free, b, hb, g, nblk, T, N, NHB, D, W, G,
-                     RATIO, PT, PSTAGES)),
-    ], [PRODUCER_WARPS], [PRODUCER_REGS])
+        (_producer, (q_ptr, kv_ptr, q_smem.index(0), win_a.index(0), win_b.index(0),
+                     q_ready, q_free, span_ready, span_free, b, hb, g, nblk, T, N, NHB, D, W,
+                     G)),
+        (_consumer, (sink_ptr, bad_ptr, o_ptr, lse_ptr, bufs, bars, b, hb, g, nblk, T, NHB, D,
+                     W, G, QK_SCALE, 0)),
+        (_consumer, (sink_ptr, bad_ptr, o_ptr, lse_ptr, bufs, bars, b, hb, g, nblk, T, NHB, D,
+                     W, G, QK_SCALE, 1)),
+    ], [WG_WARPS, WG_WARPS], [CONSUMER_REGS, CONSUMER_REGS])
 
 
-SMS = 132                      # streaming multiprocessors of the H200
+# ----------------------------------------------------------------------------- host side
 
-
-def p_smem_mode(D, window, ratio, pool_tile, p_smem):
-    """Where the window's P goes for its PV products: 0 registers (the compiler exchanges it
-    between the warpgroups through 4 KiB of scratch), 1 a [window, 64] shared buffer (cr0 with
-    p_smem), 2 the token's last cr128 pool slot when it is large enough (always tried for
-    cr128: q + span + one 16-row pool tile + the register path's scratch is ~1 KiB over the H200's
-    shared memory at D = 512)."""
+def shared_bytes(D, window, itemsize=2):
+    """Shared memory of the kernel: q, the span, the P tiles, the max slots, the barriers,
+    and 320 B for the compiler's own (it takes 288 B more than the buffers at W = 128;
+    checked against the compiler by tests/test_gluon_window)."""
     Dp = padded_dims(HB, D, 1, 1)[1]
-    if ratio:
-        return 2 if pool_tile * Dp >= HB * window else 0
-    return 1 if p_smem else 0
+    rows = HB + window + int(BT)
+    return (rows * Dp * itemsize + HB * (window + int(BT)) * itemsize + 2 * HB * 4 + 8 * 8
+            + 320)
 
 
-def shared_bytes(D, window, ratio, pool_tile, pool_stages, p_mode, itemsize=2):
-    """Shared memory of the kernel, estimated: q, the span, the cr128 pool ring or the cr0 P
-    buffer, the compiler's scratch for P exchanges (4 KiB for 64-column P tiles, 2 KiB for
-    16-column ones) and the barriers (checked against the compiler by tests/test_gluon_window)."""
-    Dp = padded_dims(HB, D, 1, 1)[1]
-    rows = HB + window + BLOCK_T
-    if ratio:
-        rows += pool_stages * pool_tile
-    elif p_mode == 1:
-        rows += window * HB // Dp
-    scratch = (HB * min(window, 64) if p_mode == 0 else HB * BLOCK_T) * itemsize
-    return rows * Dp * itemsize + scratch + 256
-
-
-def programs(B, T, nhb, want=0):
-    """G, the programs per (sequence, head block) along the tokens: `want`, else enough for one
-    program per SM (one fits an SM: shared memory), never more than the T / BT blocks."""
+def programs(B, T, nhb):
+    """G, the programs per (sequence, head block) along the tokens: enough for one program per
+    SM (one fits an SM: shared memory), never more than the T / BT blocks."""
     nblk = -(-T // BLOCK_T)
-    g = want if want else -(-SMS // (B * nhb))
-    return max(1, min(nblk, g))
+    return max(1, min(nblk, -(-SMS // (B * nhb))))
 
 
-def constexprs(*, T, N, NHB, D, window, G, ratio, pool_tile, pool_stages, scale,
-               producer_regs, p_smem=False, ablate=0):
-    p_mode = p_smem_mode(D, window, ratio, pool_tile, p_smem)
-    return dict(T=T, N=N, NHB=NHB, D=D, W=window, G=G, RATIO=ratio, PT=pool_tile,
-                PSTAGES=pool_stages, QK_SCALE=float(scale) * LOG2E, PRODUCER_REGS=producer_regs,
-                P_SMEM=p_mode, ABLATE=int(ablate))
+def constexprs(*, T, N, NHB, D, window, G, scale):
+    """The kernel's compile-time parameters (also used by the CPU compile checks)."""
+    return dict(T=T, N=N, NHB=NHB, D=D, W=window, G=G, QK_SCALE=float(scale) * LOG2E,
+                CONSUMER_REGS=CONSUMER_REGS)
 
 
 def arg_types(dt="bf16"):
+    """q, kv, sink, bad | o, lse."""
     return [f"*{dt}", f"*{dt}", "*fp32", "*i32", f"*{dt}", "*fp32"]
 
 
-def forward(q, kv, sink, bad, *, scale, config):
-    """o [B, T, H, D] (q.dtype), lse [B, T, H] f32 of the cr0 / cr128 layout promise (idx is not
-    read); bad [B, T] (bool or int): tokens whose idx breaks the promise, whose o and lse the
-    kernel writes as NaN (no extra pass over o). CUDA only."""
+def forward(q, kv, sink, bad, *, scale, window):
+    """o [B, T, H, D] (q.dtype), lse [B, T, H] f32 under the cr0 promise (idx is not read);
+    bad [B, T] (bool or int): tokens whose idx breaks the promise, whose o and lse the kernel
+    writes as NaN (no extra pass over o). CUDA only."""
     import jax
     import jax.numpy as jnp
     from csa_jax.kernels.gluon.adapter import gluon_call
     B, T, H, D = q.shape
     N = kv.shape[1]
-    if config.layout == "cr128" and N < T + T // config.pool_ratio:
-        raise ValueError(f"layout='cr128': kv has N={N} rows, fewer than the T + T // "
-                         f"pool_ratio = {T + T // config.pool_ratio} the pool needs")
     Hp, Dp, _ = padded_dims(H, D, 1, 1)
-    pad = lambda x, axis, size, v=0: x if x.shape[axis] == size else jnp.pad(
-        x, [(0, size - x.shape[a]) if a == axis else (0, 0) for a in range(x.ndim)],
-        constant_values=v)
-    q_p = pad(pad(q, 3, Dp), 2, Hp).reshape(B * T * Hp, Dp)
-    kv_p = pad(kv, 2, Dp).reshape(B * N, Dp)
-    sink_p = pad(sink.astype(jnp.float32), 0, Hp, -jnp.inf)
+    need = shared_bytes(Dp, window)
+    if window not in WINDOWS or need > SMEM_LIMIT:
+        raise NotImplementedError(f"the cr0 window kernel runs window in {WINDOWS} within "
+                                  f"{SMEM_LIMIT} B of shared memory; got {window=}, {D=} "
+                                  f"({need} B)")
+    q_p = _pad(_pad(q, 3, Dp), 2, Hp).reshape(B * T * Hp, Dp)
+    kv_p = _pad(kv, 2, Dp).reshape(B * N, Dp)
+    sink_p = _pad(sink.astype(jnp.float32), 0, Hp, -jnp.inf)
     nhb = Hp // HB
-    G = programs(B, T, nhb, config.win_programs)
-    ratio = config.pool_ratio if config.layout == "cr128" else 0
-    sched = config.window_schedule()
-    if sched not in ("lockstep", "exchange", "overlap"):
-        raise ValueError(f"window.forward: layout={config.layout!r} runs {sched!r}, not a "
-                         f"window kernel")
-    if sched in ("exchange", "overlap"):
-        from csa_jax.kernels.gluon import window_xchg as wx
-        need = wx.shared_bytes(Dp, config.window)
-        kernel, warps = wx.csa_window_xchg_kernel, wx.NUM_WARPS
-        consts = wx.constexprs(T=T, N=N, NHB=nhb, D=Dp, window=config.window, G=G,
-                               scale=scale, consumer_regs=config.win_regs,
-                               overlap=sched == "overlap", ablate=config.win_ablate,
-                               q_ahead=config.win_prefetch)
-    else:
-        p_mode = p_smem_mode(Dp, config.window, ratio, config.pool_tile, config.win_p_smem)
-        need = shared_bytes(Dp, config.window, ratio, config.pool_tile, config.pool_stages,
-                            p_mode)
-        kernel, warps = csa_window_kernel, CONSUMER_WARPS
-        consts = constexprs(T=T, N=N, NHB=nhb, D=Dp, window=config.window, G=G, ratio=ratio,
-                            pool_tile=config.pool_tile, pool_stages=config.pool_stages,
-                            scale=scale, producer_regs=config.win_producer_regs,
-                            p_smem=config.win_p_smem, ablate=config.win_ablate)
-    if need > SMEM_LIMIT:
-        raise NotImplementedError(
-            f"layout={config.layout!r}, window={config.window}, D={D}, pool_tile="
-            f"{config.pool_tile}, pool_stages={config.pool_stages}, schedule="
-            f"{sched!r}: the window kernel needs ~{need} B of shared memory, "
-            f"over the {SMEM_LIMIT} B per block")
+    G = programs(B, T, nhb)
+    consts = constexprs(T=T, N=N, NHB=nhb, D=Dp, window=window, G=G, scale=scale)
     o, lse = gluon_call(
-        q_p, kv_p, sink_p, bad.astype(jnp.int32).reshape(B * T), kernel=kernel,
+        q_p, kv_p, sink_p, bad.astype(jnp.int32).reshape(B * T), kernel=csa_window_kernel,
         out_shape=[jax.ShapeDtypeStruct((B * T * Hp, Dp), q.dtype),
                    jax.ShapeDtypeStruct((B * T * Hp,), jnp.float32)],
-        grid=(B * G * nhb,), num_warps=warps, name="csa_gluon_window", **consts)
-    o = o.reshape(B, T, Hp, Dp)[:, :, :H, :D]
-    lse = lse.reshape(B, T, Hp)[:, :, :H]
-    return o, lse
+        grid=(B * G * nhb,), num_warps=NUM_WARPS, name="csa_gluon_window", **consts)
+    return o.reshape(B, T, Hp, Dp)[:, :, :H, :D], lse.reshape(B, T, Hp)[:, :, :H]

@@ -1,0 +1,176 @@
+"""What every Gluon CSA kernel shares: the program's place in the grid, the producer's gather
+ring, the ring's barriers, the online-softmax step and the sink epilogue, and the host-side
+padding of a forward's operands.
+
+One program (CTA) = 64 heads of one token (H = 128: two programs per token, side by side in the
+grid so their repeated gathers hit L2), the structure of FlashMLA's SM90 sparse prefill. The
+producer (PRODUCER_WARPS = 4 warps) copies q [64, D] into shared memory once, then walks the
+token's slots in tiles of BK rows and gathers each tile's kv rows [BK, D] with 16-byte cp.async
+(`async_copy_global_to_shared` from a pointer tensor, 8 threads per 128-byte row segment) into a
+STAGES-deep shared-memory ring. Empty slots (-1) are masked: zero-filled, never read from global
+memory. Each producer thread arrives on the stage's "full" mbarrier when its copies land
+(cp.async.mbarrier.arrive.noinc; barrier count = producer threads); before refilling a stage it
+waits on its "consumed" mbarrier. The tile loop stops at the token's last non-empty tile
+(ntiles from idx), so causally empty tails cost nothing.
+
+Numerics (csa_spec.md section 3): exp2 domain, finite initial running max NEG = -1e30 (also
+EMPTY_LSE), empty slots masked, the sink joined at the end (_finish); an empty row gives o = 0
+and lse = sink or EMPTY_LSE.
+
+Padding (host side, prepare): H to a multiple of 64 (padded heads have zero q and no sink; they
+are computed and dropped), D to a power of two >= 64 (zero columns change neither scores nor
+outputs), K to a multiple of BK with -1.
+"""
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
+
+from csa_jax.kernels.gluon.dims import HB, padded_dims
+
+PRODUCER_WARPS = gl.constexpr(4)
+CONSUMER_WARPS = 8           # the dq kernel's consumer partition: 2 warpgroups
+LOG2E = 1.4426950408889634
+NEG = gl.constexpr(-1.0e30)   # finite initial running max, and EMPTY_LSE
+
+
+# The producer's copy layout: 8 threads cover one 128-byte segment of a row (16 B each),
+# 4 rows per warp.
+PRODUCER_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [PRODUCER_WARPS.value, 1],
+                                                [1, 0]))
+
+
+@gluon.jit
+def _producer(q_ptr, kv_ptr, idx_ptr, q_smem, ring, full, consumed, q_bar, row, b, ntiles,
+              N: gl.constexpr, D: gl.constexpr, K: gl.constexpr, BK: gl.constexpr,
+              STAGES: gl.constexpr, HBC: gl.constexpr):
+    """A forward producer: q [HBC, D] of this program (rows row*HBC .. of the [B*T*Hp, D] view)
+    into q_smem, arriving on q_bar; then the token's tiles into the ring, the next tile's row
+    ids loaded while this stage's copies fly and the next stage drains."""
+    layout: gl.constexpr = PRODUCER_LAYOUT
+    cols = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
+    hrows = gl.arange(0, HBC, layout=gl.SliceLayout(1, layout))
+    q_ptrs = q_ptr + (row * HBC + hrows).to(gl.int64)[:, None] * D + cols[None, :]
+    async_copy.async_copy_global_to_shared(q_smem, q_ptrs)
+    async_copy.mbarrier_arrive(q_bar, increment_count=False)
+    krows = gl.arange(0, BK, layout=gl.SliceLayout(1, layout))
+    kv_base = kv_ptr + b.to(gl.int64) * (N * D)
+    ids = gl.load(idx_ptr + krows)                     # K >= BK: always in bounds
+    for i in range(ntiles):
+        s = i % STAGES
+        valid = ids >= 0
+        safe = gl.where(valid, ids, 0)
+        ptrs = kv_base + safe.to(gl.int64)[:, None] * D + cols[None, :]
+        if i >= STAGES:
+            mbarrier.wait(consumed.index(s), ((i // STAGES) - 1) & 1)
+        # (Triton 3.6 drops eviction_policy on cp.async: the PTX carries no L2 cache hint.)
+        async_copy.async_copy_global_to_shared(ring.index(s), ptrs, mask=valid[:, None])
+        async_copy.mbarrier_arrive(full.index(s), increment_count=False)
+        nxt = (i + 1) * BK + krows
+        ids = gl.load(idx_ptr + nxt, mask=nxt < K, other=-1)
+
+
+@gluon.jit
+def _softmax_step(sc, ids, m, l, QK_SCALE: gl.constexpr):
+    """One online-softmax step in the exp2 domain: (p, alpha, m_new, l_new)."""
+    sc = gl.where((ids >= 0)[None, :], sc * QK_SCALE, float("-inf"))
+    m_new = gl.maximum(m, gl.max(sc, axis=1))
+    p = gl.exp2(sc - m_new[:, None])
+    alpha = gl.exp2(m - m_new)
+    return p, alpha, m_new, l * alpha + gl.sum(p, axis=1)
+
+
+@gluon.jit
+def _program(ntiles_ptr, idx_ptr, T: gl.constexpr, NHB: gl.constexpr, K: gl.constexpr):
+    """(row, tok, hb, b, ntiles, idx_tok) of this program: program = (b, t, head block), head
+    block fastest; `row` indexes the [B*T*NHB] head blocks (rows row*64.. of q / o), idx_tok
+    the token's K slots. Shared by every Gluon CSA kernel (fwd, bwd, amd_fwd, amd_bwd)."""
+    row = gl.program_id(0)
+    tok = row // NHB
+    hb = row % NHB
+    return row, tok, hb, tok // T, gl.load(ntiles_ptr + tok), idx_ptr + tok.to(gl.int64) * K
+
+
+@gluon.jit
+def _finish(m, l, sink_ptrs):
+    """Join the sink (natural-log logits, converted to the exp2 domain) to the running (m, l):
+    (lse, o_scale) per csa_spec.md section 3: natural-log lse, EMPTY_LSE (NEG) and o = 0 for an
+    empty row without sink. Shared by the NVIDIA and AMD forwards (amd_fwd.py)."""
+    sink2 = gl.load(sink_ptrs) * 1.4426950408889634
+    m_tot = gl.maximum(m, sink2)
+    l_tot = l * gl.exp2(m - m_tot) + gl.exp2(sink2 - m_tot)
+    nonempty = l_tot > 0
+    safe_l = gl.where(nonempty, l_tot, 1.0)
+    lse = gl.where(nonempty, (m_tot + gl.log2(safe_l)) * 0.6931471805599453, NEG)
+    return lse, gl.where(nonempty, gl.exp2(m - m_tot) / safe_l, 0.0)
+
+
+@gluon.jit
+def _release(bar):
+    # Every consumer warp of this partition is past its reads of the stage, then one arrival.
+    gl.thread_barrier()
+    mbarrier.arrive(bar)
+
+
+@gluon.jit
+def _wait_tile(ring, full, i, STAGES: gl.constexpr):
+    """(stage, ring tile) of tile i once its copies landed, made visible to wgmma."""
+    s = i % STAGES
+    mbarrier.wait(full.index(s), (i // STAGES) & 1)
+    fence_async_shared()          # cp.async (generic proxy) -> wgmma (async proxy)
+    return s, ring.index(s)
+
+
+# ----------------------------------------------------------------------------- host side
+
+# q, kv, idx, ntiles, sink | o, lse
+ARG_TYPES = ("*{dt}", "*{dt}", "*i32", "*i32", "*fp32", "*{dt}", "*fp32")
+
+
+def arg_types(dt="bf16"):
+    """The forward kernels' argument types (fwd.py's and amd_fwd.py's)."""
+    return [a.format(dt=dt) for a in ARG_TYPES]
+
+
+def _pad(x, axis, size, v=0):
+    import jax.numpy as jnp
+    if x.shape[axis] == size:
+        return x
+    return jnp.pad(x, [(0, size - x.shape[a]) if a == axis else (0, 0) for a in range(x.ndim)],
+                   constant_values=v)
+
+
+def prepare(q, kv, idx, sink, bk):
+    """The padded operands of a forward kernel (fwd.py's and amd_fwd.py's) and its dims:
+    (q [B*T*Hp, Dp], kv [B*N, Dp], idx [B*T, Kp] (-1 padding), ntiles [B*T], sink [Hp] (-inf
+    padding), (B, T, H, D, N, Hp, Dp, Kp, NHB)). ntiles = tiles up to the last non-empty slot."""
+    import jax.numpy as jnp
+    B, T, H, D = q.shape
+    N, K = kv.shape[1], idx.shape[2]
+    Hp, Dp, Kp = padded_dims(H, D, K, bk)
+    idx_p = _pad(idx, 2, Kp, -1)
+    j = jnp.arange(Kp, dtype=jnp.int32)
+    used = jnp.max(jnp.where(idx_p >= 0, j, -1), axis=2) + 1
+    ntiles = ((used + bk - 1) // bk).astype(jnp.int32).reshape(B * T)
+    q_p = _pad(_pad(q, 3, Dp), 2, Hp).reshape(B * T * Hp, Dp)
+    kv_p = _pad(kv, 2, Dp).reshape(B * N, Dp)
+    sink_p = _pad(sink.astype(jnp.float32), 0, Hp, -jnp.inf)
+    return (q_p, kv_p, idx_p.reshape(B * T, Kp), ntiles, sink_p,
+            (B, T, H, D, N, Hp, Dp, Kp, Hp // HB))
+
+
+def out_shapes(q, dims):
+    """o [B*T*Hp, Dp] in q's dtype and lse [B*T*Hp] f32: a forward kernel's outputs."""
+    import jax
+    import jax.numpy as jnp
+    B, T, _, _, _, Hp, Dp, _, _ = dims
+    return [jax.ShapeDtypeStruct((B * T * Hp, Dp), q.dtype),
+            jax.ShapeDtypeStruct((B * T * Hp,), jnp.float32)]
+
+
+def unpad(o, lse, dims):
+    """o [B, T, H, D], lse [B, T, H] from the kernel's padded outputs."""
+    B, T, H, D, _, Hp, Dp, _, _ = dims
+    return o.reshape(B, T, Hp, Dp)[:, :, :H, :D], lse.reshape(B, T, Hp)[:, :, :H]
