@@ -45,64 +45,70 @@ def _need_triton():
 
 
 def test_config_defaults_fit_shared_memory():
+    from csa_jax.kernels.gluon.dims import dq_shared_bytes, fwd_shared_bytes
     for D in (64, 128, 512):
         cfg = impl.default_config((1, 8, 64, D), (1, 16, D), (1, 8, 64), jnp.bfloat16)
-        assert impl.shared_bytes(D, cfg) <= 232_448
+        assert fwd_shared_bytes(D, cfg.block_k, cfg.stages) <= impl.SMEM_BUDGET
+        assert dq_shared_bytes(D, cfg.bwd_block_k, cfg.bwd_stages) <= 232_448 - 8192
+        assert cfg.stages % 2 == 0              # the alternating forward's ring parity
     # D = 512: q (64 KiB) + 2 stages of 64 rows (128 KiB); a third stage would not fit.
-    assert impl.default_config((1, 8, 128, 512), None, (1, 8, 640), jnp.bfloat16).stages == 2
+    c = impl.default_config((1, 8, 128, 512), None, (1, 8, 640), jnp.bfloat16)
+    assert (c.block_k, c.stages, c.bwd_block_k, c.bwd_stages) == (64, 2, 32, 2)
     assert impl.default_config((1, 8, 64, 128), None, (1, 8, 64), jnp.bfloat16).stages == 4
+
+
+def test_config_has_only_real_choices():
+    """Eight fields (docs/gluon.md): no ablation or never-timed switch reaches the public op."""
+    import dataclasses
+    assert [f.name for f in dataclasses.fields(impl.Config)] == [
+        "block_k", "stages", "layout", "window", "pool_ratio", "bwd", "bwd_block_k",
+        "bwd_stages"]
 
 
 @pytest.mark.parametrize("kw, match", [
     (dict(block_k=48), "block_k=48"),
     (dict(stages=0), "stages=0"),
     (dict(stages=True), "stages=True"),
-    (dict(producer_regs=100), "producer_regs=100"),
-    (dict(producer_regs=8), "producer_regs=8"),
-    (dict(pipeline=1), "pipeline=1"),
-    (dict(ablate=7), "ablate=7"),
-    (dict(ablate=2, pipeline=True), "pipeline=False only"),
-    (dict(schedule="lockstep"), "schedule='lockstep'"),
-    (dict(schedule="alternate", stages=3), "even stages, got stages=3"),
-    (dict(schedule="alternate", pipeline=True), "pipeline apply to schedule='default' only"),
-    (dict(alt_split=True, schedule="default"), "alt_split=True applies to schedule='alternate'"),
-    (dict(schedule="alternate", alt_regs=250), "alt_regs=250"),
-    (dict(alt_order="later"), "alt_order='later' must be"),
-    (dict(alt_order="s_first", schedule="default"), "alt_order='s_first' applies to"),
-    (dict(alt_ablate=2), "alt_ablate=2 must be 0"),
-    (dict(alt_ablate=1, schedule="default"), "alt_ablate applies to schedule='alternate'"),
+    (dict(layout="cr8"), "layout='cr8'"),
+    (dict(window=0), "window=0"),
+    (dict(pool_ratio=1), "pool_ratio=1"),
+    (dict(bwd="xla"), "bwd='xla'"),
+    (dict(bwd_block_k=128), "bwd_block_k=128"),
+    (dict(bwd_stages=5), "bwd_stages=5"),
 ])
 def test_config_rejects(kw, match):
     with pytest.raises(ValueError, match=match):
         impl.Config(**kw)
 
 
-def test_schedule_auto_resolution():
-    """schedule="auto" (the default) runs the alternating kernel unless a lockstep-only option
-    or an odd ring depth asks for fwd.py's."""
-    assert impl.Config().resolved_schedule == "alternate"
-    for kw in (dict(pipeline=True), dict(smem_epilogue=True), dict(ablate=1), dict(stages=3)):
-        assert impl.Config(**kw).resolved_schedule == "default", kw
-    assert impl.Config(schedule="default").resolved_schedule == "default"
-    assert impl.Config(alt_split=True).resolved_schedule == "alternate"
-    with pytest.raises(ValueError, match="alt_split=True applies"):
-        impl.Config(alt_split=True, pipeline=True)
+def test_odd_ring_depth_is_refused_by_the_nvidia_forward(monkeypatch):
+    """stages=3 is a valid AMD ring depth but not for the alternating NVIDIA forward: a clear
+    ValueError at the call, not a wrong result."""
+    monkeypatch.setattr(impl, "_cannot_run", lambda *a: None)
+    monkeypatch.setattr(impl, "_amd", lambda: None)
+    q = jnp.zeros((1, 4, 64, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match="stages=3.*even ring depth"):
+        impl.forward(q, jnp.zeros((1, 4, 64), jnp.bfloat16), jnp.zeros((1, 4, 64), jnp.int32),
+                     jnp.zeros((64,)), scale=1.0, interpret=False, config=impl.Config(stages=3))
 
 
 @pytest.mark.parametrize("family", ["flash", "pro"])
 @pytest.mark.parametrize("ratio", [0, 4, 128])
-def test_auto_schedule_per_layout_and_family(family, ratio):
-    """auto's measured rule (docs/perf/gluon_alt_h200.md, section 3): the default Config of
-    every V4 family and layout runs the alternating gather kernel at T = 4096 and 16384, and
-    its step order is "pv_first" (1.09x / 1.08x faster than "s_first" at Pro cr4 T = 4096 /
-    16384 in the same call; "stats_first" 0.93x)."""
+def test_default_config_per_layer_and_promise(family, ratio):
+    """Every V4 family and layer gets the same kernel tiles; the layout promise is passed
+    through, and only cr0 with window 128 runs the window kernel (docs/perf/gluon_window_h200.md:
+    faster than the gather kernel at cr0; cr128's window kernel was slower and is gone)."""
     from csa_jax.config import preset
     cfg = preset(family, ratio)
-    for T in (4096, 16384):
-        H, D, K = cfg.num_heads, cfg.head_dim, cfg.window + cfg.topk
-        c = impl.default_config((1, T, H, D), (1, T, D), (1, T, K), "bfloat16")
-        assert c.layout == "generic" and c.resolved_schedule == "alternate", (family, ratio, c)
-        assert c.alt_order == "pv_first"
+    H, D, K, T = cfg.num_heads, cfg.head_dim, cfg.window + cfg.topk, 4096
+    c = impl.default_config((1, T, H, D), (1, T, D), (1, T, K), "bfloat16")
+    assert c.layout == "generic" and not c.window_kernel
+    kind = {0: "cr0", 4: "cr4", 128: "cr128"}[ratio]
+    p = impl.default_config((1, T, H, D), (1, T, D), (1, T, K), "bfloat16", layout=kind,
+                            window=cfg.window, pool_ratio=128)
+    assert (p.layout, p.block_k, p.stages) == (kind, c.block_k, c.stages)
+    assert p.window_kernel == (ratio == 0)
+    assert not impl.Config(layout="cr0", window=64).window_kernel
 
 
 def test_unsupported_on_cpu_names_the_reason():
@@ -196,14 +202,14 @@ def test_gluon_call_rejects_plain_functions():
 
 def test_gluon_call_without_gpu_jaxlib_names_the_extra():
     _need_triton()
-    from csa_jax.kernels.gluon.probe import ring_gather_kernel
+    from csa_jax.kernels.gluon.dkv import csa_dkv_reduce_kernel
     try:
         import jax_triton  # noqa: F401
         pytest.skip("jax-triton imports here (GPU jaxlib): the launch path is tested on the GPU")
     except ImportError:
         pass
     with pytest.raises(ImportError, match=r"csa_jax\[gluon\]"):
-        adapter.gluon_call(jnp.zeros((4, 8)), kernel=ring_gather_kernel,
+        adapter.gluon_call(jnp.zeros((4, 8)), kernel=csa_dkv_reduce_kernel,
                            out_shape=jax.ShapeDtypeStruct((4, 8), jnp.float32), grid=(1,),
                            num_warps=4)
 
@@ -211,123 +217,61 @@ def test_gluon_call_without_gpu_jaxlib_names_the_extra():
 # ----------------------------------------------------------------------------- compile only
 
 
-def _compile_fwd(D=512, K=1152, block_k=64, stages=2, dt="bf16", **kw):
-    from csa_jax.kernels.gluon import fwd
-    if kw.pop("schedule", "default") == "alternate":
-        from csa_jax.kernels.gluon import fwd_alt
-        return adapter.compile_kernel(
-            fwd_alt.csa_fwd_alt_kernel, fwd.arg_types(dt),
-            fwd_alt.constexprs(T=64, N=256, NHB=2, D=D, K=K, BK=block_k, stages=stages,
-                               scale=D ** -0.5, **kw),
-            target="sm_90a", num_warps=fwd_alt.NUM_WARPS)
+def _compile_fwd(D=512, K=1152, block_k=64, stages=2, dt="bf16", target="sm_90a"):
+    from csa_jax.kernels.gluon import fwd, ring
     return adapter.compile_kernel(
-        fwd.csa_fwd_kernel, fwd.arg_types(dt),
+        fwd.csa_fwd_kernel, ring.arg_types(dt),
         fwd.constexprs(T=64, N=256, NHB=2, D=D, K=K, BK=block_k, stages=stages,
-                       scale=D ** -0.5, producer_regs=96, **kw),
-        target="sm_90a", num_warps=fwd.CONSUMER_WARPS)
+                       scale=D ** -0.5),
+        target=target, num_warps=fwd.NUM_WARPS)
 
 
-def test_forward_compiles_for_sm90a_without_spills():
-    """The default D = 512 kernel: 12 warps (8 consumers + 4 producer), fits shared memory,
-    no spills, wgmma and 16-byte cp.async in the PTX, setmaxnreg register split."""
+@pytest.mark.parametrize("kw", [dict(), dict(D=64, K=64, stages=4),
+                                dict(block_k=32, stages=4, dt="fp16")])
+def test_forward_compiles_for_sm90a_without_spills(kw):
+    """fwd.py: 12 warps = producer (default partition) + two 4-warp consumer workers at 216
+    registers (setmaxnreg; the producer gets the other 72), shared memory within the limit,
+    0 spills (it spilled 232 B before its q descriptors were kept in the loop), ptxas does not
+    serialize the wgmmas, a full m64n(BK) S per tile and m64n(D/2) PV on wgmma, 16-byte
+    cp.async gathers completing on mbarriers."""
     _need_triton()
-    c = _compile_fwd()
-    r = adapter.resources(c, "sm_90a")
-    assert r["num_warps"] == 12
-    assert r["launch_problem"] is None
-    assert r["shared"] <= r["shared_limit"]
-    assert r["spill_stores"] == 0 and r["spill_loads"] == 0, r["ptxas"]
-    ptx = c.asm["ptx"]
-    assert "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16" in ptx
-    assert "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16" in ptx
-    assert "cp.async.cg.shared.global" in ptx and "cp.async.mbarrier.arrive.noinc" in ptx
-    assert re.search(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+96;", ptx)  # producer
-
-
-@pytest.mark.parametrize("kw", [dict(D=64, K=64, stages=4), dict(D=512, dt="fp16"),
-                                dict(block_k=32, stages=4), dict(pipeline=True),
-                                dict(smem_epilogue=True)])
-def test_forward_variants_compile(kw):
-    _need_triton()
-    r = adapter.resources(_compile_fwd(**kw), "sm_90a")
-    assert r["num_warps"] == 12 and r["shared"] <= r["shared_limit"]
-
-
-@pytest.mark.parametrize("kw, regs", [(dict(), 216), (dict(consumer_regs=200), 200),
-                                      (dict(D=64, K=64, stages=4), 216),
-                                      (dict(split=True), 216),
-                                      (dict(order="s_first"), 216),
-                                      (dict(order="stats_first"), 216),
-                                      (dict(order="stats_first", split=True), 216),
-                                      (dict(order="pv_release"), 216),
-                                      (dict(block_k=32, stages=4, dt="fp16"), 216)])
-def test_alternate_schedule_compiles_without_spills(kw, regs):
-    """schedule="alternate" (fwd_alt.py): 12 warps = producer (default partition) + two 4-warp
-    consumer workers at `regs` registers (setmaxnreg; the producer gets the rest), shared
-    memory within the limit, 0 spills (it spilled 232 B before its q descriptors were kept in
-    the loop), a full m64n64 S per tile and m64n(D/2) PV on wgmma."""
-    _need_triton()
-    from csa_jax.kernels.gluon import fwd_alt
-    c = _compile_fwd(schedule="alternate", **kw)
+    from csa_jax.kernels.gluon import fwd
+    c = _compile_fwd(**kw)
     r = adapter.resources(c, "sm_90a")
     assert r["num_warps"] == 12 and r["launch_problem"] is None
     assert r["shared"] <= r["shared_limit"]
     assert r["spill_stores"] == 0 and r["spill_loads"] == 0, r["ptxas"]
     assert "C7514" not in r["ptxas"], r["ptxas"]     # ptxas: "wgmma ... serialized"
     ptx = c.asm["ptx"]
-    assert re.search(rf"setmaxnreg\.inc\.sync\.aligned\.u32\s+{regs};", ptx)
-    prod = fwd_alt.producer_regs(regs)                    # 72 at 216, 104 at 200
-    assert re.search(rf"setmaxnreg\.dec\.sync\.aligned\.u32\s+{prod};", ptx)
+    assert re.search(rf"setmaxnreg\.inc\.sync\.aligned\.u32\s+{fwd.CONSUMER_REGS};", ptx)
+    assert re.search(rf"setmaxnreg\.dec\.sync\.aligned\.u32\s+{fwd.producer_regs()};", ptx)
     bk, dh = kw.get("block_k", 64), kw.get("D", 512) // 2
     dt = "f16.f16" if kw.get("dt") == "fp16" else "bf16.bf16"
     assert f"wgmma.mma_async.sync.aligned.m64n{bk}k16.f32.{dt}" in ptx
     assert f"wgmma.mma_async.sync.aligned.m64n{dh}k16.f32.{dt}" in ptx
+    assert "cp.async.cg.shared.global" in ptx and "cp.async.mbarrier.arrive.noinc" in ptx
 
 
-def test_alternate_ablation_has_no_products():
-    """alt_ablate=1 (benchmark only): the same kernel without a single wgmma, 0 spills."""
-    _need_triton()
-    c = _compile_fwd(schedule="alternate", ablate=1, order="pv_first")
-    r = adapter.resources(c, "sm_90a")
-    assert r["spill_stores"] == 0 and r["spill_loads"] == 0, r["ptxas"]
-    assert "wgmma.mma_async" not in c.asm["ptx"] and "cp.async.cg.shared.global" in c.asm["ptx"]
+def test_forward_refuses_an_odd_ring():
+    from csa_jax.kernels.gluon import fwd
+    with pytest.raises(ValueError, match="even ring depth"):
+        fwd.constexprs(T=64, N=256, NHB=1, D=512, K=128, BK=64, stages=3, scale=0.1)
 
 
 @pytest.mark.parametrize("target", ["gfx942", "gfx950", "gfx1250"])
 def test_forward_is_nvidia_only(target):
     """The kernel uses NVIDIA-only ops (wgmma, NVMMA layouts, cp.async): the AMD targets refuse
-    it at compile time (docs/perf/gluon_h200.md, AMD section)."""
+    it at compile time (they run amd_fwd.py)."""
     _need_triton()
-    from csa_jax.kernels.gluon import fwd
     with pytest.raises(Exception):
-        adapter.compile_kernel(
-            fwd.csa_fwd_kernel, fwd.arg_types(),
-            fwd.constexprs(T=64, N=256, NHB=1, D=512, K=128, BK=64, stages=2, scale=0.1,
-                           producer_regs=96),
-            target=target, num_warps=fwd.CONSUMER_WARPS)
-    from csa_jax.kernels.gluon import fwd_alt
-    with pytest.raises(Exception):
-        adapter.compile_kernel(
-            fwd_alt.csa_fwd_alt_kernel, fwd.arg_types(),
-            fwd_alt.constexprs(T=64, N=256, NHB=1, D=512, K=128, BK=64, stages=2, scale=0.1),
-            target=target, num_warps=fwd_alt.NUM_WARPS)
+        _compile_fwd(K=128, target=target)
 
 
-def test_probe_compiles():
-    _need_triton()
-    from csa_jax.kernels.gluon.probe import ring_gather_kernel
-    c = adapter.compile_kernel(ring_gather_kernel, ["*bf16", "*i32", "*bf16"],
-                               dict(NT=2, BK=16, D=128, STAGES=2), num_warps=4)
-    assert c.metadata.num_warps == 8 and adapter.launch_problem(c.metadata) is None
-
-
-def test_resource_report_sm90a(capsys):
-    """benchmarks/gluon_resources.py: the default forward fits and does not spill (exit 0)."""
+def test_resource_report_sm90a():
+    """benchmarks/gluon_resources.py: the default NVIDIA kernels fit and do not spill (exit 0)."""
     _need_triton()
     from benchmarks import gluon_resources
-    assert gluon_resources.main(["--targets", "sm_90a", "--kernels", "gluon_nv,triton"]) == 0
-    out = capsys.readouterr().out
-    assert "| csa_fwd[default] | sm_90a | 12 |" in out
+    assert gluon_resources.main(["--targets", "sm_90a", "--kernels", "gluon_nv"]) == 0
 
 
 @pytest.mark.parametrize("H, D, dtype, cc, want", [

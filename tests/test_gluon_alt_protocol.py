@@ -1,13 +1,12 @@
-"""A model of fwd_alt.py's barrier protocol, run under random interleavings (CPU only).
+"""A model of fwd.py's barrier protocol, run under random interleavings (CPU only).
 
 The Gluon kernel cannot run here; this checks the protocol it implements, transcribed from
-fwd_alt.py step by step (which barrier each partition waits on with which parity, what it reads
+fwd.py (the alternating consumer warpgroups, "pv_first" step order) step by step (which barrier each partition waits on with which parity, what it reads
 and writes): no deadlock, no ring stage / P tile / stats row overwritten before its last reader
 is done, every read sees the tile it expects. mbarrier semantics: a barrier completes a phase
 after `count` arrivals; wait(parity) returns once the phase of that parity has completed (a
-fresh barrier's "previous phase", parity 1, counts as completed). One model per
-Config.alt_order; the SPLIT halves are not modeled (each stage is one unit, released after both
-column halves' PV).
+fresh barrier's "previous phase", parity 1, counts as completed). Each stage is one unit,
+released after both column halves' PV.
 """
 from __future__ import annotations
 
@@ -79,72 +78,47 @@ def _pv_prev_done(w, o, i, st):
     yield ("arrive", ("exfree", o))
 
 
-def consumer(w, n, st, order):
-    """Warpgroup w's steps, transcribed from fwd_alt._own_tile* (order = Config.alt_order)."""
+def consumer(w, n, st):
+    """Warpgroup w's steps, transcribed from fwd._own_tile and fwd._consumer."""
     o = 1 - w
     for i in range(w, n, 2):
         s = i % st
-        if order in ("pv_first", "pv_release") and i >= 1:
+        if i >= 1:                                                 # the other's PV_{i-1} first
             yield from _pv_prev_issue(o, i, st)
             yield ("read", ("st", o), i - 1)
-            if order == "pv_release":                              # PV_{i-1} waited first
-                yield from _pv_prev_done(w, o, i, st)
         yield ("wait", ("full", s), (i // st) & 1)
         yield ("begin", ("ring", s), i)                            # S_i issued
-        if order == "stats_first":
-            if i >= 1:
-                yield ("wait", ("stb", o), ((i - 1) // 2) & 1)
-                yield ("read", ("st", o), i - 1)
-            yield ("end", ("ring", s), i)                          # S_i waited
-            yield ("write", ("st", w), i, 1)
-            yield ("arrive", ("stb", w))
-            if i >= 1:
-                yield from _pv_prev_issue(o, i, st)
-        elif order == "s_first":
-            if i >= 1:
-                yield from _pv_prev_issue(o, i, st)
-                yield ("read", ("st", o), i - 1)
-            yield ("end", ("ring", s), i)
-        else:                                                      # pv_*: both waited
-            yield ("end", ("ring", s), i)
-            if i >= 1 and order == "pv_first":
-                yield from _pv_prev_done(w, o, i, st)
+        yield ("end", ("ring", s), i)                              # both waited
+        if i >= 1:
+            yield from _pv_prev_done(w, o, i, st)
         if i >= 2:
             yield ("wait", ("exfree", w), ((i // 2) - 1) & 1)
         yield ("write", ("p", w), i, 1)
-        if order != "stats_first":
-            yield ("write", ("st", w), i, 1)
+        yield ("write", ("st", w), i, 1)
         yield ("arrive", ("ex", w))
-        if i >= 1 and order in ("s_first", "stats_first"):        # PV_{i-1} waited
-            yield from _pv_prev_done(w, o, i, st)
         yield ("begin", ("ring", s), i)                            # PV_i (synchronous)
         yield ("end", ("ring", s), i)
         yield ("arrive", ("consumed", s))
     last = n - 1
     if last >= 0 and last % 2 == o:
-        if order == "stats_first":
-            yield ("wait", ("stb", o), (last // 2) & 1)
-            yield ("read", ("st", o), last)
-            yield ("wait", ("ex", o), (last // 2) & 1)
-        else:
-            yield ("wait", ("ex", o), (last // 2) & 1)
-            yield ("read", ("st", o), last)
+        yield ("wait", ("ex", o), (last // 2) & 1)
+        yield ("read", ("st", o), last)
         yield ("wait", ("full", last % st), (last // st) & 1)
         yield ("begin", ("ring", last % st), last)
         yield ("end", ("ring", last % st), last)
         yield ("arrive", ("consumed", last % st))
 
 
-def run(n, st, order, rng, cons=consumer):
+def run(n, st, rng, cons=consumer):
     bars = {}
     for s in range(st):
         bars[("full", s)] = Barrier(1)
         bars[("consumed", s)] = Barrier(2)
     for w in range(2):
-        for name in ("ex", "exfree", "stb"):
+        for name in ("ex", "exfree"):
             bars[(name, w)] = Barrier(1)
     buf = Buffers()
-    threads = [producer(n, st), cons(0, n, st, order), cons(1, n, st, order)]
+    threads = [producer(n, st), cons(0, n, st), cons(1, n, st)]
     nxt = [next(t, None) for t in threads]
     while any(op is not None for op in nxt):
         ready = [k for k, op in enumerate(nxt) if op is not None and
@@ -169,13 +143,12 @@ def run(n, st, order, rng, cons=consumer):
         assert buf.reads.get((("ring", i % st), i), 0) == 3, (i, buf.reads)
 
 
-@pytest.mark.parametrize("order", ["s_first", "pv_first", "stats_first", "pv_release"])
 @pytest.mark.parametrize("st", [2, 4])
-def test_alt_protocol_random_interleavings(order, st):
-    rng = random.Random(1234 + st + len(order))
+def test_alt_protocol_random_interleavings(st):
+    rng = random.Random(1234 + st)
     for n in range(0, 13):
         for _ in range(30):
-            run(n, st, order, rng)
+            run(n, st, rng)
 
 
 def test_model_catches_a_wrong_parity():
@@ -183,12 +156,12 @@ def test_model_catches_a_wrong_parity():
     a P tile before it is written."""
     rng = random.Random(0)
 
-    def bad(w, n, st, order):
-        for op in consumer(w, n, st, order):
+    def bad(w, n, st):
+        for op in consumer(w, n, st):
             if op[0] == "wait" and op[1][0] == "ex":
                 op = ("wait", op[1], op[2] ^ 1)
             yield op
 
     with pytest.raises(AssertionError):
         for _ in range(50):
-            run(6, 2, "stats_first", rng, cons=bad)
+            run(6, 2, rng, cons=bad)
