@@ -166,7 +166,8 @@ register(Impl("pallas_triton", triton, platforms=triton.PLATFORMS, auto=("gpu",)
 
 # impl="auto" on GPUs: (head-count bucket, D) -> the impls to try, the measured-faster first.
 # The bucket is the head count the kernels run at (heads_bucket: pallas_triton pads H to a power
-# of two >= 16, gluon to a multiple of 64), so H = 12 uses the row of 16 and H = 96 that of 64.
+# of two >= 16, above 64 to a multiple of 64; gluon to a multiple of 64), so H = 12 uses the row
+# of 16 and H = 96 that of 64. Keyed by H and D only: only cr4 layers were measured.
 # Measured on the H200 (bf16, B = 1, Pro cr4: D = 512, K = 128 + 1024, T = 16384, random pool
 # ids; 2026-12-02 at 14a1614, wall clock, one process, median of 7; issue 28's table; step =
 # forward + backward with both cotangents):
