@@ -3,6 +3,7 @@
     python -m benchmarks.bench_csa --impls xla,pallas_triton[,gluon] \
         [--families flash,pro] [--ratios 0,4,128] [--seqs 4096,8192,16384] \
         [--cr4-indices causal,random] [--out bench.json] [--variants 'name:key=v,key=v;...']
+        [--heads 8,16,32,64,128]
 
 Inputs are random bf16 at the V4 shapes (H = 64 Flash / 128 Pro, D = 512, window 128, top-k
 512 / 1024, B = 1); kv = [T token rows ; P pool rows]. Index lists:
@@ -14,6 +15,9 @@ Inputs are random bf16 at the V4 shapes (H = 64 Flash / 128 Pro, D = 512, window
          random: window + k uniform random pool ids, every slot valid (the convention of
                  the published AMD numbers).
   (the generator is csa_jax.problems, shared with python -m csa_jax)
+--heads H1,H2,... replaces the family's H (the heads one device holds under tensor parallelism:
+Pro's 128 over TP = 2, 4, 8, 16 is 64, 32, 16, 8); every row then carries its H in the config
+name (pro-cr4-T16384-H16), and a table per H (each impl's fwd / step ms) is printed last.
 FLOPs follow csa_spec.md: forward = 4*T*H*K*D with K nominal (128 / 128+k / 128+T/128);
 "valid" counts only the non-empty slots; backward = 2.5x forward, step = 3.5x forward.
 Every impl is checked against impl="xla" on the same inputs when xla runs in the same call
@@ -30,6 +34,7 @@ import argparse
 import dataclasses
 import datetime
 import functools
+import itertools
 import json
 import math
 import sys
@@ -41,6 +46,7 @@ import jax.numpy as jnp
 from benchmarks.common import (apply_overrides, device_diff_stats, flops, make_problem,
                                parse_overrides, parse_variants, time_fn)
 from csa_jax import problems, registry
+from csa_jax.config import preset
 
 
 
@@ -53,6 +59,9 @@ def parse_args(argv=None):
     ap.add_argument("--seqs", type=csv(int), default=[4096, 8192, 16384])
     ap.add_argument("--cr4-indices", type=csv(str), default=["causal", "random"])
     ap.add_argument("--modes", type=csv(str), default=["fwd", "bwd", "step"])
+    ap.add_argument("--heads", type=csv(int), default=[],
+                    help="head counts replacing each family's H, e.g. 8,16,32,64,128 (the "
+                         "per-device heads under tensor parallelism); default: the family's")
     ap.add_argument("--reps", type=int, default=10, help="timed repetitions (median)")
     ap.add_argument("--time-cap", type=float, default=10.0,
                     help="seconds of timed runs per (config, impl, mode); fewer reps past it")
@@ -73,7 +82,11 @@ def parse_args(argv=None):
                     help="also time pallas_triton's backward parts and inverse map alone: "
                          "bwd_dq (the dq kernel; with interm='gemm' it also stores dS and P), "
                          "bwd_interm (with 'gemm': dq kernel + the GEMM), bwd_interm+reduce")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    bad = [h for h in args.heads if h <= 0]
+    if bad:
+        ap.error(f"--heads {bad} must be positive head counts")
+    return args
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -148,16 +161,18 @@ def run_impl(impl, variant, cfg_overrides, problem, args, row):
 _CHECKED = {}
 
 
-def reduced_check(impl, cfg_overrides, family, ratio, idx_kind, args):
-    """rel errors of impl vs xla at T=1024 (same generator); once per layer type and config."""
-    key = (impl, repr(sorted(cfg_overrides.items())), family, ratio, idx_kind)
+def reduced_check(impl, cfg_overrides, family, ratio, idx_kind, args, heads=None):
+    """rel errors of impl vs xla at T=1024 (same generator); once per layer type, H and
+    config."""
+    key = (impl, repr(sorted(cfg_overrides.items())), family, ratio, idx_kind, heads)
     if key not in _CHECKED:
-        _CHECKED[key] = _reduced_check(impl, cfg_overrides, family, ratio, idx_kind, args)
+        _CHECKED[key] = _reduced_check(impl, cfg_overrides, family, ratio, idx_kind, args,
+                                       heads)
     return _CHECKED[key]
 
 
-def _reduced_check(impl, cfg_overrides, family, ratio, idx_kind, args):
-    problem = make_problem(family, ratio, 1024, idx_kind, args.seed + 1)
+def _reduced_check(impl, cfg_overrides, family, ratio, idx_kind, args, heads=None):
+    problem = make_problem(family, ratio, 1024, idx_kind, args.seed + 1, heads)
     sub = argparse.Namespace(**{**vars(args), "modes": ["fwd", "bwd"], "reps": 1, "time_cap": 0})
     got = run_impl(impl, None, cfg_overrides, problem, sub, {})
     ref = run_impl("xla", None, {}, problem, sub, {})
@@ -176,14 +191,15 @@ def main(argv=None):
                 command="python3 " + " ".join(sys.argv))
     print(f"# {meta}", flush=True)
     rows = []
-    for family in args.families:
+    for family, heads in itertools.product(args.families, args.heads or [None]):
         for ratio in args.ratios:
             for T in args.seqs:
                 for idx_kind in (args.cr4_indices if ratio == 4 else ["-"]):
+                    H = heads or preset(family, ratio).num_heads
                     try:
-                        problem = make_problem(family, ratio, T, idx_kind, args.seed)
+                        problem = make_problem(family, ratio, T, idx_kind, args.seed, heads)
                     except Exception as e:  # noqa: BLE001
-                        rows.append(dict(family=family, ratio=ratio, T=T, idx=idx_kind,
+                        rows.append(dict(family=family, ratio=ratio, T=T, idx=idx_kind, H=H,
                                          impl="-", error=f"inputs: {e!r}"[:300]))
                         continue
                     cfg, idx = problem[0], problem[3]
@@ -191,8 +207,8 @@ def main(argv=None):
                     ref_outs = None
                     for impl in args.impls:
                         for vname, over in _impl_variants(impl, variants):
-                            row = dict(family=family, ratio=ratio, T=T, idx=idx_kind, impl=impl,
-                                       variant=vname, fwd_flops_nominal=f_nom,
+                            row = dict(family=family, ratio=ratio, T=T, idx=idx_kind, H=H,
+                                       impl=impl, variant=vname, fwd_flops_nominal=f_nom,
                                        fwd_flops_valid=f_val)
                             outs = None
                             try:
@@ -216,7 +232,7 @@ def main(argv=None):
                                                 for k in OUT_NAMES if k in outs and k in ref_outs}
                                     else:
                                         errs = reduced_check(impl, over, family, ratio,
-                                                             idx_kind, args)
+                                                             idx_kind, args, heads)
                                         row["check_T"] = 1024
                                     row["rel_err"] = errs
                                 except Exception as e:  # noqa: BLE001
@@ -233,7 +249,9 @@ def main(argv=None):
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(meta=meta, rows=rows), f, indent=1)
-    print_table(rows, meta, args.speedup_over)
+    print_table(rows, meta, args.speedup_over, with_heads=bool(args.heads))
+    if args.heads:
+        print_heads_table(rows)
     return rows
 
 
@@ -250,7 +268,8 @@ def _impl_variants(impl, variants):
 
 def add_derived(rows, over="xla"):
     """TF/s per mode, and `<mode>_speedup` = the `over` impl's default-variant ms / this ms."""
-    base = {(r["family"], r["ratio"], r["T"], r["idx"]): r for r in rows
+    key = lambda r: (r["family"], r["ratio"], r["T"], r["idx"], r.get("H"))  # noqa: E731
+    base = {key(r): r for r in rows
             if r.get("impl") == over and r.get("variant", "default") == "default"
             and "error" not in r}
     for r in rows:
@@ -259,7 +278,7 @@ def add_derived(rows, over="xla"):
             if ms:
                 r[f"{mode}_tflops_nominal"] = mult * r["fwd_flops_nominal"] / ms / 1e9
                 r[f"{mode}_tflops_valid"] = mult * r["fwd_flops_valid"] / ms / 1e9
-            b = base.get((r["family"], r["ratio"], r["T"], r["idx"]))
+            b = base.get(key(r))
             if b and ms and b.get(f"{mode}_ms"):
                 r[f"{mode}_speedup"] = b[f"{mode}_ms"] / ms
 
@@ -279,7 +298,38 @@ def geomeans(rows, over):
             for k, d in acc.items()}
 
 
-def print_table(rows, meta, over="xla"):
+def config_name(r, with_heads=False):
+    """A row's config: family-crR-TT, with -HH when the run set --heads."""
+    name = f"{r['family']}-cr{r['ratio']}-T{r['T']}"
+    return f"{name}-H{r['H']}" if with_heads and r.get("H") is not None else name
+
+
+def print_heads_table(rows):
+    """One line per (config, idx, H), one cell per impl (and variant): fwd / step ms."""
+    cols, cells, order = [], {}, []
+    for r in rows:
+        if r.get("impl") == "-":
+            continue
+        col = r["impl"] if r.get("variant", "default") == "default" else \
+            f"{r['impl']}:{r['variant']}"
+        if col not in cols:
+            cols.append(col)
+        line = (f"{r['family']}-cr{r['ratio']}-T{r['T']}", r["idx"], r.get("H"))
+        if line not in cells:
+            order.append(line)
+            cells[line] = {}
+        f = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
+        cells[line][col] = ("error" if "error" in r else
+                            f"{f(r.get('fwd_ms'))} / {f(r.get('step_ms'))}")
+    print("\n## Per head count: fwd / step ms")
+    print("| config | idx | H | " + " | ".join(cols) + " |")
+    print("|---|---|---|" + "---|" * len(cols))
+    for line in order:
+        print(f"| {line[0]} | {line[1]} | {line[2]} | "
+              + " | ".join(cells[line].get(c, "-") for c in cols) + " |")
+
+
+def print_table(rows, meta, over="xla", with_heads=False):
     print(f"\n## CSA benchmark: {meta['device']}, jax {meta['jax']}, {meta['date']}, B=1, bf16")
     print(f"TF/s nominal (valid); speedup = {over} ms / impl ms; err = max rel err vs xla over "
           "o, lse, dq, dkv, dsink")
@@ -289,7 +339,7 @@ def print_table(rows, meta, over="xla"):
     print("|" + "---|" * 12)
     f = lambda v, fmt="{:.2f}": "-" if v is None else fmt.format(v)
     for r in rows:
-        name = f"{r['family']}-cr{r['ratio']}-T{r['T']}"
+        name = config_name(r, with_heads)
         if "error" in r:
             print(f"| {name} | {r['idx']} | {r['impl']} | {r.get('variant', '-')} | ERROR: "
                   f"{r['error'][:120]} |")

@@ -1,6 +1,8 @@
 """Helpers the benchmark scripts share: the V4 problem, timing, variant specs, FLOPs."""
 from __future__ import annotations
 
+import dataclasses
+import math
 import statistics
 import sys
 import time
@@ -12,9 +14,20 @@ from csa_jax import problems
 from csa_jax.config import forward_flops, preset
 
 
-def make_problem(family, ratio, T, idx_kind, seed):
-    """The V4 problem of csa_jax.problems (the same inputs python -m csa_jax times)."""
+def heads_config(cfg, heads):
+    """The layer config with H = heads (a tensor-parallel shard of its heads): o_groups, which
+    must divide H and plays no part in the op, becomes gcd(o_groups, heads)."""
+    if isinstance(heads, bool) or not isinstance(heads, int) or heads <= 0:
+        raise ValueError(f"heads={heads!r} must be a positive int")
+    return dataclasses.replace(cfg, num_heads=heads, o_groups=math.gcd(cfg.o_groups, heads))
+
+
+def make_problem(family, ratio, T, idx_kind, seed, heads=None):
+    """The V4 problem of csa_jax.problems (the same inputs python -m csa_jax times); heads
+    (None: the family's own H) replaces H."""
     cfg = preset(family, ratio)
+    if heads is not None:
+        cfg = heads_config(cfg, heads)
     pr = problems.make_problem(cfg, T, B=1, dtype=jnp.bfloat16, seed=seed,
                                index_mode=idx_kind if ratio == 4 else "causal")
     return cfg, pr.q, pr.kv, pr.idx, pr.sink, pr.do

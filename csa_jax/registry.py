@@ -17,8 +17,12 @@ Registering an impl is one line below: `Impl(name, module, platforms=..., auto=.
 is the module itself for an impl whose dependencies ship with csa_jax (a plain import, so the
 op's imports lead to its kernels), or its dotted name plus `extra` / `requires` for an optional
 backend, imported on first use; when it cannot be imported the impl reports "not available:
-install csa_jax[<extra>]" instead of failing at import time. The registration order is the
-order "auto" tries impls in (among those whose `auto` lists the platform), "xla" last.
+install csa_jax[<extra>]" instead of failing at import time.
+
+What "auto" tries, in order (each candidate must list the platform in its `auto` and accept the
+problem in its unsupported(), the capability check; "xla" when none does): on GPUs the row of
+AUTO_GPU for the problem's head-count bucket and head dim (the measured-faster kernel first;
+auto_order()), elsewhere the registration order.
 
 An `Impl` is a frozen dataclass, hashable: the op passes the resolved impl itself as the static
 argument of the custom_vjp, so the name is looked up once per call.
@@ -164,13 +168,53 @@ def register(impl: Impl) -> Impl:
 # ------------------------------------------------------------------------------ the impls
 register(Impl("xla", reference, platforms=("cpu", "gpu", "tpu")))
 register(Impl("pallas_tpu", tpu, platforms=tpu.PLATFORMS, auto=("tpu",)))
-# auto: before pallas_triton, where gluon.unsupported() allows it (NVIDIA compute capability 9.x,
-# bf16/f16, H % 64 == 0, D = 512): its forward measured 1.05-1.46x pallas_triton's on the H200,
-# its backward is pallas_triton's (docs/perf/gluon_h200.md).
+# On GPUs "auto" tries gluon and pallas_triton in AUTO_GPU's order (below), each where its
+# unsupported() allows it (gluon: NVIDIA compute capability 9.x, bf16/f16; pallas_triton: NVIDIA,
+# bf16/f16).
 register(Impl("gluon", "csa_jax.kernels.gluon", platforms=("gpu",), auto=("gpu",), extra="gluon",
               requires=("triton==3.6.0", "jax-triton==0.3.1")))
 register(Impl("pallas_triton", triton, platforms=triton.PLATFORMS, auto=("gpu",)))
 # ------------------------------------------------------------------------------
+
+# impl="auto" on GPUs: (head-count bucket, D) -> the impls to try, the measured-faster first.
+# The bucket is the head count the kernels run at (heads_bucket: pallas_triton pads H to a power
+# of two >= 16, above 64 to a multiple of 64; gluon to a multiple of 64), so H = 12 uses the row
+# of 16 and H = 96 that of 64. Keyed by H and D only: only cr4 layers were measured.
+# Measured on the H200 (bf16, B = 1, Pro cr4: D = 512, K = 128 + 1024, T = 16384, random pool
+# ids; 2026-12-02 at 14a1614, wall clock, one process, median of 7; issue 28's table; step =
+# forward + backward with both cotangents):
+AUTO_GPU = {
+    # H <= 8: NOT MEASURED. gluon by analogy with H = 16 (both kernels pad 8 heads as they pad
+    # 16: pallas_triton to 16, gluon to 64); measure it and replace this guess.
+    (8, 512): ("gluon", "pallas_triton"),
+    # H = 16: step gluon 29.74 ms, pallas_triton 67.32 ms (fwd 6.23 / 3.83): gluon. Measured
+    # before pallas_triton's D = 512 small-H backward fix (docs/small_heads.md): re-measure.
+    (16, 512): ("gluon", "pallas_triton"),
+    # H = 32: step pallas_triton 29.06 ms, gluon 29.87 ms (fwd 8.61 / 6.33): pallas_triton.
+    (32, 512): ("pallas_triton", "gluon"),
+    # H >= 64: H = 64 step gluon 28.53 ms, pallas_triton 40.34; H = 128 46.89 / 70.57: gluon.
+    (64, 512): ("gluon", "pallas_triton"),
+}
+# A head dim without a row: pallas_triton only (gluon is measured at D = 512 only; pallas_triton
+# at the `small` preset's D = 128 too, docs/perf/train_h200.md).
+AUTO_GPU_OTHER_D = ("pallas_triton",)
+
+
+def heads_bucket(H: int) -> int:
+    """AUTO_GPU's head-count bucket of H heads: 8, 16, 32 (H up to it), or 64 (anything more)."""
+    for b in (8, 16, 32):
+        if H <= b:
+            return b
+    return 64
+
+
+def auto_order(platform: str, q_shape) -> tuple[str, ...]:
+    """The impl names "auto" tries on `platform` for q [B, T, H, D], in order (xla excluded:
+    it is the fallback): AUTO_GPU's row on GPUs, the registration order elsewhere."""
+    if platform == "gpu":
+        H, D = q_shape[2], q_shape[3]
+        return AUTO_GPU.get((heads_bucket(H), D), AUTO_GPU_OTHER_D)
+    return tuple(n for n, impl in REGISTRY.items() if platform in impl.auto)
 
 
 def names() -> tuple[str, ...]:
@@ -201,13 +245,15 @@ def get(name: str) -> Impl:
 
 def resolve(impl, q_shape, kv_shape, idx_shape, dtype, platform: str) -> Impl:
     """The Impl to run: the requested one (ValueError / NotImplementedError / ImplUnavailable if
-    it cannot run: an explicit request never falls back), or for "auto" the first registered
-    impl whose `auto` lists `platform` and whose unsupported() accepts the problem, else xla."""
+    it cannot run: an explicit request never falls back), or for "auto" the first impl of
+    auto_order(platform, q_shape) whose `auto` lists `platform` and whose unsupported() accepts
+    the problem, else xla."""
     if impl != "auto":
         found = get(impl)
         found.mod                                  # ImplUnavailable if it cannot be imported
         return found
-    for cand in REGISTRY.values():
+    for name in auto_order(platform, q_shape):
+        cand = REGISTRY[name]
         if platform in cand.auto and cand.unsupported(q_shape, kv_shape, idx_shape,
                                                       dtype) is None:
             return cand

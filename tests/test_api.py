@@ -77,6 +77,53 @@ def test_auto_choice(monkeypatch, platform, kind, dtype, want):
     assert api.resolve_impl("xla", (1, 8, 4, 32), (1, 8, 32), (1, 8, 4), dtype).name == "xla"
 
 
+@pytest.mark.parametrize("H, D, want", [
+    (1, 512, ("gluon", "pallas_triton")), (8, 512, ("gluon", "pallas_triton")),
+    (12, 512, ("gluon", "pallas_triton")), (16, 512, ("gluon", "pallas_triton")),
+    (17, 512, ("pallas_triton", "gluon")), (32, 512, ("pallas_triton", "gluon")),
+    (48, 512, ("gluon", "pallas_triton")), (64, 512, ("gluon", "pallas_triton")),
+    (128, 512, ("gluon", "pallas_triton")), (16, 128, ("pallas_triton",)),
+    (128, 256, ("pallas_triton",)),
+])
+def test_auto_order_table(H, D, want):
+    """registry.AUTO_GPU by head-count bucket (the padded head count) and D; other platforms
+    keep the registration order."""
+    assert registry.auto_order("gpu", (1, 8, H, D)) == want
+    assert registry.auto_order("tpu", (1, 8, H, D)) == ("pallas_tpu",)
+    assert registry.auto_order("cpu", (1, 8, H, D)) == ()
+
+
+def test_auto_table_names_gpu_auto_impls():
+    """Every impl the table names is registered and may be auto-picked on GPUs."""
+    for order in (*registry.AUTO_GPU.values(), registry.AUTO_GPU_OTHER_D):
+        for name in order:
+            assert "gpu" in registry.get(name).auto, name
+    assert {b for b, _ in registry.AUTO_GPU} == {8, 16, 32, 64}
+
+
+@pytest.mark.parametrize("H, D, dtype, refuse, want", [
+    (8, 512, jnp.bfloat16, (), "gluon"),                   # not measured: by analogy with 16
+    (16, 512, jnp.bfloat16, (), "gluon"),                  # step 29.74 vs 67.32 ms
+    (32, 512, jnp.bfloat16, (), "pallas_triton"),          # step 29.06 vs 29.87 ms
+    (64, 512, jnp.bfloat16, (), "gluon"),
+    (128, 512, jnp.float16, (), "gluon"),
+    (16, 128, jnp.bfloat16, (), "pallas_triton"),          # no gluon row at D = 128
+    (16, 512, jnp.bfloat16, ("gluon",), "pallas_triton"),  # gluon cannot run: the next one
+    (32, 512, jnp.bfloat16, ("pallas_triton",), "gluon"),
+    (16, 512, jnp.float32, ("gluon", "pallas_triton"), "xla"),
+])
+def test_auto_choice_per_heads_on_a_simulated_h200(monkeypatch, H, D, dtype, refuse, want):
+    """resolve("auto") on a simulated H200 follows AUTO_GPU, skipping what refuses the problem.
+    The capability checks are simulated (`refuse`: the impls whose unsupported() says no), so
+    the choice does not depend on the installed extras or on a kernel's own extra limits."""
+    def unsupported(self, q_shape, kv_shape, idx_shape, dt):
+        return f"simulated: {self.name} refuses" if self.name in refuse else None
+
+    monkeypatch.setattr(registry.Impl, "unsupported", unsupported)
+    got = registry.resolve("auto", (1, 8, H, D), (1, 8, D), (1, 8, 4), dtype, "gpu")
+    assert got.name == want
+
+
 def test_registry_entries():
     assert registry.names()[:1] == ("xla",) and "pallas_mosaic_gpu" not in registry.choices()
     assert set(registry.available_impls()) >= {"xla", "pallas_tpu", "pallas_triton"}

@@ -4,6 +4,7 @@ script end to end in interpret mode."""
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 
@@ -56,6 +57,38 @@ def test_bench_csa_runs_end_to_end(tmp_path, capsys):
     assert "| flash-cr0-T256 |" in printed
     assert "| pallas_triton | default | " in printed.split("Geometric mean speedup over xla")[1]
     assert tri[0]["fwd_speedup"] > 0
+
+
+def test_bench_csa_heads_sweep(tmp_path, capsys):
+    """--heads replaces the family's H (Pro's 128 over TP = 8 / 16 is 16 / 8 per device): one
+    row per (H, impl) with its H, checked against xla at that H, and the per-H table."""
+    import json
+
+    from benchmarks import bench_csa
+
+    assert bench_csa.parse_args(["--heads", "8,16,32,64,128"]).heads == [8, 16, 32, 64, 128]
+    assert bench_csa.parse_args([]).heads == []
+    with pytest.raises(SystemExit):
+        bench_csa.parse_args(["--heads", "16,0"])
+    cfg = common.heads_config(common.preset("pro", 4), 8)
+    assert (cfg.num_heads, cfg.o_groups, cfg.head_dim) == (8, 8, 512)   # o_groups divides H
+    out = tmp_path / "bench.json"
+    bench_csa.main(["--interpret", "--impls", "xla,pallas_triton", "--families", "pro",
+                    "--heads", "8,16", "--ratios", "0", "--seqs", "256", "--modes", "fwd",
+                    "--reps", "1", "--time-cap", "0.1", "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["H"], r["impl"]) for r in rows] == [(8, "xla"), (8, "pallas_triton"),
+                                                   (16, "xla"), (16, "pallas_triton")], rows
+    for r in rows:
+        assert "error" not in r and r["fwd_ms"] > 0, r
+        assert r["fwd_flops_nominal"] == 4 * 256 * r["H"] * 128 * 512
+    for r in rows[1::2]:
+        assert r["rel_err"]["o"] < 2e-2 and r["rel_err"]["lse"] < 1e-3, r
+    printed = capsys.readouterr().out
+    assert "| pro-cr0-T256-H8 | - | pallas_triton | default |" in printed
+    table = printed.split("## Per head count: fwd / step ms")[1]
+    assert "| config | idx | H | xla | pallas_triton |" in table
+    assert re.search(r"\| pro-cr0-T256 \| - \| 16 \| [0-9.]+ / - \| [0-9.]+ / - \|", table)
 
 
 def test_bench_train_best_asks_the_registry_per_layer_type(monkeypatch):

@@ -74,10 +74,9 @@ def _cannot_run(q_shape, dtype):
 
 
 def unsupported(q_shape, kv_shape, idx_shape, dtype):
-    """Why impl="auto" should not pick this impl (None = it may): it must be able to run here
-    (triton + jax-triton, NVIDIA compute capability 9.x, bf16/f16), and the problem must be in
-    the measured regime, H a multiple of 64 and D = 512 (docs/perf/gluon_h200.md). Other H and D
-    run when requested explicitly (padded to 64 heads / a power of two >= 64)."""
+    """Why impl="auto" may not pick this impl (None = it may): it must be able to run here
+    (triton + jax-triton, NVIDIA compute capability 9.x, bf16/f16, the forward's buffers within
+    shared memory). Which H and D it is picked for is registry.AUTO_GPU's measured table."""
     del kv_shape, idx_shape
     why = _cannot_run(q_shape, dtype)
     if why:
@@ -85,9 +84,6 @@ def unsupported(q_shape, kv_shape, idx_shape, dtype):
     if _amd():
         return (f"{_amd()}: the AMD Gluon forward is compiled, never run (no AMD GPU was "
                 f"available); request impl='gluon' explicitly")
-    H, D = q_shape[2], q_shape[3]
-    if H % 64 or D != 512:
-        return f"H={H}, D={D}: measured only for H a multiple of 64 and D = 512"
     return None
 
 

@@ -22,9 +22,9 @@ their repeated gathers hit L2):
   is gathered once and every head block of the token streams past it: interm[t, j] =
   sum_h (scale*ds*q + p*dO), with the scores recomputed slot-major (s^T = rows q^T) so the head
   sums ds^T q and p^T dO are plain dots into a [block_k_dkv, D] accumulator. One writer per slot.
-  "dq" (all heads in one dq program, the default at H <= 16 on NVIDIA): the dq kernel itself
-  writes each tile's interm = (scale*ds)^T q + p^T dO from the ds and p it holds (no dS/P
-  buffer, no GEMM).
+  "dq" (all heads in one dq program, the default at H <= 16, D <= 128 on NVIDIA): the dq
+  kernel itself writes each tile's interm = (scale*ds)^T q + p^T dO from the ds and p it holds
+  (no dS/P buffer, no GEMM).
 - dkv gather-reduce, program = (b, kv row): the inverse map (kv row -> (t, j) slots, CSR built by
   a stable sort + histogram in XLA) is walked in fixed order, `block_r` slots at a time, and summed
   in f32. No atomics, no scatter: dkv is bit-deterministic.

@@ -32,6 +32,14 @@ def quiet_lowering():
         yield
 
 
+# The narrow-heads backward settings (64-slot dq tiles, interm="dq", qdo, 64-entry reduce
+# steps) apply up to this head dim, where they were measured (the `small` preset's D = 128). At
+# V4's D = 512 they made the dq kernel hold a [64, 512] f32 per-slot intermediate beside its
+# [16, 512] accumulator: 1,984 B of spill stores per thread on sm_90a (docs/small_heads.md) and a
+# Pro cr4 T = 16384 H = 16 step of 67.3 ms against 29.1 ms at H = 32 on the H200.
+NARROW_BWD_MAX_D = 128
+
+
 def _is_pow2(x):
     return isinstance(x, int) and x > 0 and (x & (x - 1)) == 0
 
@@ -187,8 +195,12 @@ def default_config(q_shape, kv_shape, idx_shape, dtype) -> Config:
     the tile rows (twice the bytes per row). Tiles never exceed the padded slot count, head
     blocks never the padded heads.
 
-    Narrow heads (H <= 16, the `small` training preset's 16 x 128; NVIDIA): the forward with 4
-    warps (a cr4 layer at T = 8192: 0.465 ms against 0.629 ms with 8), 64-slot dq tiles (the
+    Narrow heads (H <= 16: the `small` training preset's 16 x 128, V4 under tensor parallelism
+    of 8 or 16; NVIDIA): the forward with 4 warps (a cr4 layer at T = 8192, D = 128: 0.465 ms
+    against 0.629 ms with 8; Pro cr4 T = 16384, D = 512, H = 16: 3.83 ms). The backward keeps
+    the H = 32 tiling (the defaults) above D = NARROW_BWD_MAX_D = 128: the settings below made
+    the D = 512 dq kernel spill 1,984 B per thread on sm_90a (0 with the H = 32 tiling) and its
+    step 2.3x the H = 32 one (docs/small_heads.md). Up to D = 128: 64-slot dq tiles (the
     cr4 backward 2.51 ms against 2.74 ms with 32) and qdo (in a `small` step XLA's [q; dO]
     stack, 0.97 ms per step, was gone and the 12 dq kernels took 0.1 ms more; kept for
     interm="gemm"), and the per-slot intermediate formed by the dq kernel (interm="dq": the
@@ -211,13 +223,15 @@ def default_config(q_shape, kv_shape, idx_shape, dtype) -> Config:
                                   num_stages_dq=2, block_h_dkv=16, num_stages=2,
                                   slot_major_dq=False)
     elif max(16, _next_pow2(H)) <= 16:
-        cfg = dataclasses.replace(cfg, num_warps=4, block_k_dq=64, qdo=True, interm="dq",
-                                  block_r=64)
+        cfg = dataclasses.replace(cfg, num_warps=4)
+        if D <= NARROW_BWD_MAX_D:
+            cfg = dataclasses.replace(cfg, block_k_dq=64, qdo=True, interm="dq", block_r=64)
     if 0 < pool <= K and D <= 128:
         cfg = dataclasses.replace(cfg, reduce_split=128)
     if jnp.dtype(dtype) == jnp.float32:
-        cfg = dataclasses.replace(cfg, block_k=cfg.block_k // 2, block_k_dkv=cfg.block_k_dkv // 2,
-                                  block_h_dq=cfg.block_h_dq // 2, num_stages=2)
+        half = lambda v: max(16, v // 2)   # AMD's 16-row tiles stay 16 (8 is no Triton dot)
+        cfg = dataclasses.replace(cfg, block_k=half(cfg.block_k), block_k_dkv=half(cfg.block_k_dkv),
+                                  block_h_dq=half(cfg.block_h_dq), num_stages=2)
     kp = max(16, _next_pow2(K))
     hp = max(16, _next_pow2(H))
     clip = lambda v, top: max(16, min(v, top))
