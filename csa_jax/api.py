@@ -63,9 +63,8 @@ def _platform():
 def resolve_impl(impl, q_shape, kv_shape, idx_shape, dtype) -> registry.Impl:
     """The registered Impl to run: `impl` itself, or for "auto" the platform's best (the order and
     the rules are csa_jax/registry.py's). On NVIDIA GPUs that is registry.AUTO_GPU's measured
-    order per head-count bucket and head dim: at D = 512 gluon for H >= 64 and H <= 16 (H <= 8
-    not measured yet), pallas_triton for 17 <= H <= 32; pallas_triton at other D; each only
-    where its unsupported() accepts the problem (bf16/f16 on NVIDIA; gluon also needs triton +
+    order per head-count bucket and head dim: at D = 512 gluon for H > 32, pallas_triton for
+    H <= 32; pallas_triton at other D; each only where its unsupported() accepts the problem (bf16/f16 on NVIDIA; gluon also needs triton +
     jax-triton and compute capability 9.x). f32 inputs, CPUs and ROCm: xla; TPUs: pallas_tpu."""
     return registry.resolve(impl, q_shape, kv_shape, idx_shape, dtype, _platform())
 

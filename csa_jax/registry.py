@@ -179,20 +179,23 @@ register(Impl("pallas_triton", triton, platforms=triton.PLATFORMS, auto=("gpu",)
 # impl="auto" on GPUs: (head-count bucket, D) -> the impls to try, the measured-faster first.
 # The bucket is the head count the kernels run at (heads_bucket: pallas_triton pads H to a power
 # of two >= 16, above 64 to a multiple of 64; gluon to a multiple of 64), so H = 12 uses the row
-# of 16 and H = 96 that of 64. Keyed by H and D only: only cr4 layers were measured.
-# Measured on the H200 (bf16, B = 1, Pro cr4: D = 512, K = 128 + 1024, T = 16384, random pool
-# ids; 2026-12-02 at 14a1614, wall clock, one process, median of 7; issue 28's table; step =
-# forward + backward with both cotangents):
+# of 16 and H = 96 that of 64. Measured on the H200 (bf16, B = 1, T = 16384, D = 512; wall
+# clock per call, median of 5-7; step = forward + backward with both cotangents; 2026-12-02 at
+# the commit that lands this table, docs/perf/heads_h200.md): at H <= 32 pallas_triton's step
+# is the faster one for every layer type measured (Pro cr4 / cr0 / cr128, Flash cr4), so the
+# table needs no layer key; at H >= 64 gluon's.
 AUTO_GPU = {
-    # H <= 8: NOT MEASURED. gluon by analogy with H = 16 (both kernels pad 8 heads as they pad
-    # 16: pallas_triton to 16, gluon to 64); measure it and replace this guess.
-    (8, 512): ("gluon", "pallas_triton"),
-    # H = 16: step gluon 29.74 ms, pallas_triton 67.32 ms (fwd 6.23 / 3.83): gluon. Measured
-    # before pallas_triton's D = 512 small-H backward fix (docs/small_heads.md): re-measure.
-    (16, 512): ("gluon", "pallas_triton"),
-    # H = 32: step pallas_triton 29.06 ms, gluon 29.87 ms (fwd 8.61 / 6.33): pallas_triton.
+    # H = 8: step ms pallas_triton / gluon: Pro cr4 23.59 / 29.55, Flash cr4 14.03 / 19.28,
+    # Pro cr0 4.55 / 8.61, Pro cr128 7.03 / 11.33.
+    (8, 512): ("pallas_triton", "gluon"),
+    # H = 16: Pro cr4 23.40 / 29.65, Flash cr4 13.84 / 19.32, Pro cr0 4.06 / 8.58, Pro cr128
+    # 6.76 / 11.36 (pallas_triton's backward after its D = 512 fix, docs/small_heads.md: 67 ms
+    # before).
+    (16, 512): ("pallas_triton", "gluon"),
+    # H = 32: Pro cr4 29.09 / 29.79, Flash cr4 17.76 / 19.52, Pro cr0 5.98 / 8.91, Pro cr128
+    # 9.06 / 11.35 (gluon's forward is the faster one at cr4: 6.40 vs 8.77 ms at Pro).
     (32, 512): ("pallas_triton", "gluon"),
-    # H >= 64: H = 64 step gluon 28.53 ms, pallas_triton 40.34; H = 128 46.89 / 70.57: gluon.
+    # H >= 64: Pro cr4 H = 64 39.93 / 28.14, H = 128 69.10 / 46.75: gluon.
     (64, 512): ("gluon", "pallas_triton"),
 }
 # A head dim without a row: pallas_triton only (gluon is measured at D = 512 only; pallas_triton
