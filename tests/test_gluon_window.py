@@ -1,7 +1,7 @@
-"""impl="gluon" window reuse (Config.layout cr0 / cr128, kernels/gluon/window.py) on a CPU:
-the layout promise's validation and the sm_90a compile. Numerics run on the GPU
-(benchmarks/gluon_check.py --parts window, docs/perf/gluon_h200.md); the compile tests skip
-without triton."""
+"""impl="gluon" window reuse under the cr0 promise (kernels/gluon/window.py) on a CPU: the layout
+promise (csa_jax.Layout, `sparse_attention(layout=)`, Config.layout), its checks, which kernel it
+selects, and the sm_90a compile. Numerics run on the GPU (benchmarks/gluon_check.py,
+docs/perf/heads_h200.md); the compile tests skip without triton."""
 from __future__ import annotations
 
 import jax
@@ -9,40 +9,30 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import csa_jax
 from csa_jax.indices import build_indices
 from csa_jax.kernels import gluon as impl
 from csa_jax.kernels.gluon import adapter
 
 
-@pytest.mark.parametrize("kw, match", [
-    (dict(layout="cr8"), "layout='cr8'"),
-    (dict(layout="cr0", window=100), "window=100"),
-    (dict(layout="cr128", window=256), "window=256"),
-    (dict(window=0), "window=0"),
-    (dict(pool_ratio=1), "pool_ratio=1"),
-    (dict(pool_tile=24), "pool_tile=24"),
-    (dict(pool_stages=0), "pool_stages=0"),
-    (dict(win_programs=-1), "win_programs=-1"),
-    (dict(win_producer_regs=44), "win_producer_regs=44"),
-    (dict(win_p_smem=1), "win_p_smem=1"),
-    (dict(win_ablate=4), "win_ablate=4"),
-    (dict(layout="cr0", win_schedule="lockstep", win_ablate=3), "does not apply to 'lockstep'"),
-    (dict(layout="cr0", win_schedule="overlap", win_ablate=1), "does not apply to 'overlap'"),
-    (dict(win_prefetch=5), "win_prefetch=5"),
-    (dict(layout="cr0", win_schedule="lockstep", win_prefetch=1), "exchange window kernels"),
-    (dict(win_schedule="alternate"), "win_schedule='alternate' must be one of"),
-    (dict(win_regs=220), "win_regs=220"),
-    (dict(layout="cr0", win_schedule="exchange", win_p_smem=True), "lockstep window kernel"),
-])
-def test_config_rejects_bad_promise(kw, match):
-    with pytest.raises(ValueError, match=match):
-        impl.Config(**kw)
+def test_layout_type_rejects_bad_values():
+    for kw, match in ((dict(kind="cr8"), "kind='cr8'"), (dict(kind="cr0", window=0), "window=0"),
+                      (dict(kind="cr128", pool_ratio=1), "pool_ratio=1")):
+        with pytest.raises(ValueError, match=match):
+            csa_jax.Layout(**kw)
+    with pytest.raises(TypeError, match="layout must be None"):
+        csa_jax.sparse_attention(jnp.zeros((1, 4, 2, 8)), jnp.zeros((1, 4, 8)),
+                                 jnp.zeros((1, 4, 2), jnp.int32), impl="xla", layout=0)
 
 
-def test_cr4_and_generic_windows_are_free():
-    """Only the window kernel restricts the window; cr4 / generic keep the gather kernel."""
-    assert impl.Config(layout="cr4", window=100).window == 100
-    assert impl.Config(window=7).layout == "generic"
+def test_only_cr0_with_window_128_runs_the_window_kernel():
+    """The measured case (docs/perf/heads_h200.md: cr0 window 128 faster than the gather
+    kernel); window 64 was never checked on the GPU and cr128's window kernel was slower: both
+    run the gather kernel."""
+    assert impl.Config(layout="cr0").window_kernel
+    assert not impl.Config(layout="cr0", window=64).window_kernel
+    assert not impl.Config(layout="cr128").window_kernel
+    assert not impl.Config(layout="cr4").window_kernel and not impl.Config().window_kernel
 
 
 def _idx(T, ratio, window=128, B=1):
@@ -90,8 +80,7 @@ def test_check_layout_static_conditions():
 
 def test_sparse_attention_checks_the_promise_before_tracing():
     """api.py calls the impl's check_layout on a concrete idx: the error names the token, also
-    on this CPU (before the impl says it cannot run here)."""
-    import csa_jax
+    on this CPU (before the impl says it cannot run here), for the keyword and the Config."""
     T, D = 130, 64
     idx = np.array(_idx(T, 0))
     idx[0, 129, 3] = 7
@@ -101,163 +90,100 @@ def test_sparse_attention_checks_the_promise_before_tracing():
         csa_jax.registry.get("gluon").mod
     except NotImplementedError as e:
         pytest.skip(str(e))
-    with pytest.raises(ValueError, match=r"idx\[0, 129\] breaks the promise"):
-        csa_jax.sparse_attention(q, kv, jnp.asarray(idx), impl="gluon",
+    for kw in (dict(layout="cr0"), dict(config=impl.Config(layout="cr0"))):
+        with pytest.raises(ValueError, match=r"idx\[0, 129\] breaks the promise"):
+            csa_jax.sparse_attention(q, kv, jnp.asarray(idx), impl="gluon", **kw)
+    with pytest.raises(ValueError, match="disagrees with config"):
+        csa_jax.sparse_attention(q, kv, jnp.asarray(idx), impl="gluon", layout="cr128",
                                  config=impl.Config(layout="cr0"))
+
+
+def test_layout_keyword_reaches_the_impls_that_use_it():
+    """registry: the promise goes to default_config where it takes one (gluon, pallas_tpu), the
+    others ignore it; the NNX layer promises its layer type."""
+    from csa_jax import registry
+    from csa_jax.config import CSAConfig
+    from csa_jax.layers import CSAAttention
+    lay = csa_jax.Layout("cr128", window=64, pool_ratio=16)
+    shape = ((1, 64, 64, 512), (1, 68, 512), (1, 64, 68), jnp.bfloat16)
+    for name in ("gluon", "pallas_tpu"):
+        try:
+            c = registry.get(name).default_config(*shape, lay)
+        except NotImplementedError as e:         # gluon without its extra
+            pytest.skip(str(e))
+        assert (c.layout, c.window, c.pool_ratio) == ("cr128", 64, 16), name
+    assert not registry.get("xla").takes_layout and not registry.get("pallas_triton").takes_layout
+    assert registry.get("xla").default_config(*shape, lay) == registry.get("xla").Config()
+    want = {0: csa_jax.Layout("cr0", 128), 4: csa_jax.Layout("cr4", 128),
+            16: csa_jax.Layout("cr128", 128, 16)}
+    for ratio, lay in want.items():
+        import flax.nnx as nnx
+        layer = CSAAttention(CSAConfig(ratio=ratio, num_heads=2, head_dim=64, d_model=32,
+                                       q_rank=16, o_groups=1, o_rank=8, rope_dim=16,
+                                       index_heads=2, index_dim=16, topk=4 if ratio == 4 else 0),
+                             rngs=nnx.Rngs(0))
+        assert layer.layout == lay, ratio
+
+
+def test_window_kernel_is_selected_and_poisons_broken_tokens(monkeypatch):
+    """Under the cr0 promise the forward launches window.csa_window_kernel (the launch is
+    intercepted: no GPU here) with the traced promise check's verdict as its `bad` input;
+    without it, or at window 64, the gather kernel."""
+    from csa_jax.kernels.gluon import fwd, window as win
+    seen = []
+
+    def fake_call(*args, kernel, out_shape, grid, num_warps, name, **consts):
+        seen.append((kernel, num_warps, grid, consts))
+        o, lse = (jnp.zeros(s.shape, s.dtype) for s in out_shape)
+        if kernel is win.csa_window_kernel:   # hand the kernel's `bad` input back through lse
+            lse = jnp.repeat(args[3].astype(lse.dtype), lse.shape[0] // args[3].shape[0])
+        return o, lse
+
+    monkeypatch.setattr(adapter, "gluon_call", fake_call)
+    monkeypatch.setattr(impl, "_check", lambda *a: None)
+    monkeypatch.setattr(impl, "_amd", lambda: None)
+    B, T, H, D = 1, 64, 128, 512
+    q = jnp.zeros((B, T, H, D), jnp.bfloat16)
+    kv = jnp.zeros((B, T, D), jnp.bfloat16)
+    idx = np.array(_idx(T, 0))
+    idx[0, 5, 0] = 40                             # token 5 breaks the promise
+    lses = []
+    for cfg in (impl.Config(layout="cr0"), impl.Config(layout="cr0", window=64), impl.Config()):
+        o, lse = jax.jit(lambda i, c=cfg: impl.forward(q, kv, i, jnp.zeros((H,)), scale=0.1,
+                                                       interpret=False, config=c))(idx)
+        assert o.shape == (B, T, H, D) and lse.shape == (B, T, H)
+        lses.append(np.asarray(lse))
+    (k0, w0, g0, c0), (k1, *_), (k2, *_) = seen
+    assert k0 is win.csa_window_kernel and w0 == win.NUM_WARPS and c0["CONSUMER_REGS"] == 216
+    assert g0 == (1 * 2 * 4,)             # B x H/64 x G (G = the T / 16 = 4 blocks)
+    assert np.flatnonzero(lses[0][0, :, 0]).tolist() == [5]        # bad: token 5 only
+    assert k1 is fwd.csa_fwd_kernel and k2 is fwd.csa_fwd_kernel
 
 
 # ----------------------------------------------------------------------------- compile only
 
 
-def _compile(T=4096, NHB=2, D=512, window=128, G=66, ratio=0, producer_regs=40, p_smem=False,
-             **kw):
+@pytest.mark.parametrize("T, NHB, G", [(4096, 2, 66), (16384, 1, 132), (16384, 2, 66)])
+def test_window_kernel_compiles_without_spills(T, NHB, G):
+    """12 warps (producer + two consumer warpgroups), within shared memory and its estimate, no
+    spills at the shapes timed on the H200 (Pro T = 4096 / 16384, Flash T = 16384; ptxas spills
+    4-100 B at some others, e.g. Flash T = 4096, 100 B: docs/gluon.md); per warpgroup the scores of its span tiles (m64n64 and the 16-row tail m64n16) and
+    PV on its 256 output columns (m64n256), contiguous 16-byte cp.async."""
     if adapter.missing():
         pytest.skip(adapter.missing())
     from csa_jax.kernels.gluon import window as win
-    N = T + (T // ratio if ratio else 0)
     c = adapter.compile_kernel(
         win.csa_window_kernel, win.arg_types(),
-        win.constexprs(T=T, N=N, NHB=NHB, D=D, window=window, G=G, ratio=ratio,
-                       pool_tile=kw.get("pool_tile", 16), pool_stages=kw.get("pool_stages", 1),
-                       scale=D ** -0.5, producer_regs=producer_regs, p_smem=p_smem),
-        target="sm_90a", num_warps=win.CONSUMER_WARPS)
-    return c, adapter.resources(c, "sm_90a")
-
-
-def test_window_kernel_compiles_for_sm90a():
-    """cr0 at the V4 shape: 12 warps, within shared memory (q 64 KiB + the 144-row span),
-    the wgmma shapes of the span's products, contiguous 16-byte cp.async."""
-    c, r = _compile()
+        win.constexprs(T=T, N=T, NHB=NHB, D=512, window=128, G=G, scale=512 ** -0.5),
+        target="sm_90a", num_warps=win.NUM_WARPS)
+    r = adapter.resources(c, "sm_90a")
     assert r["num_warps"] == 12 and r["launch_problem"] is None
-    assert r["shared"] <= r["shared_limit"]
-    from csa_jax.kernels.gluon import window as win
-    assert r["shared"] <= win.shared_bytes(512, 128, 0, 16, 1, 0)
-    ptx = c.asm["ptx"]
-    for n in (256, 32, 8):      # PV; the span's 64-row tiles and 16-row tail, per warpgroup
-        assert f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16" in ptx
-    assert "cp.async.cg.shared.global" in ptx and "cp.async.mbarrier.arrive.noinc" in ptx
-    # a few loop-carried scalars spill (docs/perf/gluon_h200.md, window reuse): bounded here
-    assert r["spill_stores"] <= 128, r
-
-
-def test_window_kernel_cr0_p_smem_compiles():
-    """cr0 with P through shared memory (one 128-row window product, m64n64 per warpgroup):
-    within shared memory."""
-    from csa_jax.kernels.gluon import window as win
-    c, r = _compile(p_smem=True)
-    assert r["shared"] <= win.shared_bytes(512, 128, 0, 16, 1, 1) <= r["shared_limit"]
-    assert "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16" in c.asm["ptx"]
-    assert r["spill_stores"] <= 128, r
-
-
-@pytest.mark.parametrize("window, p_mode", [(64, 2), (128, 2)])
-def test_window_kernel_cr128_compiles(window, p_mode):
-    """cr128 at D = 512 fits only with the window's P in the pool slot (window.p_smem_mode)."""
-    from csa_jax.kernels.gluon import window as win
-    assert win.p_smem_mode(512, window, 128, 16, False) == p_mode
-    _, r = _compile(T=700, NHB=1, window=window, G=44, ratio=128)
-    assert r["shared"] <= r["shared_limit"], r
-    assert r["shared"] <= win.shared_bytes(512, window, 128, 16, 1, p_mode), r
-    assert r["spill_stores"] <= 320, r
-
-
-def _compile_xchg(T=4096, NHB=2, window=128, G=66, regs=216):
-    if adapter.missing():
-        pytest.skip(adapter.missing())
-    from csa_jax.kernels.gluon import window as win, window_xchg as wx
-    c = adapter.compile_kernel(
-        wx.csa_window_xchg_kernel, win.arg_types(),
-        wx.constexprs(T=T, N=T, NHB=NHB, D=512, window=window, G=G, scale=512 ** -0.5,
-                      consumer_regs=regs),
-        target="sm_90a", num_warps=wx.NUM_WARPS)
-    return c, adapter.resources(c, "sm_90a")
-
-
-@pytest.mark.parametrize("T, NHB, window, G", [(4096, 2, 128, 66), (1000, 1, 64, 63)])
-def test_window_exchange_kernel_compiles_without_spills(T, NHB, window, G):
-    """cr0's exchange schedule: 12 warps (producer + two consumer warpgroups), within shared
-    memory and its estimate, no spills; per warpgroup the scores of its span tiles (m64n64 /
-    m64n32 and the 16-row tail m64n16) and PV on its 256 output columns (m64n256)."""
-    from csa_jax.kernels.gluon import window_xchg as wx
-    c, r = _compile_xchg(T, NHB, window, G)
-    assert r["num_warps"] == 12 and r["launch_problem"] is None
-    assert r["shared"] <= wx.shared_bytes(512, window) <= r["shared_limit"], r
+    assert r["shared"] <= win.shared_bytes(512, 128) <= r["shared_limit"], r
     assert r["spill_stores"] == 0 and r["spill_loads"] == 0, r
     ptx = c.asm["ptx"]
-    for n in (window // 2, 16, 256):
+    for n in (64, 16, 256):
         assert f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16" in ptx, n
     assert "cp.async.cg.shared.global" in ptx and "cp.async.mbarrier.arrive.noinc" in ptx
-
-
-@pytest.mark.parametrize("layout, sched, want", [
-    ("cr0", "auto", "exchange"), ("cr128", "auto", "gather"), ("generic", "exchange", "generic"),
-    ("cr4", "auto", "generic"), ("cr0", "exchange", "exchange"), ("cr0", "overlap", "overlap"),
-    ("cr128", "exchange", "lockstep"), ("cr128", "gather", "gather"), ("cr0", "gather", "gather"),
-])
-def test_window_schedule_resolution(layout, sched, want):
-    assert impl.Config(layout=layout, win_schedule=sched).window_schedule() == want
-
-
-def test_auto_window_64_runs_the_gather_kernel():
-    """window 64 was not checked on the GPU: auto keeps the gather kernel there."""
-    assert impl.Config(layout="cr0", window=64).window_schedule() == "gather"
-
-
-def test_gather_schedule_ignores_the_promise(monkeypatch):
-    """win_schedule="gather" under a cr0 promise runs the gather kernel on idx as given (no
-    promise check: a broken list is still computed exactly)."""
-    from csa_jax.kernels.gluon import fwd
-    monkeypatch.setattr(impl, "_check", lambda *a: None)
-    monkeypatch.setattr(impl, "_amd", lambda: None)
-    seen = []
-    monkeypatch.setattr(fwd, "forward", lambda *a, **k: seen.append(k["config"]) or "gather")
-    idx = np.full((1, 4, 128), -1, np.int32)          # breaks the cr0 promise everywhere
-    cfg = impl.Config(layout="cr0", win_schedule="gather")
-    assert impl.forward(None, jnp.zeros((1, 4, 8)), idx, None, scale=1.0, interpret=False,
-                        config=cfg) == "gather"
-    assert seen == [cfg]
-
-
-def test_window_exchange_prefetch_compiles():
-    """win_prefetch: the producer's L2 prefetch of a later token's q, 4 lines a thread, no
-    spills; without it no prefetch."""
-    if adapter.missing():
-        pytest.skip(adapter.missing())
-    from csa_jax.kernels.gluon import window as win, window_xchg as wx
-    for ahead, n in ((0, 0), (2, 4)):
-        c = adapter.compile_kernel(
-            wx.csa_window_xchg_kernel, win.arg_types(),
-            wx.constexprs(T=4096, N=4096, NHB=2, D=512, window=128, G=66, scale=0.05,
-                          q_ahead=ahead), target="sm_90a", num_warps=wx.NUM_WARPS)
-        assert c.asm["ptx"].count("prefetch.global.L2") == n
-        r = adapter.resources(c, "sm_90a")
-        assert r["spill_stores"] == 0, r
-
-
-def test_window_schedule_selects_the_kernel(monkeypatch):
-    """win_schedule="exchange" runs window_xchg's kernel for cr0 and the lockstep one for cr128
-    (the launch is intercepted: no GPU here)."""
-    from csa_jax.kernels.gluon import adapter as ad, window as win, window_xchg as wx
-    seen = []
-
-    def fake_call(*args, kernel, out_shape, grid, num_warps, name, **consts):
-        seen.append((kernel, num_warps, grid, consts))
-        return [jnp.zeros(s.shape, s.dtype) for s in out_shape]
-
-    monkeypatch.setattr(ad, "gluon_call", fake_call)
-    B, T, H, D = 1, 64, 128, 512
-    for layout, ratio in (("cr0", 0), ("cr128", 128)):
-        cfg = impl.Config(layout=layout, win_schedule="exchange")
-        N = T + (T // ratio if ratio else 0) + 1
-        q = jnp.zeros((B, T, H, D), jnp.bfloat16)
-        kv = jnp.zeros((B, N, D), jnp.bfloat16)
-        o, lse = win.forward(q, kv, jnp.zeros((H,)), jnp.zeros((B, T), bool), scale=0.1,
-                             config=cfg)
-        assert o.shape == (B, T, H, D) and lse.shape == (B, T, H)
-    (k0, w0, g0, c0), (k1, w1, _, c1) = seen
-    assert k0 is wx.csa_window_xchg_kernel and w0 == wx.NUM_WARPS and c0["CONSUMER_REGS"] == 216
-    assert g0 == (1 * 2 * 4,)             # B x H/64 x G (G = the T / 16 = 4 blocks)
-    assert k1 is win.csa_window_kernel and c1["RATIO"] == 128
 
 
 def _violations_by_sets(idx, layout, w, ratio):
