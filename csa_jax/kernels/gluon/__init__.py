@@ -1,6 +1,6 @@
 """impl="gluon": CSA kernels in Triton's Gluon dialect, called from JAX (docs/gluon.md).
 
-The impl-module interface of csa_jax/registry.py: Config, default_config (config.py),
+The impl-module interface of csa_jax/registry.py: Config (config.py), default_config,
 forward, backward, unsupported, check_layout. One kernel per job (the explicit data mover: a
 producer partition gathers kv rows with cp.async into an mbarrier ring, consumer warpgroups
 run wgmma; ring.py holds what they share):
@@ -24,8 +24,9 @@ import jax
 import jax.numpy as jnp
 
 from csa_jax.kernels.gluon.adapter import missing as _missing_triton
-from csa_jax.kernels.gluon.config import LAYOUTS, SMEM_BUDGET, Config, default_config  # noqa: F401
-from csa_jax.kernels.gluon.dims import AMD_DEFAULTS, amd_arch, fwd_shared_bytes
+from csa_jax.kernels.gluon.config import LAYOUTS, SMEM_BUDGET, Config  # noqa: F401
+from csa_jax.kernels.gluon.dims import (AMD_DEFAULTS, AMD_DQ_DEFAULTS, amd_arch, dq_tiles,
+                                        fwd_shared_bytes)
 
 _GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 
@@ -45,6 +46,27 @@ def _amd():
     if platform == "rocm" or "amd" in kind.lower() or kind.lower().startswith("gfx"):
         return amd_arch(kind, cc) or f"unknown AMD GPU ({kind!r}, {cc!r})"
     return None
+
+
+def default_config(q_shape, kv_shape, idx_shape, dtype, *, layout="generic", window=128,
+                   pool_ratio=128) -> Config:
+    """NVIDIA: block_k 64 and the deepest even ring that fits (4 for D <= 256, 2 at D = 512;
+    block_k 32 if even 2 stages of 64 rows would not fit); the dq kernel's tiles from
+    dims.dq_tiles (32 x 2 at D = 512). AMD: the per-target tiles of dims.AMD_DEFAULTS /
+    AMD_DQ_DEFAULTS. layout / window / pool_ratio: the caller's promise, passed through."""
+    del kv_shape, idx_shape, dtype
+    D = q_shape[3]
+    promise = dict(layout=layout, window=window, pool_ratio=pool_ratio)
+    arch = _amd()
+    if arch in AMD_DEFAULTS:
+        d, b = AMD_DEFAULTS[arch], AMD_DQ_DEFAULTS[arch]
+        return Config(block_k=d["block_k"], stages=d["stages"], bwd_block_k=b["block_k"],
+                      bwd_stages=b["stages"], **promise)
+    bk, bs = dq_tiles(D) or (32, 2)
+    for stages in (4, 2):
+        if fwd_shared_bytes(D, 64, stages) <= SMEM_BUDGET:
+            return Config(block_k=64, stages=stages, bwd_block_k=bk, bwd_stages=bs, **promise)
+    return Config(block_k=32, stages=2, bwd_block_k=bk, bwd_stages=bs, **promise)
 
 
 def _cannot_run(q_shape, dtype):

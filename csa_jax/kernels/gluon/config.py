@@ -1,21 +1,14 @@
-"""Config of impl="gluon": the choices a user or default_config makes (docs/gluon.md)."""
+"""Config of impl="gluon": the choices a user or default_config (the package's) makes
+(docs/gluon.md)."""
 from __future__ import annotations
 
 import dataclasses
 
-from csa_jax.kernels.gluon.dims import (AMD_DEFAULTS, AMD_DQ_DEFAULTS, SMEM_LIMIT, dq_tiles,
-                                        fwd_shared_bytes)
+from csa_jax.kernels.gluon.dims import SMEM_LIMIT
 
 LAYOUTS = ("generic", "cr0", "cr4", "cr128")
 WINDOW_KERNEL = 128          # the window the cr0 window kernel runs for (window.py)
 SMEM_BUDGET = SMEM_LIMIT - 16_384      # the forward's buffers: the limit minus compiler scratch
-
-
-def _amd():
-    """The package's _amd(), looked up at each call, so that a test that simulates a device
-    (monkeypatch of gluon._amd or gluon._device) reaches default_config."""
-    from csa_jax.kernels import gluon
-    return gluon._amd()
 
 
 def _int_in(name, value, allowed):
@@ -75,24 +68,3 @@ class Config:
     def window_kernel(self) -> bool:
         """Whether the forward runs the cr0 window kernel (else the gather kernel)."""
         return self.layout == "cr0" and self.window == WINDOW_KERNEL
-
-
-def default_config(q_shape, kv_shape, idx_shape, dtype, *, layout="generic", window=128,
-                   pool_ratio=128) -> Config:
-    """NVIDIA: block_k 64 and the deepest even ring that fits (4 for D <= 256, 2 at D = 512;
-    block_k 32 if even 2 stages of 64 rows would not fit); the dq kernel's tiles from
-    dims.dq_tiles (32 x 2 at D = 512). AMD: the per-target tiles of dims.AMD_DEFAULTS /
-    AMD_DQ_DEFAULTS. layout / window / pool_ratio: the caller's promise, passed through."""
-    del kv_shape, idx_shape, dtype
-    D = q_shape[3]
-    promise = dict(layout=layout, window=window, pool_ratio=pool_ratio)
-    arch = _amd()
-    if arch in AMD_DEFAULTS:
-        d, b = AMD_DEFAULTS[arch], AMD_DQ_DEFAULTS[arch]
-        return Config(block_k=d["block_k"], stages=d["stages"], bwd_block_k=b["block_k"],
-                      bwd_stages=b["stages"], **promise)
-    bk, bs = dq_tiles(D) or (32, 2)
-    for stages in (4, 2):
-        if fwd_shared_bytes(D, 64, stages) <= SMEM_BUDGET:
-            return Config(block_k=64, stages=stages, bwd_block_k=bk, bwd_stages=bs, **promise)
-    return Config(block_k=32, stages=2, bwd_block_k=bk, bwd_stages=bs, **promise)
