@@ -137,7 +137,7 @@ def gluon_nv_kernels(configs):
                           lambda cfg=cfg: bwd.constexprs(BK=cfg.bwd_block_k,
                                                          stages=cfg.bwd_stages, **PRO),
                           ring.CONSUMER_WARPS))
-    # the reduce over the Pro problem's T * K slots (rows padded to the forward's tile: 1152)
+    # the reduce over the Pro problem's T * K slot rows (K padded to the dq kernel's tile: 1152)
     yield ("csa_dkv_reduce[default]", True, sm90,
            _gluon(dkv.csa_dkv_reduce_kernel, dkv.arg_types(),
                   lambda: dkv.constexprs(N=PRO["N"], E=PRO["T"] * PRO["K"], D=PRO["D"], R=16),
