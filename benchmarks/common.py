@@ -87,7 +87,7 @@ def _value(v):
     try:
         return int(v)
     except ValueError:
-        return v          # a string option, e.g. interm=kernel
+        return v          # a string option, e.g. bwd=pallas_triton
 
 
 def parse_overrides(kvs):
@@ -99,12 +99,17 @@ def parse_overrides(kvs):
 
 
 def apply_overrides(mod, cfg, q_shape, over):
-    """A variant's Config: the impl module's replace_config (gluon's re-picks the dq kernel's
-    tiles when a variant changes its schedule) or plain dataclasses.replace. mod: the impl
-    module or its registry.Impl."""
+    """A variant's Config: dataclasses.replace(cfg, **over), a field the Config does not have
+    refused by name (ValueError listing the fields); the Config's own checks refuse bad values.
+    mod and q_shape are unused (kept for bench_csa.py's call)."""
     import dataclasses
-    rep = getattr(getattr(mod, "mod", mod), "replace_config", None)
-    return rep(cfg, q_shape, **over) if rep else dataclasses.replace(cfg, **over)
+    del mod, q_shape
+    fields = [f.name for f in dataclasses.fields(cfg)]
+    unknown = sorted(set(over) - set(fields))
+    if unknown:
+        raise ValueError(f"{type(cfg).__module__}.{type(cfg).__name__} has no field "
+                         f"{', '.join(unknown)} (fields: {', '.join(fields)})")
+    return dataclasses.replace(cfg, **over)
 
 
 def parse_variants(spec, base=None):

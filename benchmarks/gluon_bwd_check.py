@@ -4,6 +4,11 @@
         [--shapes pro:4:4096,pro:4:16384] [--variants 'bk16:bwd_block_k=16,bwd_stages=4']
         [--grad-variants ...] [--grad-cases h64_d512_f16_sink,...] [--skip default,e2e,dq,...]
 
+--variants (time part) and --grad-variants (grad part): 'name:key=val,...;...', fields of the
+gluon Config on top of its default_config (the backward's: bwd_block_k, bwd_stages, and
+bwd=pallas_triton, the escape hatch); a field the Config lacks or a value it refuses is a
+failed `variant` row.
+
 Parts:
   grad  the backward alone on fresh random inputs (-1 slots anywhere, out-of-range ids made
         empty by sanitize_indices, duplicate rows, all-empty tokens, with and without sink,
@@ -13,9 +18,9 @@ Parts:
         sparse_attention(impl="gluon") vs impl="xla" (forward and backward Gluon);
   det   dkv (and dq) bit-identical across two runs of the Gluon backward on the same inputs;
   time  backward ms (and the dq kernel alone: only dq is kept, XLA drops the dkv work) of
-        pallas_triton and gluon (+ variants) at V4 shapes, each checked against pallas_triton
-        in the same call (except benchmark-only bwd_ablate variants); the step (value and grad
-        of the loss) of both.
+        pallas_triton and gluon (+ variants) at V4 shapes, each checked against the first row
+        timed (pallas_triton unless skipped) in the same call; the step (value and grad of the
+        loss) of both.
 --skip (to fit a short GPU call): default = the grad part checks only the variants, not the
 default config; e2e = no jax.grad case; dq = no dq-only timing; step = no step timing;
 pallas, time_default = no pallas_triton / gluon default row in the time part (the first row
@@ -159,8 +164,6 @@ def part_time(seed, shapes, variants, skip=()):
                            bwd_tflops_valid=2.5 * valid / ms / 1e9)
                 if ref is None:
                     ref = out
-                elif getattr(cfg, "bwd_ablate", 0):
-                    row["ablated"] = cfg.bwd_ablate          # wrong results by design: no check
                 else:
                     key = "err_vs_" + runs[0][0].replace("gluon:", "")
                     row[key] = {n: rel(a, b) for n, a, b in zip(("dq", "dkv", "dsink"), out, ref)}

@@ -9,9 +9,12 @@ T = 16384, 4096, 8192, in that order of T) and, for cr4, each index mode of --cr
 (bench_csa's: causal = window + the lightning indexer's top-k, random = window + uniform pool
 ids), the inputs are csa_jax.problems.make_problem's (bf16, B = 1, random q / kv / sink /
 dO / dlse: BOTH cotangents nonzero). Each impl runs as the user gets it:
-jax.vjp of csa_jax.sparse_attention(impl=...) with config=None (the registry's default_config;
---config overrides gluon's fields, `layout=auto` meaning the row's own cr0 / cr4 / cr128
-promise), under jax.jit, pulling back (dO, dlse). Compared per output, o, lse, dq, dkv, dsink:
+jax.vjp of csa_jax.sparse_attention(impl=...) with config=None (the registry's default_config),
+under jax.jit, pulling back (dO, dlse). --config: `layout=auto` passes the row's own promise
+as the NNX layer does (sparse_attention(layout=csa_jax.Layout("cr<ratio>", window,
+pool_ratio)): cr0 runs gluon's window kernel); other key=val pairs override fields of the
+checked impl's Config (gluon: block_k, stages, bwd, bwd_block_k, bwd_stages). The reference
+runs without either. Compared per output, o, lse, dq, dkv, dsink:
 max |got - ref| / max |ref| (gluon_check.rel's measure, over the entries where ref is
 finite; a NaN in got, or non-finite entries in other places than ref's, is a failure), against
 gluon_check.TOL of the dtype (bf16 2e-2). The impl runs twice: dkv and dq must be
@@ -20,11 +23,12 @@ One JSON line per (config, index mode), printed as it finishes (a killed run kee
 --out is rewritten after each row); a failure also prints a `# FAIL <config>: <output> ...`
 line naming the config and the output; an exception is a failed row with the stage (inputs /
 impl / ref / compare) and the error. Memory is freed between configs (the xla reference is
-chunked, but one of its allocations at Pro cr0 T = 16384 is 11.5 GiB). The summary table is printed last;
-exit status 1 if any row failed.
-Run ONE such process on a GPU at a time: six at once (XLA_PYTHON_CLIENT_PREALLOCATE=false, session
-5's final call) ran out of device memory at T = 16384, each process's allocator keeping its own
-peak (docs/perf/gluon_bwd_h200.md part 5d); alone, the Pro cr4 (2 index modes) + cr0 T = 16384 rows took 21 s.
+chunked, but one of its allocations at Pro cr0 T = 16384 is 11.5 GiB). The summary table is
+printed last; exit status 1 if any row failed.
+Run ONE such process on a GPU at a time: six at once (XLA_PYTHON_CLIENT_PREALLOCATE=false,
+2026-12-01 at 8bfe8bb) ran out of device memory at T = 16384, each process's allocator
+keeping its own peak (docs/perf/gluon_bwd_h200.md part 5d); alone, the Pro cr4 (2 index
+modes) + cr0 T = 16384 rows took 21 s.
 --impl / --ref choose other registered impls (e.g. a CPU dry run of the plumbing:
 --impl xla --ref xla --configs flash:0:256).
 """
@@ -49,14 +53,15 @@ FAMILIES, RATIOS, SEQS = ("flash", "pro"), (0, 4, 128), (16384, 4096, 8192)
 ALL = ",".join(f"{f}:{r}:{t}" for t in SEQS for f in FAMILIES for r in RATIOS)
 
 
-def vjp_fn(impl, scale, config=None):
+def vjp_fn(impl, scale, config=None, layout=None):
     """jit(q, kv, idx, sink, do, dlse) -> {o, lse, dq, dkv, dsink}: the forward and the vjp of
-    sparse_attention pulling back both cotangents (dO, dlse)."""
+    sparse_attention (with `config` and the `layout` promise) pulling back both cotangents
+    (dO, dlse)."""
     import csa_jax
 
     def run(q, kv, idx, sink, do, dlse):
         attn = lambda q, kv, s: csa_jax.sparse_attention(q, kv, idx, s, scale=scale, impl=impl,
-                                                         config=config)
+                                                         config=config, layout=layout)
         (o, lse), pull = jax.vjp(attn, q, kv, sink)
         dq, dkv, dsink = pull((do, dlse))
         return dict(o=o, lse=lse, dq=dq, dkv=dkv, dsink=dsink)
@@ -135,24 +140,39 @@ def emit_row(rows, row, out=None, meta=None):
             json.dump(dict(meta=meta, rows=rows), f, indent=1)
 
 
+def layer_layout(c):
+    """The promise the NNX layer passes for preset c (csa_jax/layers.py, the layer's `layout`)."""
+    import csa_jax
+    if c.ratio == 0:
+        return csa_jax.Layout("cr0", window=c.window)
+    if c.ratio == 4:
+        return csa_jax.Layout("cr4", window=c.window)
+    return csa_jax.Layout("cr128", window=c.window, pool_ratio=c.ratio)
+
+
 def run(configs, cr4_indices, impl, ref, overrides, seed, out=None, meta=None):
     from csa_jax import problems, registry
     from csa_jax.config import preset
     from benchmarks.common import apply_overrides
     rows = []
     emit = lambda row: emit_row(rows, row, out, meta)
+    overrides = dict(overrides)
+    auto = overrides.pop("layout", None) == "auto"
+    if "layout" in overrides or {"window", "pool_ratio"} & set(overrides):
+        raise ValueError("--config: the layout promise is `layout=auto` (the row's own); "
+                         "layout / window / pool_ratio are not overrides")
     for family, ratio, T in configs:
         c = preset(family, ratio)
         base = dict(family=family, ratio=ratio, T=T, impl=impl, ref=ref, seed=seed)
+        promise = layer_layout(c) if auto else None
         cfg = None
         if overrides:
             mod = registry.get(impl)
-            kw = {k: (f"cr{ratio}" if (k, v) == ("layout", "auto") else v)
-                  for k, v in overrides.items()}
             H, D = c.num_heads, c.head_dim
             cfg = apply_overrides(mod, mod.default_config((1, T, H, D), None, (0, 0, 0),
-                                                          jnp.bfloat16), (1, T, H, D), kw)
-        impl_fn, ref_fn = vjp_fn(impl, c.scale, cfg), vjp_fn(ref, c.scale)
+                                                          jnp.bfloat16, promise),
+                                  (1, T, H, D), overrides)
+        impl_fn, ref_fn = vjp_fn(impl, c.scale, cfg, promise), vjp_fn(ref, c.scale)
         for mode in (cr4_indices if ratio == 4 else ["causal"]):
             name = f"{family}-cr{ratio}-T{T}" + (f"-{mode}" if ratio == 4 else "")
             try:
@@ -168,7 +188,7 @@ def run(configs, cr4_indices, impl, ref, overrides, seed, out=None, meta=None):
             if cfg is not None or impl == "gluon":
                 mod = registry.get(impl)
                 row["impl_config"] = repr(cfg or mod.default_config(
-                    pr.q.shape, pr.kv.shape, pr.idx.shape, pr.q.dtype))
+                    pr.q.shape, pr.kv.shape, pr.idx.shape, pr.q.dtype, promise))
             emit(dict(base, idx=mode, K=pr.K, N=pr.kv.shape[1], **row,
                       wall_s=round(time.perf_counter() - t0, 2)))
             del pr
@@ -207,13 +227,14 @@ def main(argv=None):
     ap.add_argument("--impl", default="gluon", help="the impl checked (default gluon)")
     ap.add_argument("--ref", default="xla", help="the reference impl (default xla)")
     ap.add_argument("--config", default="",
-                    help="key=val,... overrides of the impl's default Config (layout=auto: "
-                         "the row's cr promise); default none: the user's defaults")
+                    help="layout=auto (pass the row's layout promise, as the NNX layer does) "
+                         "and key=val,... overrides of the impl's default Config; default "
+                         "none: the user's defaults")
     ap.add_argument("--seed", type=int, default=int(time.time()) % 100000,
                     help="make_problem's seed (default: from the clock; printed)")
     ap.add_argument("--out", default=None, help="JSON file, rewritten after every row")
     args = ap.parse_args(argv)
-    from benchmarks.common import parse_overrides
+    from benchmarks.common import apply_overrides, parse_overrides
     from csa_jax.problems import INDEX_MODES
     try:
         configs = parse_shapes(args.configs)
@@ -230,8 +251,20 @@ def main(argv=None):
                 seed=args.seed, date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                 command="python -m benchmarks.gluon_grad_configs " + " ".join(sys.argv[1:]))
     print(f"# {json.dumps(meta)}", flush=True)
-    rows = run(configs, modes, args.impl, args.ref, parse_overrides(args.config), args.seed,
-               args.out, meta)
+    over = parse_overrides(args.config)
+    try:         # a field the Config lacks, a value it refuses: refused before any row runs
+        from csa_jax import registry
+        mod = registry.get(args.impl)
+        rest = {k: v for k, v in over.items() if (k, v) != ("layout", "auto")}
+        if rest:
+            apply_overrides(mod, mod.default_config((1, 64, 64, 512), None, (0, 0, 0),
+                                                    jnp.bfloat16), None, rest)
+        if {"layout", "window", "pool_ratio"} & set(rest):
+            raise ValueError("the layout promise is `layout=auto` (the row's own); layout / "
+                             "window / pool_ratio are not overrides")
+    except (TypeError, ValueError) as e:
+        ap.error(f"--config {args.config!r}: {e}")
+    rows = run(configs, modes, args.impl, args.ref, over, args.seed, args.out, meta)
     return summary(rows)
 
 

@@ -10,9 +10,13 @@ For each problem (the bench_csa problems: random cr4 indices, V4 index builders 
 - pipelined: `--calls` calls enqueued back to back, one block_until_ready, divided by the
   count (the device time per forward, launch latency hidden behind the previous call);
 - kernel (impl gluon only): the same, of the forward kernel alone on operands prepared
-  beforehand (fwd.prepare outside the timed function; for a window layout, --window-layouts,
-  window.forward with the promise-violation flags computed beforehand: its padding is a no-op
-  at Pro / Flash shapes).
+  beforehand (ring.prepare outside the timed function: fwd.csa_fwd_kernel; under the cr0
+  promise, --window-layouts, window.forward with the promise-violation flags computed
+  beforehand: its padding is a no-op at Pro / Flash shapes).
+--window-layouts gives the cr0 and cr128 problems their layout promise, as the NNX layer does
+(csa_jax.Layout("cr0" / "cr128", window, pool_ratio) into the impl's default_config): cr0 runs
+gluon's window kernel, cr128 the gather kernel (its promise changes no kernel). --config
+overrides fields of the impl's Config (gluon: block_k, stages).
 --check adds err_o / err_lse (max-abs error over max-abs, f32) of the timed forward's outputs
 against impl="xla" on the same problem.
 FlashMLA's targets (../shared/gpu_kernels.md) do not say how they were timed; these three
@@ -21,14 +25,14 @@ bound what a like-for-like comparison can be.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import time
 
 import jax
 import jax.numpy as jnp
 
-from benchmarks.common import make_problem, parse_overrides, time_fn
+import csa_jax
+from benchmarks.common import apply_overrides, make_problem, parse_overrides, time_fn
 from csa_jax import registry
 
 
@@ -43,30 +47,25 @@ def _pipelined(fn, args, calls):
 
 
 def _kernel_fn(q, kv, idx, sink, scale, config):
-    """(jitted kernel-only function, its operands) of the Gluon forward: the alternating gather
-    kernel on fwd.prepare's operands, or for a window layout (cr0 / cr128) window.forward on a
-    precomputed all-good `bad` (the jitted forward computes it from idx: layouts.violations)."""
-    from csa_jax.kernels.gluon import fwd
+    """(jitted kernel-only function, its operands) of the Gluon forward: the gather kernel
+    (fwd.csa_fwd_kernel) on ring.prepare's operands, or under the cr0 promise window.forward
+    on a precomputed all-good `bad` (the jitted forward computes it from idx:
+    layouts.violations)."""
+    from csa_jax.kernels.gluon import fwd, ring
     from csa_jax.kernels.gluon.adapter import gluon_call
-    if config.window_schedule() not in ("generic", "gather"):
+    if config.window_kernel:
         from csa_jax.kernels.gluon import window
         fn = jax.jit(lambda q, kv, s, bad: window.forward(q, kv, s, bad, scale=scale,
-                                                          config=config))
+                                                          window=config.window))
         bad = jnp.zeros(idx.shape[:2], jnp.int32)
         return fn, jax.block_until_ready((q, kv, sink, bad))
-    if config.resolved_schedule != "alternate":
-        raise ValueError("kernel-only timing covers the alternating gather kernel and the "
-                         "window kernels only")
-    from csa_jax.kernels.gluon import fwd_alt
-    q_p, kv_p, idx_p, ntiles, sink_p, dims = fwd.prepare(q, kv, idx, sink, config.block_k)
+    q_p, kv_p, idx_p, ntiles, sink_p, dims = ring.prepare(q, kv, idx, sink, config.block_k)
     B, T, H, D, N, Hp, Dp, Kp, nhb = dims
-    consts = fwd_alt.config_constexprs(config, T=T, N=N, NHB=nhb, D=Dp, K=Kp,
-                                       BK=config.block_k, stages=config.stages, scale=scale,
-                                       prefetch=config.prefetch)
-    fn = jax.jit(lambda *a: gluon_call(*a, kernel=fwd_alt.csa_fwd_alt_kernel,
-                                       out_shape=fwd.out_shapes(q, dims), grid=(B * T * nhb,),
-                                       num_warps=fwd_alt.NUM_WARPS, name="csa_gluon_fwd",
-                                       **consts))
+    consts = fwd.constexprs(T=T, N=N, NHB=nhb, D=Dp, K=Kp, BK=config.block_k,
+                            stages=config.stages, scale=scale)
+    fn = jax.jit(lambda *a: gluon_call(*a, kernel=fwd.csa_fwd_kernel,
+                                       out_shape=ring.out_shapes(q, dims), grid=(B * T * nhb,),
+                                       num_warps=fwd.NUM_WARPS, name="csa_gluon_fwd", **consts))
     return fn, jax.block_until_ready((q_p, kv_p, idx_p, ntiles, sink_p))
 
 
@@ -87,8 +86,8 @@ def main(argv=None):
     ap.add_argument("--config", default="", help="Config overrides: key=val,...")
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--window-layouts", action="store_true",
-                    help="cr0 / cr128 problems with their layout promise (Config.layout = "
-                         "cr0 / cr128: the window-reuse kernels); --config still applies")
+                    help="cr0 / cr128 problems with their layout promise, as the NNX layer "
+                         "passes it (cr0: gluon's window kernel); --config still applies")
     ap.add_argument("--check", action="store_true", help="err_o / err_lse vs impl='xla'")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -98,13 +97,15 @@ def main(argv=None):
         for ratio in args.ratios:
             for T in args.seqs:
                 cfg, q, kv, idx, sink, _ = make_problem(family, ratio, T, "random", 0)
-                c = mod.default_config(q.shape, kv.shape, idx.shape, q.dtype)
+                promise = None
                 if args.window_layouts and ratio in (0, 128):
-                    if not hasattr(c, "layout"):
-                        raise ValueError(f"--window-layouts: impl {args.impl!r}'s Config has "
-                                         f"no layout field")
-                    c = dataclasses.replace(c, layout=f"cr{ratio}")
-                c = dataclasses.replace(c, **parse_overrides(args.config))
+                    if not mod.takes_layout:
+                        raise ValueError(f"--window-layouts: impl {args.impl!r} takes no "
+                                         f"layout promise")
+                    promise = csa_jax.Layout(f"cr{ratio}", window=cfg.window,
+                                             pool_ratio=ratio or 128)
+                c = mod.default_config(q.shape, kv.shape, idx.shape, q.dtype, promise)
+                c = apply_overrides(mod, c, q.shape, parse_overrides(args.config))
                 fwd = jax.jit(lambda q, kv, i, s, c=c: mod.forward(
                     q, kv, i, s, scale=cfg.scale, interpret=False, config=c))
                 a = (q, kv, idx, sink)

@@ -4,13 +4,15 @@
         [--kernels gluon_nv,gluon_amd,triton] [--variants 'name:key=val,...;...']
         [--out resources.json]
 
-Kernels (V4 shape: D = 512, K = 1152 slots, H = 128 = two 64-head blocks), each at its default
-config for the target:
-- gluon_nv: the NVIDIA Gluon forward (fwd.py; plus --variants of its Config), the dq kernel
-  (bwd.py), the ring-gather probe; compiled for every target (the AMD targets refuse them:
-  NVIDIA-only ops; the row says which op);
-- gluon_amd: the AMD Gluon forward (amd_fwd.py) and dq kernel (amd_bwd.py) at
-  dims.AMD_DEFAULTS / AMD_DQ_DEFAULTS on their three targets, and each with its
+Kernels (V4 Pro shape: D = 512, K = 1152 slots, H = 128 = two 64-head blocks, T = 4096), each at
+its default config for its target, on the targets it is built for:
+- gluon_nv (sm_90a): the NVIDIA Gluon forward (fwd.py) and dq kernel (bwd.py) at
+  gluon.default_config, plus a row per --variants entry (gluon Config fields: block_k, stages
+  for the forward, bwd_block_k, bwd_stages for the dq kernel) that changes that kernel's
+  tiles; the Gluon dkv reduce (dkv.py); the cr0 window kernel (window.py) at Pro and at
+  Flash (H = 64: one head block);
+- gluon_amd (gfx942, gfx950, gfx1250): the AMD Gluon forward (amd_fwd.py) and dq kernel
+  (amd_bwd.py) at dims.AMD_DEFAULTS / AMD_DQ_DEFAULTS on their three targets, and each with its
   transposed-operand switch (trans=1, issue 14) as a non-default row, and gfx1250's forward
   with kv rows by per-row TDM loads (tdm_rows, non-default);
 - triton: the pallas_triton kernels (forward, dq, dkv reduce) lowered by Pallas for the target's
@@ -22,8 +24,9 @@ occupancy (waves per SIMD) from the .amdgcn metadata. A kernel the target's comp
 shows the first line of its error.
 
 Exit 1 (the CI check, tests/test_gpu_resources.py) when a default-config kernel spills beyond
-KNOWN_SPILLS or exceeds the target's shared memory / LDS, or when an AMD Gluon or
-Triton-dialect kernel stops compiling for a target it is built for.
+KNOWN_SPILLS or exceeds the target's shared memory / LDS, or when a default NVIDIA Gluon
+kernel, an AMD Gluon kernel or a Triton-dialect kernel stops compiling for a target it is
+built for.
 """
 from __future__ import annotations
 
@@ -37,12 +40,17 @@ import tempfile
 from benchmarks.common import parse_variants
 
 ALL_TARGETS = ("sm_90a", "gfx942", "gfx950", "gfx1250")
-# Spills a default config is known to have, with why it stays the default (bytes on sm_90a,
-# VGPRs on AMD); any other spill of a default fails the check.
+# Spills a default config is known to have, by row (kernel) name and target, with why it stays
+# the default (bytes on sm_90a, VGPRs on AMD); any other spill of a default fails the check.
 KNOWN_SPILLS = {
     # 40 B spill stores at 255 registers: the measured-fastest dq config on the H200
     # (docs/perf/triton_h200.md table 4); a compile-only report does not overrule a timing.
     ("csa_triton_dq", "sm_90a"): 40,
+    # 100 B at Flash cr0 T = 4096 (H = 64: G = 132 programs per head block; Pro's G = 66 spills
+    # none), CPU compile at d23a12a (2026-12-02), the same as 14a1614's window_xchg kernel,
+    # the code timed faster than the gather kernel at Flash cr0 T = 4096
+    # (docs/perf/gluon_window_h200.md).
+    ("csa_window[cr0,flash]", "sm_90a"): 100,
 }
 # Triton-dialect targets its defaults are meant for: gfx1250 (wave32) is reported, not
 # checked: pallas_triton's AMD defaults are tuned for wave64 CDNA (docs/perf/gpu_resources.md).
@@ -73,101 +81,77 @@ def _error_line(e, diag=""):
 
 
 def _gluon(fn, types, consts, warps):
-    """A compile step for a Gluon kernel: target -> resources dict."""
+    """A compile step for a Gluon kernel: target -> resources dict. consts: the constexprs, or
+    a function returning them (evaluated in the step: a refused value is that row's error)."""
     from csa_jax.kernels.gluon import adapter
 
     def run(target):
-        r = adapter.resources(adapter.compile_kernel(fn, types, consts, target=target,
+        c = consts() if callable(consts) else consts
+        r = adapter.resources(adapter.compile_kernel(fn, types, c, target=target,
                                                      num_warps=warps), target)
         r.pop("ptxas", None)
         return r
     return run
 
 
-def gluon_nv_kernels(variants):
-    """(name, is_default, targets (None = all), compile step) of the NVIDIA Gluon kernels."""
-    import dataclasses
+# The V4 Pro shape of the report (D = 512, K = 1152 slots, H = 128 = two 64-head blocks, T = 4096,
+# N = T + T / 4 rows); Flash (H = 64: one head block) where a kernel's code depends on it.
+PRO = dict(T=4096, N=5120, NHB=2, D=512, K=1152, scale=512 ** -0.5)
+
+
+def nv_configs(variants):
+    """[(name, gluon Config)] of --variants on top of the default at the report's shape
+    (ValueError naming a field the Config lacks or a value it refuses)."""
+    from benchmarks.common import apply_overrides
     from csa_jax.kernels import gluon as impl
-    from csa_jax.kernels.gluon import bwd, fwd
-    from csa_jax.kernels.gluon.probe import ring_gather_kernel
-    base = impl.default_config((1, 4096, 128, 512), (1, 5120, 512), (1, 4096, 1152), "bfloat16")
+    base = impl.default_config((1, PRO["T"], 128, PRO["D"]), (1, PRO["N"], PRO["D"]),
+                               (1, PRO["T"], PRO["K"]), "bfloat16")
+    out = []
     for name, over in variants:
-        cfg = dataclasses.replace(base, **over)
-        dims = dict(T=4096, N=5120, NHB=2, D=512, K=1152, BK=cfg.block_k, stages=cfg.stages,
-                    scale=512 ** -0.5, prefetch=cfg.prefetch)
-        if cfg.resolved_schedule == "alternate":
-            from csa_jax.kernels.gluon import fwd_alt
-            yield (f"csa_fwd[{name}]", name == "default", None,
-                   _gluon(fwd_alt.csa_fwd_alt_kernel, fwd.arg_types(),
-                          fwd_alt.config_constexprs(cfg, **dims), fwd_alt.NUM_WARPS))
-            continue
-        consts = fwd.constexprs(**dims, producer_regs=cfg.producer_regs, pipeline=cfg.pipeline,
-                                smem_epilogue=cfg.smem_epilogue, ablate=cfg.ablate)
-        yield (f"csa_fwd[{name}]", name == "default", None,
-               _gluon(fwd.csa_fwd_kernel, fwd.arg_types(), consts, fwd.CONSUMER_WARPS))
-    # the dq kernel at the default Config and with the other value of Config.bwd_pair
-    for pair in (base.bwd_pair, not base.bwd_pair):
-        consts = bwd.constexprs(T=4096, N=5120, NHB=2, D=512, K=1152, BK=base.bwd_block_k,
-                                stages=base.bwd_stages, scale=512 ** -0.5,
-                                producer_regs=base.producer_regs, prefetch=base.bwd_prefetch,
-                                qdo=base.bwd_qdo, dq_operand=base.bwd_dq_operand, pair=pair,
-                                fuse_delta=base.bwd_fuse_delta)
-        yield ("csa_dq[default]" if pair == base.bwd_pair else f"csa_dq[bwd_pair={pair}]",
-               pair == base.bwd_pair, None,
-               _gluon(bwd.csa_dq_kernel, bwd.arg_types(), consts, bwd.CONSUMER_WARPS))
-    # the alternating dq kernel (Config.bwd_schedule="alternate"; reported, not the default)
-    from csa_jax.kernels.gluon import bwd_alt
-    consts = bwd_alt.constexprs(T=4096, N=5120, NHB=2, D=512, K=1152, BK=32, stages=2,
-                                scale=512 ** -0.5, consumer_regs=base.bwd_alt_regs,
-                                qdo=base.bwd_qdo, fuse_delta=base.bwd_fuse_delta)
-    yield ("csa_dq[bwd_schedule=alternate]", False, None,
-           _gluon(bwd_alt.csa_dq_alt_kernel, bwd.arg_types(), consts, bwd_alt.NUM_WARPS))
-    # bwd_pipe's blocked kernel with bwd_scores_ahead, 3 stages (reported, not the default;
-    # bwd_pipeline alone and the blocked kernel without it: tests/test_gluon_bwd.py)
-    from csa_jax.kernels.gluon import bwd_pipe
-    consts = bwd.constexprs(T=4096, N=5120, NHB=2, D=512, K=1152, BK=32, stages=3,
-                            scale=512 ** -0.5, producer_regs=40, qdo=base.bwd_qdo, pair=True,
-                            fuse_delta=base.bwd_fuse_delta, pipeline=True, qdo_regs=1,
-                            scores_ahead=True)
-    yield ("csa_dq[bwd_scores_ahead]", False, None,
-           _gluon(bwd_pipe.csa_dq_blk_kernel, bwd.arg_types(), consts, bwd.CONSUMER_WARPS))
-    from csa_jax.kernels.gluon import window
-    for layout, ratio in (("cr0", 0), ("cr128", 128)):
-        # the window-reuse kernel at Pro T = 4096 (reported, not gating: a few loop scalars
-        # spill; docs/perf/gluon_h200.md, window reuse)
-        cfg = dataclasses.replace(base, layout=layout)
-        consts = window.constexprs(T=4096, N=4096 + (4096 // ratio if ratio else 0), NHB=2, D=512,
-                                   window=cfg.window, G=window.programs(1, 4096, 2),
-                                   ratio=ratio, pool_tile=cfg.pool_tile,
-                                   pool_stages=cfg.pool_stages, scale=512 ** -0.5,
-                                   producer_regs=cfg.win_producer_regs, p_smem=cfg.win_p_smem)
-        yield (f"csa_window[{layout}]", False, None,
-               _gluon(window.csa_window_kernel, window.arg_types(), consts,
-                      window.CONSUMER_WARPS))
-    from csa_jax.kernels.gluon import window_xchg
-    # cr0's exchange schedule (win_schedule="exchange"): gating, 0 spills
-    consts = window_xchg.constexprs(T=4096, N=4096, NHB=2, D=512, window=base.window,
-                                    G=window.programs(1, 4096, 2), scale=512 ** -0.5,
-                                    consumer_regs=base.win_regs)
-    yield ("csa_window[cr0,exchange]", True, None,
-           _gluon(window_xchg.csa_window_xchg_kernel, window.arg_types(), consts,
-                  window_xchg.NUM_WARPS))
-    # the overlap variant (win_schedule="overlap", reported, not gating: 4 B spill)
-    yield ("csa_window[cr0,overlap]", False, None,
-           _gluon(window_xchg.csa_window_xchg_kernel, window.arg_types(),
-                  {**consts, "OVERLAP": True, "CONSUMER_REGS": 224}, window_xchg.NUM_WARPS))
-    # the cr0 window dq kernel (Config.bwd_win, opt-in): gating, 0 spills
-    from csa_jax.kernels.gluon import bwd_win
-    consts = bwd_win.constexprs(T=4096, N=4096, NH2=4, D=512, window=base.window,
-                                G=window.programs(1, 4096, 4), scale=512 ** -0.5,
-                                producer_regs=base.bwd_win_producer_regs, qdo=base.bwd_qdo,
-                                fuse_delta=base.bwd_fuse_delta)
-    yield ("csa_dq[bwd_win,cr0]", True, None,
-           _gluon(bwd_win.csa_dq_win_kernel, bwd_win.arg_types(), consts,
-                  bwd_win.CONSUMER_WARPS))
-    yield ("ring_gather_probe", False, None,
-           _gluon(ring_gather_kernel, ["*bf16", "*i32", "*bf16"],
-                  dict(NT=4, BK=16, D=512, STAGES=2), 4))
+        try:
+            out.append((name, apply_overrides(impl, base, None, over)))
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"--variants {name}: {e}") from None
+    return out
+
+
+def gluon_nv_kernels(configs):
+    """(name, is_default, targets, compile step) of the NVIDIA Gluon kernels, for sm_90a (the
+    one target they are built for): the forward (fwd.py) and the dq kernel (bwd.py) at each of
+    `configs` (nv_configs; a variant's row only where it changes that kernel's tiles), the dkv
+    reduce (dkv.py, reduce_rows' defaults) and the cr0 window kernel (window.py) at Pro and
+    Flash."""
+    from csa_jax.kernels.gluon import bwd, dkv, fwd, ring, window
+    sm90 = ("sm_90a",)
+    base = configs[0][1]
+    for name, cfg in configs:
+        if name == "default" or (cfg.block_k, cfg.stages) != (base.block_k, base.stages):
+            yield (f"csa_fwd[{name}]", name == "default", sm90,
+                   _gluon(fwd.csa_fwd_kernel, ring.arg_types(),
+                          lambda cfg=cfg: fwd.constexprs(BK=cfg.block_k, stages=cfg.stages,
+                                                         **PRO), fwd.NUM_WARPS))
+        if name == "default" or ((cfg.bwd_block_k, cfg.bwd_stages)
+                                 != (base.bwd_block_k, base.bwd_stages)):
+            yield (f"csa_dq[{name}]", name == "default", sm90,
+                   _gluon(bwd.csa_dq_kernel, bwd.arg_types(),
+                          lambda cfg=cfg: bwd.constexprs(BK=cfg.bwd_block_k,
+                                                         stages=cfg.bwd_stages, **PRO),
+                          ring.CONSUMER_WARPS))
+    # the reduce over the Pro problem's T * K slot rows (K padded to the dq kernel's tile: 1152)
+    yield ("csa_dkv_reduce[default]", True, sm90,
+           _gluon(dkv.csa_dkv_reduce_kernel, dkv.arg_types(),
+                  lambda: dkv.constexprs(N=PRO["N"], E=PRO["T"] * PRO["K"], D=PRO["D"], R=16),
+                  4))
+    # the cr0 window kernel (window 128; N = T: cr0 has no pool rows) at Pro (two head blocks)
+    # and Flash (one: G, the programs per head block, doubles, and the code changes)
+    for tag, nhb in (("cr0", 2), ("cr0,flash", 1)):
+        T = PRO["T"]
+        yield (f"csa_window[{tag}]", True, sm90,
+               _gluon(window.csa_window_kernel, window.arg_types(),
+                      lambda nhb=nhb, T=T: window.constexprs(
+                          T=T, N=T, NHB=nhb, D=PRO["D"], window=128,
+                          G=window.programs(1, T, nhb), scale=PRO["scale"]),
+                      window.NUM_WARPS))
 
 
 def gluon_amd_kernels():
@@ -231,7 +215,7 @@ def check(row, is_default, must_compile):
     if row["shared"] > row.get("shared_limit", row["shared"]):
         return f"{row['shared']} B shared > {row['shared_limit']}"
     spills = row.get("spill_stores", 0) or row.get("vgpr_spill", 0)
-    allowed = KNOWN_SPILLS.get((row["name"], row["target"]), 0)
+    allowed = KNOWN_SPILLS.get((row.get("kernel", row["name"]), row["target"]), 0)
     if spills > allowed:
         return f"spills {spills} (allowed {allowed})"
     return None
@@ -253,7 +237,11 @@ def main(argv=None):
     families = args.kernels.split(",")
     jobs = []
     if "gluon_nv" in families:
-        jobs += [(k, "gluon_nv") for k in gluon_nv_kernels(parse_variants(args.variants))]
+        try:
+            configs = nv_configs(parse_variants(args.variants))
+        except ValueError as e:
+            ap.error(str(e))
+        jobs += [(k, "gluon_nv") for k in gluon_nv_kernels(configs)]
     if "gluon_amd" in families:
         jobs += [(k, "gluon_amd") for k in gluon_amd_kernels()]
     if "triton" in families:

@@ -1,6 +1,7 @@
 """The GPU benchmarks' helpers, on CPU (the scripts run on the device machine, so what can run
-here is tested here): variant specs with int, bool and string values, and the forward probe
-script end to end in interpret mode."""
+here is tested here): variant specs with int, bool and string values, the forward probe
+script end to end in interpret mode, and the Gluon check scripts' plumbing up to the kernel
+launch (faked, or the impls stood in for by xla: Gluon cannot run here)."""
 from __future__ import annotations
 
 import dataclasses
@@ -22,6 +23,21 @@ def test_variant_specs_reach_the_config():
     assert (cfg.interm, cfg.block_k_dq, cfg.num_stages) == ("kernel", 64, 2)
     with pytest.raises(ValueError, match="interm='kernal'"):
         dataclasses.replace(pallas_triton.Config(), **common.parse_overrides("interm=kernal"))
+
+
+def test_apply_overrides_is_a_checked_replace():
+    """common.apply_overrides (bench_csa's and the Gluon scripts' variants): the Config with
+    the named fields replaced; a field the Config lacks (a removed variant switch) is refused
+    by name, a bad value by the Config's own check."""
+    from csa_jax.kernels.gluon.config import Config
+    base = Config()
+    got = common.apply_overrides(None, base, None, common.parse_overrides(
+        "bwd=pallas_triton,bwd_block_k=16"))
+    assert got == dataclasses.replace(base, bwd="pallas_triton", bwd_block_k=16)
+    with pytest.raises(ValueError, match="has no field bwd_pair, schedule"):
+        common.apply_overrides(None, base, None, {"schedule": "alternate", "bwd_pair": True})
+    with pytest.raises(ValueError, match="bwd_stages=5"):
+        common.apply_overrides(None, base, None, {"bwd_stages": 5})
 
 
 def test_forward_probes_run_and_full_matches_xla():
@@ -130,9 +146,9 @@ def test_bench_train_config_variant_overrides_the_impl_default():
 
 
 def test_grad_check_and_failure_rows(capsys):
-    """benchmarks/gluon_check's grad-check helpers (gluon_bwd_check, gluon_bwd_win_check,
-    gluon_dkv_parts): per-gradient errors, dsink dropped without a sink, NaN or over-TOL fails;
-    a failure row keeps the caller's fields first, then ok=False and the cut error."""
+    """benchmarks/gluon_check's grad-check helpers (gluon_bwd_check's too): per-gradient
+    errors, dsink dropped without a sink, NaN or over-TOL fails; a failure row keeps the
+    caller's fields first, then ok=False and the cut error."""
     import json
 
     import jax.numpy as jnp
@@ -154,6 +170,118 @@ def test_grad_check_and_failure_rows(capsys):
     assert list(row) == ["part", "case", "variant", "ok", "error"] and row["ok"] is False
     assert row["error"] == ("ValueError: " + "x" * 600)[:400] and "Traceback" in cap.err
     gc.RESULTS.remove(row)
+
+
+def _fake_launch(monkeypatch):
+    """Gluon's kernel launches faked on a CPU (zero outputs; the window kernel's o and lse NaN
+    for the tokens its `bad` flags, as the kernel writes them): the list of kernels launched."""
+    import jax.numpy as jnp
+
+    from csa_jax.kernels import gluon
+    from csa_jax.kernels.gluon import adapter
+    launched = []
+
+    def fake_call(*arrays, kernel, out_shape, grid, num_warps, name="", **consts):
+        launched.append(kernel.__name__)
+        if not isinstance(out_shape, (list, tuple)):
+            return jnp.zeros(out_shape.shape, out_shape.dtype)
+        outs = [jnp.zeros(o.shape, o.dtype) for o in out_shape]
+        if kernel.__name__ == "csa_window_kernel":       # (q, kv, sink, bad) -> (o, lse)
+            rows = jnp.repeat(arrays[3] != 0, outs[1].shape[0] // arrays[3].shape[0])
+            outs = [jnp.where(rows.reshape((-1,) + (1,) * (o.ndim - 1)), jnp.nan, o)
+                    for o in outs]
+        return outs
+
+    monkeypatch.setattr(gluon, "_cannot_run", lambda *a: None)
+    monkeypatch.setattr(adapter, "gluon_call", fake_call)
+    return launched
+
+
+def test_gluon_check_plumbing_with_faked_kernels(monkeypatch, capsys):
+    """benchmarks/gluon_check.py on a CPU up to the (faked) launches: the random and grad parts
+    run the gather forward and the dq / reduce kernels, the window part the cr0 window kernel
+    through sparse_attention(layout="cr0"); the fake's wrong outputs are failed rows (not
+    crashes), and the poison check sees the broken token flagged to the kernel under jit."""
+    import json
+
+    from benchmarks import gluon_check as gc
+    launched = _fake_launch(monkeypatch)
+    first = start = len(gc.RESULTS)
+    assert gc.main(["--parts", "random,grad", "--cases", "h16_d64_bf16_sink_pad",
+                    "--seed", "4"]) == 1
+    rows = gc.RESULTS[start:]
+    assert [(r["part"], r.get("kernel"), r["ok"]) for r in rows] == [
+        ("forward", "gather", False), ("grad", None, False)], rows
+    assert rows[0]["err_o"] == 1.0 and "error" not in rows[1] and rows[1]["errs"]["dq"] == 1.0
+    assert set(launched) == {"csa_fwd_kernel", "csa_dq_kernel", "csa_dkv_reduce_kernel"}
+    launched.clear()
+    start = len(gc.RESULTS)
+    # (an override, even the default's value, skips the promise-check timing: a CPU test)
+    assert gc.main(["--parts", "window", "--cases", "cr0_w128_h16_d64", "--config", "stages=2",
+                    "--seed", "4"]) == 1
+    rows = gc.RESULTS[start:]
+    assert [(r["case"], r.get("kernel"), r["ok"]) for r in rows] == [
+        ("window:cr0_w128_h16_d64_t100_sink", "window", False),
+        ("poison:cr0_w128_h16_d64_t100_sink", None, True)], rows
+    assert set(launched) == {"csa_window_kernel"}
+    out = capsys.readouterr().out
+    assert [json.loads(ln) for ln in out.splitlines() if ln.startswith("{")][-1] == rows[-1]
+    del gc.RESULTS[first:]
+    for bad in ("layout=cr0", "schedule=alternate", "block_k=48"):
+        with pytest.raises(SystemExit):
+            gc.main(["--parts", "random", "--config", bad])
+
+
+def test_gluon_bwd_check_selection_dry_run(monkeypatch):
+    """benchmarks/gluon_bwd_check.py's --grad-cases / --skip / variants on a CPU, the gluon and
+    pallas_triton impls stood in for by xla (gluon's Config and default_config, xla's numbers)
+    and the timed problem made tiny: which rows each option leaves, every row reports and
+    passes; a variant naming a field the Config lacks is a failed `variant` row."""
+    import csa_jax
+    from benchmarks import gluon_bwd_check as gb, gluon_check
+    from csa_jax import problems, registry
+    from csa_jax.kernels import gluon
+    xla = registry.get("xla")
+
+    class Stand:
+        Config = gluon.Config
+        default_config = staticmethod(gluon.default_config)
+
+        @staticmethod
+        def forward(q, kv, idx, s, *, scale, interpret, config):
+            return xla.forward(q, kv, idx, s, scale=scale, interpret=False, config=xla.Config())
+
+        @staticmethod
+        def backward(*a, scale, interpret, config):
+            assert isinstance(config, gluon.Config), config
+            return xla.backward(*a, scale=scale, interpret=False, config=xla.Config())
+
+    real_get, real_make = registry.get, problems.make_problem
+    monkeypatch.setattr(registry, "get",
+                        lambda n: Stand if n in ("gluon", "pallas_triton") else real_get(n))
+    monkeypatch.setattr(problems, "make_problem", lambda c, T, **kw: real_make(c, 32, **kw))
+    del csa_jax
+    v = "bk16:bwd_block_k=16,bwd_stages=4"
+    start = len(gluon_check.RESULTS)
+    assert gb.main(["--parts", "grad,time", "--grad-variants", v, "--variants", v,
+                    "--grad-cases", "h16_d64_bf16_sink_pad", "--shapes", "flash:0:64",
+                    "--skip", "default,e2e,dq,step,pallas"]) == 0
+    rows = gluon_check.RESULTS[start:]
+    assert [(r["part"], r.get("case"), r.get("variant")) for r in rows if r["part"] == "grad"] == [
+        ("grad", "h16_d64_bf16_sink_pad", "bk16")]
+    timed = [r for r in rows if r["part"] == "time"]
+    assert [r["impl"] for r in timed] == ["gluon:default", "gluon:bk16"]
+    assert timed[0]["dq_ms"] is None and "err_vs_default" in timed[1] and timed[1]["ok"]
+    assert not [r for r in rows if r["part"] == "step"]
+    start = len(gluon_check.RESULTS)
+    got = gb.make_variants("old:bwd_pair=true;s4:bwd_stages=4")((1, 8, 64, 512))
+    assert [(n, c.bwd_stages) for n, c in got] == [("default", 2), ("s4", 4)]
+    rows = gluon_check.RESULTS[start:]
+    assert [(r["part"], r["variant"], r["ok"]) for r in rows] == [("variant", "old", False)]
+    assert "no field bwd_pair" in rows[0]["error"]
+    del gluon_check.RESULTS[start:]
+    with pytest.raises(SystemExit):
+        gb.main(["--parts", "grad", "--skip", "nothing"])
 
 
 def _xpose_rows(name, step_ms, errs=None):

@@ -70,3 +70,34 @@ def test_cli_rejects_non_grid_configs():
                 ["--cr4-indices", "sorted"]):
         with pytest.raises(SystemExit):
             g.main(bad)
+
+
+def test_cli_rejects_config_fields_the_impl_lacks():
+    """--config refused before any row runs: a field gluon's Config does not have (a removed
+    variant switch), a value it refuses, and a layout other than `auto` (the promise is the
+    row's own)."""
+    for bad in ("schedule=alternate", "block_k=48", "layout=cr0", "window=64"):
+        with pytest.raises(SystemExit):
+            g.main(["--configs", "flash:0:256", "--config", bad])
+
+
+def test_layout_auto_passes_the_layers_promise(monkeypatch):
+    """`--config layout=auto,...`: each row's impl gets the promise the NNX layer passes for
+    its layer type and a Config built for that promise with the other overrides; the
+    reference gets neither (the check itself is stubbed: this is the plumbing)."""
+    import csa_jax
+    seen = []
+    monkeypatch.setattr(g, "vjp_fn", lambda impl, scale, config=None, layout=None:
+                        seen.append((impl, config, layout)) or impl)
+    monkeypatch.setattr(g, "check_problem", lambda pr, impl_fn, ref_fn, *, name: dict(
+        config=name, ok=(impl_fn, ref_fn) == ("gluon", "xla"), failed=[]))
+    rows = g.run([("flash", 0, 64), ("pro", 128, 256)], ["causal"], "gluon", "xla",
+                 {"layout": "auto", "bwd_block_k": 16}, seed=5)
+    assert [r["ok"] for r in rows] == [True, True], rows
+    (i0, c0, l0), (r0, rc0, rl0), (i1, c1, l1), _ = seen
+    assert (i0, i1, r0, rc0, rl0) == ("gluon", "gluon", "xla", None, None)
+    assert l0 == csa_jax.Layout("cr0", window=128) and l1 == csa_jax.Layout(
+        "cr128", window=128, pool_ratio=128)
+    assert (c0.layout, c0.window_kernel, c0.bwd_block_k) == ("cr0", True, 16)
+    assert (c1.layout, c1.window_kernel, c1.bwd_block_k) == ("cr128", False, 16)
+    assert "layout='cr0'" in rows[0]["impl_config"]

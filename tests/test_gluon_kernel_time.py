@@ -18,11 +18,11 @@ def test_kernel_time_rows_on_cpu(tmp_path):
     assert "kernel_pipelined_ms" not in r          # impl != gluon: no kernel-only time
 
 
-
 def test_kernel_time_gluon_rows_launch_faked(monkeypatch):
     """The gluon rows' code on a CPU up to the kernel launch (faked: zero outputs), with the
-    kernel-only time: a cr0 problem through the alternating gather kernel, then with
-    --window-layouts (Config.layout = "cr0") through the window exchange kernel."""
+    kernel-only time: a cr0 problem through the gather kernel, then with --window-layouts
+    (the cr0 promise) through the window kernel; both the jitted forward and the kernel-only
+    function launch the same kernel."""
     import jax.numpy as jnp
     from benchmarks import gluon_kernel_time
     from csa_jax.kernels import gluon
@@ -35,7 +35,10 @@ def test_kernel_time_gluon_rows_launch_faked(monkeypatch):
     monkeypatch.setattr(gluon, "_cannot_run", lambda *a: None)
     monkeypatch.setattr(adapter, "gluon_call", fake_call)
     argv = ["--families", "flash", "--ratios", "0", "--seqs", "256", "--calls", "2"]
-    rows = gluon_kernel_time.main(argv) + gluon_kernel_time.main(argv + ["--window-layouts"])
+    rows = gluon_kernel_time.main(argv)
+    assert set(launched) == {"csa_fwd_kernel"}, launched
+    launched.clear()
+    rows += gluon_kernel_time.main(argv + ["--window-layouts"])
+    assert set(launched) == {"csa_window_kernel"}, launched
     assert ["layout='cr0'" in r["config"] for r in rows] == [False, True]
     assert all(r["kernel_pipelined_ms"] > 0 and r["o_finite"] for r in rows), rows
-    assert set(launched) == {"csa_fwd_alt_kernel", "csa_window_xchg_kernel"}, launched

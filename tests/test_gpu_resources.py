@@ -1,10 +1,12 @@
-"""The GPU kernel resource check on a CPU (benchmarks/gluon_resources.py), for the AMD targets.
+"""The GPU kernel resource check on a CPU (benchmarks/gluon_resources.py).
 
-Compile-only (the triton 3.6.0 wheel's AMD backend; skipped without triton): the AMD Gluon
-forward (amd_fwd.py) must compile for gfx942, gfx950 and gfx1250 at its default tiles without
-spills and inside the target's LDS, with the instructions its design names; the pallas_triton
-kernels at their AMD defaults must not spill on gfx942 / gfx950. NOTHING HERE RUNS AN AMD GPU:
-numerics of the AMD kernels are unchecked (no AMD GPU was available).
+Compile-only (the triton 3.6.0 wheel's NVIDIA and AMD backends; skipped without triton): the
+report's rows for every kept NVIDIA Gluon kernel (forward, dq, dkv reduce, cr0 window kernel)
+on sm_90a; the AMD Gluon forward (amd_fwd.py) must compile for gfx942, gfx950 and gfx1250 at
+its default tiles without spills and inside the target's LDS, with the instructions its design
+names; the pallas_triton kernels at their AMD defaults must not spill on gfx942 / gfx950.
+NOTHING HERE RUNS AN AMD GPU: numerics of the AMD kernels are unchecked (no AMD GPU was
+available).
 """
 from __future__ import annotations
 
@@ -97,6 +99,35 @@ def test_resource_report_amd_gluon_passes(capsys):
         assert re.search(rf"\| csa_fwd_amd\[default\] \| {t} \| \d+ \|", out), out
 
 
+def test_resource_report_nvidia_gluon_passes(capsys):
+    """Every kept NVIDIA Gluon kernel has its sm_90a row at the default Config (exit 0: within
+    shared memory, spills only as KNOWN_SPILLS allows), each compiled, none for an AMD target;
+    a --variants row appears only for the kernel whose tiles it changes."""
+    import json
+    assert gluon_resources.main(["--targets", ",".join(("sm_90a",) + AMD), "--kernels",
+                                 "gluon_nv", "--variants", "bk32:block_k=32"]) == 0
+    out = capsys.readouterr().out
+    rows = [json.loads(ln) for ln in out.splitlines() if ln.startswith("{")]
+    assert [r["kernel"] for r in rows] == [
+        "csa_fwd[default]", "csa_dq[default]", "csa_fwd[bk32]", "csa_dkv_reduce[default]",
+        "csa_window[cr0]", "csa_window[cr0,flash]"], rows
+    assert all(r["target"] == "sm_90a" and "error" not in r for r in rows), rows
+    by = {r["kernel"]: r for r in rows}
+    assert by["csa_fwd[default]"]["name"] == "csa_fwd_kernel"
+    assert by["csa_dq[default]"]["name"] == "csa_dq_kernel"
+    assert by["csa_dkv_reduce[default]"]["name"] == "csa_dkv_reduce_kernel"
+    assert by["csa_window[cr0]"]["name"] == "csa_window_kernel"
+    assert by["csa_fwd[bk32]"]["shared"] < by["csa_fwd[default]"]["shared"]
+    for k in ("csa_fwd[default]", "csa_dq[default]", "csa_dkv_reduce[default]",
+              "csa_window[cr0]"):
+        assert by[k]["spill_stores"] == 0, by[k]
+
+
+def test_resource_report_refuses_removed_config_fields():
+    with pytest.raises(SystemExit):
+        gluon_resources.main(["--kernels", "gluon_nv", "--variants", "x:schedule=alternate"])
+
+
 @pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
 def test_resource_report_triton_dialect_gfx942():
     """pallas_triton's AMD defaults (16-row tiles) compile for gfx942 without spills inside its
@@ -115,6 +146,12 @@ def test_check_fails_on_spills_overflow_and_refusals():
     sm90 = dict(name="csa_triton_dq", target="sm_90a", shared=1, spill_stores=40)
     assert gluon_resources.check(sm90, True, True) is None                  # KNOWN_SPILLS
     assert "spills 48" in gluon_resources.check({**sm90, "spill_stores": 48}, True, True)
+    # KNOWN_SPILLS is keyed by the row's kernel label: Flash's window row, not Pro's
+    win = dict(kernel="csa_window[cr0,flash]", name="csa_window_kernel", target="sm_90a",
+               shared=1, spill_stores=100)
+    assert gluon_resources.check(win, True, True) is None
+    assert "spills 100" in gluon_resources.check({**win, "kernel": "csa_window[cr0]"}, True,
+                                                 True)
 
 
 # ----------------------------------------------------------------------------- ROCm dispatch
