@@ -15,7 +15,7 @@ What is here, by topic (docs/perf/README.md lists the pages whose commands use t
 - pallas_triton: triton_compile / triton_ir / triton_resources (compile and resources on a CPU),
   triton_fwd_probe (the forward kernel with one stage left out), triton_ncu.sh (Nsight Compute);
 - gluon: gluon_check, gluon_bwd_check, gluon_grad_configs (checks vs xla on the GPU),
-  gluon_kernel_time, gluon_window_time, gluon_dkv_parts (where the time goes), gluon_resources
+  gluon_kernel_time (where the time goes), gluon_resources
   (every GPU kernel's resources for every target, on a CPU), gluon_asm_diff (same code before
   and after a change, on a CPU).
 Probes and sweeps of Gluon variants that left the library (the dq-operand modes, the window
