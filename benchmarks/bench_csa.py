@@ -26,6 +26,10 @@ Each (config, impl) is guarded: an OOM or compile failure prints a row with the 
 A variant runs only for the impls whose Config has all of its keys (e.g. gluon's pipeline=true
 is not tried on pallas_triton); `layout=auto` in a variant means the row's own layout promise
 (cr0 / cr4 / cr128, e.g. gluon's window-reuse kernel on cr0 and cr128).
+--anchor DIR times FlashMLA's SM90 sparse prefill forward (benchmarks/anchor_flashmla.py says
+what DIR holds) on each config's inputs in the same process, as impl "flashmla" (forward only),
+and prints a last table: each impl's forward over FlashMLA's (ours / theirs) and FlashMLA's
+output agreement with the config's reference (xla's outputs when xla ran, else the first impl's).
 The table is printed last; --out writes every number as JSON.
 """
 from __future__ import annotations
@@ -78,6 +82,9 @@ def parse_args(argv=None):
     ap.add_argument("--out", default=None, help="write JSON here")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--interpret", action="store_true", help="CPU smoke test of the script")
+    ap.add_argument("--anchor", default=None, metavar="DIR",
+                    help="also time FlashMLA's SM90 sparse prefill forward on the same inputs "
+                         "(the harness and sources in DIR: benchmarks/anchor_flashmla.py)")
     ap.add_argument("--diag", action="store_true",
                     help="also time pallas_triton's backward parts and inverse map alone: "
                          "bwd_dq (the dq kernel; with interm='gemm' it also stores dS and P), "
@@ -182,9 +189,33 @@ def _reduced_check(impl, cfg_overrides, family, ratio, idx_kind, args, heads=Non
 # ----------------------------------------------------------------------------- main
 
 
+def run_anchor(anchor, problem, args, row, ref_outs):
+    """FlashMLA's forward on the problem (timed like the impls: synchronised calls), and its
+    o / lse against ref_outs (max-abs error over max-abs of the reference, on the device)."""
+    from benchmarks import anchor_flashmla
+    _, q, kv, idx, sink, _ = problem
+    run, to_jax = anchor_flashmla.prepare(anchor, q, kv, idx, sink, problem[0].scale)
+    ms, n, first, out = time_fn(run, (), args.reps, args.time_cap)
+    row.update(fwd_ms=ms, fwd_reps=n, fwd_first_s=first)
+    if ref_outs:
+        o, lse = to_jax(out)
+        row["rel_err_vs_ref"] = {"o": _rel_err_device(o, ref_outs["o"]),
+                                 "lse": _rel_err_device(lse, ref_outs["lse"])}
+
+
 def main(argv=None):
     args = parse_args(argv)
     variants = parse_variants(args.variants, parse_overrides(args.impl_config))
+    anchor = None
+    if args.anchor:
+        import os
+        # JAX's allocator takes 75% of the GPU by default: leave torch room for FlashMLA.
+        os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.6")
+        from benchmarks import anchor_flashmla
+        try:
+            anchor = anchor_flashmla.load(args.anchor)
+        except anchor_flashmla.Unavailable as e:
+            raise SystemExit(f"bench_csa: error: {e}") from None
     dev = jax.devices()[0]
     meta = dict(device=dev.device_kind, platform=dev.platform, jax=jax.__version__,
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -204,7 +235,7 @@ def main(argv=None):
                         continue
                     cfg, idx = problem[0], problem[3]
                     f_nom, f_val = flops(cfg, T, idx)
-                    ref_outs = None
+                    ref_outs = first_outs = None
                     for impl in args.impls:
                         for vname, over in _impl_variants(impl, variants):
                             row = dict(family=family, ratio=ratio, T=T, idx=idx_kind, H=H,
@@ -216,6 +247,8 @@ def main(argv=None):
                             except Exception as e:  # noqa: BLE001
                                 row["error"] = f"{type(e).__name__}: {e}"[:400]
                                 traceback.print_exc(limit=3)
+                            if anchor is not None and outs and first_outs is None:
+                                first_outs = {k: outs[k] for k in ("o", "lse") if k in outs}
                             if impl == "xla" and outs:
                                 ref_outs = outs
                             elif args.check == "default":
@@ -243,7 +276,18 @@ def main(argv=None):
                             if args.out:         # after every row: a killed run keeps its rows
                                 with open(args.out, "w") as f:
                                     json.dump(dict(meta=meta, rows=rows), f, indent=1)
-                    ref_outs = None
+                    if anchor is not None and "fwd" in args.modes:
+                        row = dict(family=family, ratio=ratio, T=T, idx=idx_kind, H=H,
+                                   impl="flashmla", variant="anchor", fwd_flops_nominal=f_nom,
+                                   fwd_flops_valid=f_val)
+                        try:
+                            run_anchor(anchor, problem, args, row, ref_outs or first_outs)
+                        except Exception as e:  # noqa: BLE001
+                            row["error"] = f"{type(e).__name__}: {e}"[:400]
+                            traceback.print_exc(limit=3)
+                        rows.append(row)
+                        print(json.dumps(row), flush=True)
+                    ref_outs = first_outs = None
                     del problem
     add_derived(rows, args.speedup_over)
     if args.out:
@@ -252,7 +296,35 @@ def main(argv=None):
     print_table(rows, meta, args.speedup_over, with_heads=bool(args.heads))
     if args.heads:
         print_heads_table(rows)
+    if anchor is not None:
+        print_anchor_table(rows, with_heads=bool(args.heads))
     return rows
+
+
+def print_anchor_table(rows, with_heads=False):
+    """Each impl's forward against FlashMLA's on the same inputs (same call), and FlashMLA's
+    agreement with the reference; the geometric mean of ours / theirs per impl."""
+    key = lambda r: (r["family"], r["ratio"], r["T"], r["idx"], r.get("H"))  # noqa: E731
+    theirs = {key(r): r for r in rows if r.get("impl") == "flashmla" and r.get("fwd_ms")}
+    print("\n## Forward against FlashMLA (same call, same inputs): ours / theirs")
+    print("| config | idx | impl | variant | ours ms | FlashMLA ms | ours / theirs | "
+          "FlashMLA o / lse err vs ref |")
+    print("|---|---|---|---|---|---|---|---|")
+    logs = {}
+    for r in rows:
+        t = theirs.get(key(r))
+        if r.get("impl") in ("flashmla", "-") or not t or not r.get("fwd_ms"):
+            continue
+        ratio = r["fwd_ms"] / t["fwd_ms"]
+        logs.setdefault((r["impl"], r.get("variant", "default")), []).append(math.log(ratio))
+        e = t.get("rel_err_vs_ref") or {}
+        err = " / ".join(f"{e[k]:.1e}" for k in ("o", "lse") if k in e) or "-"
+        print(f"| {config_name(r, with_heads)} | {r['idx']} | {r['impl']} | "
+              f"{r.get('variant', '-')} | {r['fwd_ms']:.2f} | {t['fwd_ms']:.2f} | "
+              f"{ratio:.2f}x | {err} |")
+    for (impl, var), v in sorted(logs.items()):
+        print(f"geometric mean ours / theirs, {impl} {var}: "
+              f"{math.exp(sum(v) / len(v)):.2f}x over {len(v)} configs")
 
 
 def _impl_variants(impl, variants):

@@ -282,3 +282,25 @@ def test_gluon_bwd_check_selection_dry_run(monkeypatch):
     del gluon_check.RESULTS[start:]
     with pytest.raises(SystemExit):
         gb.main(["--parts", "grad", "--skip", "nothing"])
+
+
+def test_bench_csa_anchor_refuses_clearly_and_tabulates(tmp_path, capsys):
+    """--anchor DIR: a folder without the harness (or a machine without torch / an SM90 GPU)
+    stops with one line naming what is missing; the anchor table divides each impl's forward
+    by FlashMLA's on the same config and takes their geometric mean."""
+    import pytest
+
+    from benchmarks import bench_csa
+    with pytest.raises(SystemExit, match="bench_csa: error: --anchor .*build.py is missing"):
+        bench_csa.main(["--impls", "xla", "--anchor", str(tmp_path), "--interpret"])
+    base = dict(family="pro", ratio=4, T=4096, idx="random", H=128)
+    rows = [dict(base, impl="gluon", variant="default", fwd_ms=3.0),
+            dict(base, impl="flashmla", variant="anchor", fwd_ms=2.0,
+                 rel_err_vs_ref={"o": 1e-3, "lse": 2e-7}),
+            dict(base, ratio=0, impl="gluon", variant="default", fwd_ms=1.0),
+            dict(base, ratio=0, impl="flashmla", variant="anchor", fwd_ms=2.0)]
+    bench_csa.print_anchor_table(rows)
+    out = capsys.readouterr().out
+    assert "| pro-cr4-T4096 | random | gluon | default | 3.00 | 2.00 | 1.50x | 1.0e-03 / 2.0e-07 |" in out
+    assert "| pro-cr0-T4096 | random | gluon | default | 1.00 | 2.00 | 0.50x | - |" in out
+    assert "gluon default: 0.87x over 2 configs" in out          # sqrt(1.5 * 0.5)
