@@ -149,6 +149,7 @@ def captured(T=4096):
         for tag, q, kv, idx, layout in shapes(T):
             if arch and layout:
                 continue                 # AMD runs its generic kernel under any promise
+            jax.clear_caches()          # bwd.backward is jitted: re-trace, so every launch records
             with _recording(gluon, arch) as calls:
                 cfg = _config(gluon, q, kv, idx, layout)
                 bf, f32, i32 = jnp.bfloat16, jnp.float32, jnp.int32

@@ -65,3 +65,37 @@ def test_compare_flags_differences(tmp_path, capsys):
     assert ad.compare(nl, dump("g", {"k@sm_90a": dict(row, bin="b2")}, nl=True)) == 1
     h = dump("h", {"k@sm_90a": dict(row, sass="t"), "g@gfx950": dict(amdgcn="x")})
     assert ad.compare(base, h, only="^g@") == 0 and ad.compare(base, h, only="^k@") == 1
+
+
+def test_captured_launches_are_the_default_path():
+    """dump's rows come from the dispatch itself (gluon.forward / backward under eval_shape,
+    the launch recorded): per layer the forward, the dq kernel and (NVIDIA) the dkv reduce; the
+    cr0 promise runs the window kernel; AMD targets their own kernels. No compile here."""
+    import pytest
+    pytest.importorskip("triton.experimental.gluon")
+    rows = {key: (fn.__name__, target) for key, fn, _, _, _, target in ad.captured(T=256)}
+    assert rows["fwd[pro,cr4]@sm_90a"] == ("csa_fwd_kernel", "sm_90a")
+    assert rows["dq[flash,cr128]@sm_90a"] == ("csa_dq_kernel", "sm_90a")
+    assert rows["reduce[pro,cr0]@sm_90a"] == ("csa_dkv_reduce_kernel", "sm_90a")
+    assert rows["fwd[pro,cr0,promise]@sm_90a"] == ("csa_window_kernel", "sm_90a")
+    assert rows["fwd[pro,cr0]@sm_90a"] == ("csa_fwd_kernel", "sm_90a")
+    assert rows["fwd[flash,cr4]@gfx950"] == ("csa_fwd_amd_kernel", "gfx950")
+    assert rows["dq[pro,cr4]@gfx1250"] == ("csa_dq_amd_kernel", "gfx1250")
+    assert not any(k.startswith("reduce") and "gfx" in k for k in rows)   # AMD: Pallas reduce
+    assert len(rows) == 3 * 8 + 2 * 6 * 3                # NVIDIA 8 layer rows, AMD 6 x 3 targets
+
+
+def test_renamed_kernel_is_the_same_code(tmp_path):
+    """The kernel's own name is made neutral (a renamed function is the same code), also the
+    comment padding that follows its length; raw / bin are compared only under one name."""
+    ptx = ".visible .entry old_name(\n\t.param .u64 old_name_param_0\n)\n\t// .globl\told_name  // x\n"
+    new = ptx.replace("old_name", "kernel_b")
+    assert ad._unname(ptx, "old_name") == ad._unname(new, "kernel_b")
+
+    def dump(name, kernel, raw):
+        p = tmp_path / name
+        p.write_text(json.dumps(dict(meta=dict(no_line_info=True, commit=name), kernels={
+            "fwd@sm_90a": dict(ptx="a", sass="s", raw=raw, bin=raw, kernel=kernel)})))
+        return str(p)
+    assert ad.compare(dump("a", "k1", "r1"), dump("b", "k2", "r2")) == 0     # renamed
+    assert ad.compare(dump("c", "k1", "r1"), dump("d", "k1", "r2")) == 1     # same name
