@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-__all__ = ["MetricsWriter", "plot_losses", "read_metrics"]
+__all__ = ["MetricsWriter", "plain_line", "plot_losses", "read_metrics"]
 
 
 def read_metrics(path) -> list[dict]:
@@ -31,6 +31,18 @@ def _finite_or_null(v):
 def to_json_line(record: dict) -> str:
     """One strict JSON line: NaN and infinities (a diverged step) become null."""
     return json.dumps({k: _finite_or_null(v) for k, v in record.items()}, allow_nan=False) + "\n"
+
+
+def plain_line(record: dict, total_steps: int) -> str:
+    """`step 20/200: loss 2.4813, grad_norm 0.41, lr 0.003, 5123 tok/s` (or `eval loss ...`)."""
+    parts = []
+    for key, fmt in (("loss", "loss {:.4f}"), ("eval_loss", "eval loss {:.4f}"),
+                     ("grad_norm", "grad_norm {:.3g}"), ("lr", "lr {:.3g}"),
+                     ("tokens_per_sec", "{:.0f} tok/s")):
+        v = record.get(key)
+        if isinstance(v, (int, float)):
+            parts.append(fmt.format(v))
+    return f"step {record['step']}/{total_steps}: " + ", ".join(parts)
 
 
 class MetricsWriter:
@@ -59,6 +71,7 @@ class MetricsWriter:
         self._tb = None if SummaryWriter is None else SummaryWriter(str(self.workdir / "tb"),
                                                                       purge_step=start_step + 1)
         self._post: dict = {}
+        self._total, self._plain = total_steps, not progress
         self._bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True,
                          disable=not progress, file=sys.stderr)
         if self._tb is None:
@@ -76,6 +89,8 @@ class MetricsWriter:
         if "tokens_per_sec" in record:
             self._post["tok/s"] = f"{record['tokens_per_sec']:.0f}"
         self._bar.set_postfix(self._post, refresh=False)
+        if self._plain:  # no bar: one log line per logged step instead
+            self.message(plain_line(record, self._total))
 
     def advance(self, n: int = 1) -> None:
         self._bar.update(n)
