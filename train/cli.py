@@ -1,10 +1,11 @@
 """`python -m train`: train a byte-level LM whose attention layers are CSA / HCA / SWA.
 
 Every user mistake and environment fault (bad or empty flag value, missing data, unusable
-sequence length, an uncreatable or unwritable workdir, mismatched checkpoints, no checkpoint
-that verifies, a diverged loss) ends with one `error:` line on stderr and exit code 2; an
-interrupted run (SIGINT / SIGTERM) saves a checkpoint and exits with 128 + the signal number
-(a second signal exits at once).
+sequence length, an impl that cannot run here, a size that cannot fit the device, an
+uncreatable or unwritable workdir, a workdir in use by another run, a full disk, mismatched
+checkpoints, no checkpoint that verifies, a diverged loss) ends with one `error:` line on stderr
+naming the flag as typed, and exit code 2; an interrupted run (SIGINT / SIGTERM) says so at once,
+saves a checkpoint and exits with 128 + the signal number (a second signal exits at once).
 """
 
 from __future__ import annotations
