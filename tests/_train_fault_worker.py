@@ -72,7 +72,9 @@ def main(mode, argv):
 
     if mode in ("fake", "unchecked-space", "hold", "first-sigint"):
         if mode == "unchecked-space":
-            checkpoint.free_bytes = lambda path: 1 << 60
+            from train import loop
+
+            checkpoint.free_bytes = loop.free_bytes = lambda path: 1 << 60
         on_step = None
         if mode == "hold":
             on_step = lambda step: time.sleep(60) if step == 1 else None  # noqa: E731

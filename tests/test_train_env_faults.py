@@ -152,6 +152,33 @@ def test_disk_full_during_a_save_one_line_and_no_partial_checkpoint(tmp_path, te
         assert code == 0 and f"resuming from step {last}" in err, err
 
 
+def test_disk_full_from_the_start_one_line_and_nothing_left_behind(tmp_path, text):
+    """A 300 KB disk that is already full: the run stops before any work (one line, the
+    workdir it created removed); with that check blinded, the first metrics line fails (one
+    line, and nothing from tensorboardX's thread or its atexit hook)."""
+    with small_disk(tmp_path / "disk", "300k") as disk:
+        if disk is None:
+            pytest.skip("mount -t tmpfs refused (not root)")
+        filler = disk / "filler"
+        with open(filler, "wb", buffering=0) as f, contextlib.suppress(OSError):
+            while True:
+                f.write(b"\0" * 4096)
+        workdir = disk / "w"
+        argv = ["--data", str(text), "--workdir", str(workdir), "--steps", "6", *SMALL]
+        proc = worker("fake", *argv)
+        assert proc.returncode == 2, proc.stderr
+        assert re.fullmatch(rf"error: --workdir '{workdir}' has 0.0 MB free and one checkpoint "
+                            rf"of this run needs about [\d.]+ MB: make room or use another "
+                            rf"--workdir", lines(proc.stderr)[-1]), proc.stderr
+        assert lines(proc.stderr)[:-1] == ["data: took 1 files, 0.0 MB"], proc.stderr
+        assert sorted(p.name for p in disk.iterdir()) == ["filler"]
+        proc = worker("unchecked-space", *argv)
+        assert proc.returncode == 2, proc.stderr
+        assert [line for line in lines(proc.stderr) if not line.startswith(("data:", "model:"))] \
+            == [f"error: cannot write '{workdir}/metrics.jsonl': No space left on device"], \
+            proc.stderr
+
+
 # --------------------------------------------------------------------------- 2: one run per workdir
 
 

@@ -216,6 +216,7 @@ def main(argv=None) -> int:
     from train.checkpoint import CheckpointError
     from train.data import DataError
     from train.loop import DivergedError, train_and_evaluate
+    from train.metrics import OutputError
 
     try:
         from train import distributed  # joins the other processes before jax picks a backend
@@ -233,7 +234,7 @@ def main(argv=None) -> int:
     except (ConfigError, DataError) as e:
         print(f"error: {flag_names(str(e))}", file=sys.stderr)
         return 2
-    except (CheckpointError, DivergedError) as e:
+    except (CheckpointError, DivergedError, OutputError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # before the training loop (which handles signals) started

@@ -34,7 +34,7 @@ from train.metrics import MetricsWriter, plot_losses
 from train.model import DecoderLM, count_params
 from train.parallel import check_parallel, make_runner
 from train.profile import StepProfiler
-from train.workdir import WorkdirLock, prepare_workdir, remove_if_unused
+from train.workdir import WorkdirLock, free_bytes, prepare_workdir, remove_if_unused
 
 __all__ = ["DivergedError", "RunResult", "init_state", "make_optimizer", "train_and_evaluate"]
 
@@ -149,6 +149,20 @@ def check_impl(cfg: TrainConfig) -> None:
         raise ConfigError(f"{why}; runnable here: auto, {', '.join(registry.available_impls())}")
 
 
+def check_room(workdir, state) -> None:
+    """Before any work: the workdir's disk must hold at least one checkpoint of this run (its
+    uncompressed size) and the logs (CheckpointError if not)."""
+    need = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state)) + 2**20
+    try:
+        free = free_bytes(workdir)
+    except OSError:
+        return
+    if free < need:
+        raise CheckpointError(f"--workdir {str(workdir)!r} has {free / 1e6:.1f} MB free and one "
+                              f"checkpoint of this run needs about {need / 1e6:.1f} MB: make "
+                              f"room or use another --workdir")
+
+
 def _device_memory() -> tuple[int | None, str]:
     """(bytes, what) of the first device's memory: the allocator's limit on an accelerator, the
     machine's RAM (or its cgroup limit, if lower) on a CPU."""
@@ -245,6 +259,7 @@ def train_and_evaluate(cfg: TrainConfig, workdir, *, progress: bool = True,
                            eval_fraction=cfg.eval_fraction, encoding=cfg.data_encoding)
         log(f"data: {data.summary()}")
         graphdef, state, tx, schedule = init_state(cfg)
+        check_room(workdir, state)
         ckpt = Checkpointer(workdir / "checkpoints", keep=cfg.keep_checkpoints)
         try:
             def on_start():
