@@ -335,7 +335,7 @@ def test_absurd_sequence_length_is_refused_before_compiling(tmp_path, capsys):
     (line,) = [x for x in lines(err) if x.startswith("error:")]
     assert re.fullmatch(
         r"error: this step needs at least [\d.]+ TB \(its largest array is \w+\[8,1048576,\d+\], "
-        r"[\d.]+ TB, beside [\d.]+ GB of parameters and optimizer state\) and this machine has "
+        r"[\d.]+ TB, beside [\d.]+ MB of parameters and optimizer state\) and this machine has "
         r"[\d.]+ GB: lower --seq-len \(1048576\) or --batch-size \(8\), or use a smaller "
         r"--preset or --layers schedule", line), line
     assert time.perf_counter() - t0 < 120  # the compile alone took 119 s (and then failed)

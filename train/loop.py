@@ -185,7 +185,10 @@ def _device_memory() -> tuple[int | None, str]:
 
 
 def _gb(n: int) -> str:
-    return f"{n / 1e12:.1f} TB" if n >= 1e12 else f"{n / 1e9:.1f} GB"
+    for unit, scale in (("TB", 1e12), ("GB", 1e9)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n / 1e6:.1f} MB"
 
 
 def check_memory(cfg: TrainConfig, runner, state) -> None:
