@@ -120,14 +120,19 @@ _ORBAX_DIR = f"{os.sep}orbax{os.sep}"
 
 
 class _OrbaxNoise(logging.Filter):
-    """Drops orbax's own error logs (each failed write logs a traceback per thread, the
-    failure reaches us as an exception: one `error:` line) and asyncio's "exception was never
-    retrieved" for orbax's gathered writes."""
+    """Holds back orbax's own error logs (a failed write logs a traceback per thread; the
+    failure reaches us as an exception too: one `error:` line) and asyncio's "exception was
+    never retrieved" for orbax's gathered writes. Checkpointer.close drops them if a failed
+    save was reported, and logs them then otherwise, so nothing is lost."""
+
+    def __init__(self):
+        super().__init__()
+        self.held: list[logging.LogRecord] = []
 
     def filter(self, record):
-        if _ORBAX_DIR in record.pathname:
-            return False
-        if record.name == "asyncio" and record.exc_info and _from_orbax(record.exc_info[2]):
+        if _ORBAX_DIR in record.pathname or (
+                record.name == "asyncio" and record.exc_info and _from_orbax(record.exc_info[2])):
+            self.held.append(record)
             return False
         return True
 
@@ -171,6 +176,7 @@ class Checkpointer:
     def __init__(self, directory, *, keep: int):
         self.directory = Path(directory).absolute()
         self._saving: int | None = None  # the step of the save in flight
+        self._reported = False  # a failed save was raised as a CheckpointError
         # orbax logs every save at INFO/WARNING through absl; the progress bar is enough. Its
         # errors come back as exceptions (one line each, below), not as per-thread tracebacks.
         logging.getLogger("absl").setLevel(logging.ERROR)
@@ -226,6 +232,7 @@ class Checkpointer:
         if step is not None:
             for partial in self.directory.glob(f"{step}.orbax-checkpoint-tmp*"):
                 shutil.rmtree(partial, ignore_errors=True)
+        self._reported = True  # orbax's own logs of it are redundant
         what = "a checkpoint" if step is None else f"checkpoint {step}"
         return CheckpointError(f"cannot save {what} in {str(self.directory)!r}: {_reason(e)}")
 
@@ -345,3 +352,7 @@ class Checkpointer:
             sys.unraisablehook = self._hook.previous
         for name in ("absl", "asyncio"):
             logging.getLogger(name).removeFilter(self._noise)
+        if not self._reported:  # orbax errors that no exception of ours reported
+            for record in self._noise.held:
+                logging.getLogger(record.name).handle(record)
+        self._noise.held.clear()

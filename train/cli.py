@@ -158,8 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-_POSITIVE = {"steps", "batch_size", "seq_len", "log_every", "eval_every", "eval_batches",
-             "ckpt_every", "keep_checkpoints"}
+_POSITIVE = ("steps", "batch_size", "seq_len", "log_every", "eval_every", "eval_batches",
+             "ckpt_every", "keep_checkpoints")
 
 
 def config_from_args(args):
@@ -174,10 +174,10 @@ def config_from_args(args):
             why = why.removeprefix(f"impl={args.impl!r} ")
             raise ConfigError(f"--impl {args.impl} {why}; runnable here: auto, "
                               f"{', '.join(registry.available_impls())}")
-    for field, flag in FIELD_FLAGS.items():  # flag values checked as typed, before any work
-        v = getattr(args, field, None)
-        if field in _POSITIVE and v is not None and v <= 0:
-            raise ConfigError(f"{flag} {v}: must be a positive integer")
+    for field in _POSITIVE:  # flag values checked as typed, before any work
+        v = getattr(args, field)
+        if v is not None and v <= 0:
+            raise ConfigError(f"{FIELD_FLAGS[field]} {v}: must be a positive integer")
     if args.warmup_steps is not None and args.warmup_steps < 0:
         raise ConfigError(f"--warmup-steps {args.warmup_steps}: must be >= 0")
     if args.lr is not None and not args.lr > 0:
