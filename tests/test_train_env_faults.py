@@ -4,13 +4,14 @@ impl that cannot run here, libtpu's start-up lines on a CPU machine, a Latin-1 -
 stray traceback at the end of an xdist run. Most run without compiling a step (a fake runner).
 
 The disk tests mount a small tmpfs (root); where mount is refused, the mid-save one limits the
-file size instead (RLIMIT_FSIZE: the same failure path, "File too large") and the up-front one
-is skipped.
+file size instead (RLIMIT_FSIZE: the same failure path, "File too large") and the two that need
+a disk with a known amount of free space are skipped.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import re
 import resource
@@ -21,16 +22,17 @@ import sys
 import time
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
 import csa_jax
 from _train_fault_worker import fake_runners
-from conftest import REPO
+from conftest import REPO, random_problem
 from csa_jax import registry
 from csa_jax.platforms import accelerator_present
 from test_train_cli import run_main, save_checkpoint_like_the_cli
-from train.cli import build_parser, main
+from train.cli import build_parser
 from train.data import ByteDataset
 
 SMALL = ["--seq-len", "32", "--batch-size", "2", "--layers", "0,4", "--eval-batches", "1",
@@ -225,12 +227,10 @@ def test_available_impls_lists_only_what_runs_here(rng):
     for name in registry.names():
         why = registry.get(name).cannot_run_here()
         assert (why is None) == (name in names), (name, why)
-    q, kv, idx, sink = (x for x in __import__("conftest").random_problem(rng, B=1, T=8, H=2,
-                                                                         D=16, K=4))
+    q, kv, idx, sink = random_problem(rng, B=1, T=8, H=2, D=16, K=4)
     for name in names:  # each one listed really runs a call here
         o, lse = csa_jax.sparse_attention(q, kv, idx, sink, impl=name)
         assert np.isfinite(np.asarray(o)).all(), name
-    import jax
     if jax.default_backend() == "cpu":
         assert "gluon" not in names
         assert registry.get("gluon").cannot_run_here().startswith(
@@ -276,7 +276,6 @@ def test_cli_calls_start_without_libtpu_lines(tmp_path, text):
         "data", "nothing to do"], good.stderr
     probe = run("-c", "import csa_jax, jax; print(jax.config.jax_platforms, jax.devices())")
     assert probe.returncode == 0 and probe.stderr == "", probe.stderr
-    import importlib.util
     if importlib.util.find_spec("libtpu") is not None:
         assert probe.stdout.startswith("cpu "), probe.stdout  # the TPU probe was skipped
     chose = subprocess.run([sys.executable, "-c", "import csa_jax, jax; "
