@@ -364,10 +364,14 @@ def test_first_ctrl_c_is_acknowledged_at_once(tmp_path, text):
 # --------------------------------------------------------------------------- 10: xdist's SIGINT
 
 
+@pytest.mark.slow
 def test_xdist_worker_slow_to_end_leaves_no_keyboardinterrupt_traceback(tmp_path):
-    """A worker whose session end (a gc pass over a big heap) outlasts execnet's 5 s gets a
-    SIGINT; without tests/_quiet_worker_exit.py it lands in a gc callback and ends the passing
-    run with a PytestUnraisableExceptionWarning (the control run shows it still would)."""
+    """A worker whose session end (a gc pass over a big heap: 11 s here) outlasts execnet's 5 s
+    gets a SIGINT; without tests/_quiet_worker_exit.py it lands in a gc callback and ends the
+    passing run with a PytestUnraisableExceptionWarning (the control run shows it still would).
+    11 s: the SIGINT comes 5 s after the controller asks the worker to exit, which on a loaded
+    machine can be seconds after the worker's session ended; execnet's os._exit would come
+    10 s after the SIGINT."""
     pytest.importorskip("xdist")
     for name, fix in (("fixed", True), ("control", False)):
         d = tmp_path / name
@@ -380,7 +384,7 @@ def test_xdist_worker_slow_to_end_leaves_no_keyboardinterrupt_traceback(tmp_path
               "    if hasattr(config, 'workerinput'):\n"
               "        def slow(phase, info):\n"
               "            if phase == 'start':\n"
-              "                time.sleep(6)\n"
+              "                time.sleep(11)\n"
               "        gc.callbacks.insert(0, slow)\n"
               "        gc.collect()\n"
               "        gc.callbacks.remove(slow)\n")
