@@ -86,30 +86,34 @@ def lines(stderr: str) -> list[str]:
 
 def test_disk_too_full_for_the_next_checkpoint_one_line_before_writing(tmp_path, text,
                                                                       capsys, monkeypatch):
-    """Room for two checkpoints but not a third: the third save is refused before it writes
-    (one line: the workdir, the cause, the bytes); the first two stay and resume."""
+    """An 11 MB disk: the first checkpoint fits (about 2.5 MB written, 8.4 MB uncompressed),
+    a later save finds less room than a checkpoint may need and is refused before it writes
+    (one line: the workdir, the cause, the bytes); the complete ones stay and resume."""
     with small_disk(tmp_path / "disk", "11m") as disk:
         if disk is None:
             pytest.skip("mount -t tmpfs refused (not root)")
         workdir = disk / "w"
-        argv = ["--data", str(text), "--workdir", str(workdir), "--steps", "6",
+        argv = ["--data", str(text), "--workdir", str(workdir), "--steps", "8",
                 "--ckpt-every", "2", *SMALL]
         proc = worker("fake", *argv)
         assert proc.returncode == 2, proc.stderr
         err = lines(proc.stderr)
         assert [line for line in err if not line.startswith(("data:", "model:", "step "))] \
             == [err[-1]], proc.stderr
-        assert re.fullmatch(
-            rf"error: cannot save checkpoint 6 in '{workdir}/checkpoints': no space left on the "
-            rf"device \(the checkpoint needs about [\d.]+ MB, [\d.]+ MB are free\); the newest "
-            rf"complete checkpoint, step 4 \('{workdir}/checkpoints/4'\), is untouched: make "
-            rf"room and rerun the same command to resume from it", err[-1]), err[-1]
-        ckpts = sorted(p.name for p in (workdir / "checkpoints").iterdir())
-        assert ckpts == ["2", "4"]  # no partial directory
+        m = re.fullmatch(
+            rf"error: cannot save checkpoint (\d+) in '{workdir}/checkpoints': no space left on "
+            rf"the device \(the checkpoint needs about [\d.]+ MB, ([\d.]+) MB are free\); the "
+            rf"newest complete checkpoint, step (\d+) \('{workdir}/checkpoints/\3'\), is "
+            rf"untouched: make room and rerun the same command to resume from it", err[-1])
+        assert m, err[-1]
+        refused, free, last = int(m.group(1)), float(m.group(2)), int(m.group(3))
+        assert last == refused - 2 >= 2 and free < 8.4
+        ckpts = sorted(int(p.name) for p in (workdir / "checkpoints").iterdir())
+        assert ckpts == list(range(2, last + 1, 2))  # no partial directory
         grow(disk, "40m")
         fake_runners(monkeypatch.setattr)
         code, err = run_main(capsys, argv)
-        assert code == 0 and "resuming from step 4" in err and "done: step 6" in err, err
+        assert code == 0 and f"resuming from step {last}" in err and "done: step 8" in err, err
 
 
 def test_disk_full_during_a_save_one_line_and_no_partial_checkpoint(tmp_path, text, capsys,
