@@ -4,6 +4,10 @@ Public API (fixed contract, see README):
     sparse_attention, validate_indices, window_indices, pool_indices, build_indices,
     compress, indexer_scores, indexer_topk, preset, CSAConfig, BENCHMARK_GRID.
 """
+from csa_jax.platforms import skip_absent_tpu
+
+skip_absent_tpu()  # before anything starts jax's backends: no libtpu probe on a CPU machine
+
 from csa_jax import reference
 from csa_jax.api import sparse_attention
 from csa_jax.common import EMPTY_LSE

@@ -71,9 +71,11 @@ def parse_args(argv=None):
         if impl == "auto":
             continue
         try:
-            registry.get(impl).mod                      # raises if it cannot run here
-        except (ValueError, NotImplementedError) as e:
-            ap.error(f"{e}; available: {', '.join(registry.available_impls())}")
+            why = registry.get(impl).cannot_run_here()
+        except (ValueError, NotImplementedError) as e:  # unknown or reserved name
+            why = str(e)
+        if why is not None:
+            ap.error(f"{why}; available here: {', '.join(registry.available_impls())}")
     args.impls = impls
     if args.json is not None:
         problem = _unwritable(args.json)

@@ -47,7 +47,12 @@ def build_indices(T: int, ratio: int, *, window: int = 128, pool_topk=None):
     ratio 0: window only, [T, window].
     ratio 4: window + pool_topk + T, where pool_topk are the indexer's pool-local ids, [B, T, k]
              (or [T, k]); -1 stays -1. Returns [B, T, window + k] (or [T, window + k]).
+             indexer_topk returns k = min(topk, T // 4) ids (top-k is clipped to the pool), so
+             the list is [B, T, window + 512] for topk=512 only when T // 4 >= 512.
     other ratios (>= 2): window + pool_indices(T, ratio) + T, [T, window + T // ratio].
+
+    sparse_attention takes idx [B, T, K]: broadcast a [T, K] list over the batch first,
+    `jnp.broadcast_to(idx, (B, *idx.shape))`.
     """
     T = _check_len(T)
     check_ratio(ratio)

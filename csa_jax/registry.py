@@ -8,6 +8,8 @@ An impl is a module (or package) exposing the impl-module interface
     backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, interpret, config) -> (dq, dkv, dsink)
     unsupported(q_shape, kv_shape, idx_shape, dtype) -> str | None     (optional: why "auto"
                                                                         should skip it here)
+    cannot_run_here() -> str | None    (optional: why no call can run on this machine's devices,
+                                        e.g. a kernel with no interpreter and no GPU)
 
 What the op guarantees to a module: validated shapes, q and kv of one dtype, idx int32 with every
 value -1 or in [0, N), sink always an f32 [H] array (-inf = no sink), scale a Python float.
@@ -35,6 +37,7 @@ import importlib
 import importlib.metadata
 import inspect
 import types
+from typing import Callable
 
 from csa_jax import reference
 from csa_jax.kernels import tpu, triton
@@ -58,6 +61,8 @@ class Impl:
     extra      optional impls: the pip extra that installs their dependencies.
     requires   optional impls: the exact pins of that extra ("triton==3.6.0"), checked before
                the import so a wrong version reports what is needed instead of failing deep in.
+    here       optional: here(module) -> why it cannot run on this machine, or None; used when
+               the module has no `cannot_run_here()` of its own.
     """
     name: str
     module: types.ModuleType | str
@@ -65,6 +70,7 @@ class Impl:
     auto: tuple[str, ...] = ()
     extra: str | None = None
     requires: tuple[str, ...] = ()
+    here: Callable[[types.ModuleType], str | None] | None = None
 
     # ---------------------------------------------------------------- loading
 
@@ -103,6 +109,26 @@ class Impl:
             return None
         hint = f"install csa_jax[{self.extra}]" if self.extra else "it is not installed"
         return f"impl={self.name!r} is not available: {hint} ({why})"
+
+    def cannot_run_here(self) -> str | None:
+        """None if `sparse_attention(..., impl=<name>)` runs on this machine, else why not.
+
+        "Runs here" means on jax's default backend, compiled where the impl's `platforms`
+        include it and in interpret mode elsewhere (pallas_tpu and pallas_triton run
+        interpreted on a CPU: correct, slow). An impl that has no interpreter and needs
+        hardware this machine lacks (gluon: an NVIDIA Hopper GPU) does not run here. Asks the
+        module's optional `cannot_run_here()` (or the registration's `here`) after the import
+        check; that device check starts jax's backends (so call it after
+        jax.distributed.initialize in a multi-process run)."""
+        why = self.unavailable()
+        if why is not None:
+            return why
+        check = getattr(self.mod, "cannot_run_here", None)
+        if check is not None:
+            why = check()
+        elif self.here is not None:
+            why = self.here(self.mod)
+        return None if why is None else f"impl={self.name!r} cannot run here: {why}"
 
     @property
     def mod(self) -> types.ModuleType:
@@ -165,6 +191,15 @@ def register(impl: Impl) -> Impl:
     return impl
 
 
+def _gluon_here(mod) -> str | None:
+    """The gluon package's own device check (`_cannot_run`), asked about a problem its kernels
+    take (bf16, 64 heads, D = 512): without an NVIDIA Hopper GPU (or a listed AMD one) nothing
+    runs, as it has no interpreter. (Kept here until the package has a `cannot_run_here()`.)"""
+    import jax.numpy as jnp
+
+    return mod._cannot_run((1, 128, 64, 512), jnp.bfloat16)
+
+
 # ------------------------------------------------------------------------------ the impls
 register(Impl("xla", reference, platforms=("cpu", "gpu", "tpu")))
 register(Impl("pallas_tpu", tpu, platforms=tpu.PLATFORMS, auto=("tpu",)))
@@ -172,7 +207,7 @@ register(Impl("pallas_tpu", tpu, platforms=tpu.PLATFORMS, auto=("tpu",)))
 # unsupported() allows it (gluon: NVIDIA compute capability 9.x, bf16/f16; pallas_triton: NVIDIA,
 # bf16/f16).
 register(Impl("gluon", "csa_jax.kernels.gluon", platforms=("gpu",), auto=("gpu",), extra="gluon",
-              requires=("triton==3.6.0", "jax-triton==0.3.1")))
+              requires=("triton==3.6.0", "jax-triton==0.3.1"), here=_gluon_here))
 register(Impl("pallas_triton", triton, platforms=triton.PLATFORMS, auto=("gpu",)))
 # ------------------------------------------------------------------------------
 
@@ -231,8 +266,10 @@ def choices() -> tuple[str, ...]:
 
 
 def available_impls() -> list[str]:
-    """The registered impls that can run in this install."""
-    return [n for n, impl in REGISTRY.items() if impl.unavailable() is None]
+    """The registered impls that run on this machine: installed, and either compiled for its
+    devices or interpreted (see Impl.cannot_run_here: pallas_tpu and pallas_triton run in
+    interpret mode on a CPU; gluon needs an NVIDIA Hopper GPU). Starts jax's backends."""
+    return [n for n, impl in REGISTRY.items() if impl.cannot_run_here() is None]
 
 
 def get(name: str) -> Impl:

@@ -2,7 +2,10 @@
 train` stand-in that delivers signals at chosen moments (run as a subprocess: a second signal
 ends the process with os._exit, which must not happen to pytest).
 
-    python tests/_train_fault_worker.py MODE ARGV...    # MODE: step | save
+    python tests/_train_fault_worker.py MODE ARGV...
+    # MODE: step | save (two SIGINTs), fake (no signal), unchecked-space (fake, and the save's
+    # free-space check sees unlimited room), hold (fake, step 1 sleeps 60 s: holds the
+    # workdir), first-sigint (one SIGINT during a step 1 that takes 4 s, like a compile)
 """
 
 from __future__ import annotations
@@ -67,6 +70,22 @@ def main(mode, argv):
     from train import checkpoint
     from train.cli import main as cli_main
 
+    if mode in ("fake", "unchecked-space", "hold", "first-sigint"):
+        if mode == "unchecked-space":
+            from train import loop
+
+            checkpoint.free_bytes = loop.free_bytes = lambda path: 1 << 60
+        on_step = None
+        if mode == "hold":
+            on_step = lambda step: time.sleep(60) if step == 1 else None  # noqa: E731
+        if mode == "first-sigint":
+            def on_step(step):
+                if step == 1:
+                    os.kill(os.getpid(), signal.SIGINT)
+                    time.sleep(4)
+                    print("step 1 ends", file=sys.stderr, flush=True)
+        fake_runners(setattr, on_step=on_step)
+        return cli_main(argv)
     if mode == "step":
         def on_step(step):
             if step == 3:

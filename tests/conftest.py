@@ -19,16 +19,15 @@ from hypothesis import HealthCheck, settings  # noqa: E402
 
 from csa_jax.problems import rel_err  # noqa: E402,F401  (the one rel_err; tests import it here)
 
-# hypothesis's pytest plugin imports hypothesis lazily, in pytest_terminal_summary. Under xdist a
-# worker runs that hook after it has told the controller it is finished; the controller then
-# shuts the worker down, and execnet SIGINTs a worker still busy 5 s later. On 2 loaded cores
-# that import (assertion-rewritten, with full gc passes over the jax heap) takes longer, so the
-# SIGINT lands in jax's gc callback: "PytestUnraisableExceptionWarning ... _xla_gc_callback ...
-# KeyboardInterrupt" at the end of a passing run. Importing it now makes that hook instant.
+# hypothesis's pytest plugin imports hypothesis lazily, in pytest_terminal_summary; importing it
+# now keeps that hook instant. What once ended a passing xdist run with "PytestUnraisableException
+# Warning ... gc_callback ... KeyboardInterrupt" was execnet's SIGINT to a worker whose session
+# end outlasted 5 s: tests/_quiet_worker_exit.py explains it and makes the worker ignore it.
 try:
     import hypothesis  # noqa: E402, F401
 except ImportError:  # not installed: its plugin is not loaded either
     pass
+from _quiet_worker_exit import pytest_sessionfinish  # noqa: E402, F401  (the hook itself)
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 GOLDEN_DIR = REPO / "tests" / "golden"   # copies of ../shared/golden (README there)

@@ -90,3 +90,25 @@ def test_validate_indices():
         csa_jax.validate_indices(np.zeros((1, 1, 1), np.float32), 5)
     with pytest.raises(ValueError, match=r"num_kv=0"):
         csa_jax.validate_indices(ok, 0)
+
+
+def test_the_api_lines_of_the_readme(rng):
+    """README's API lines (issue 31): a [T, K] list is broadcast to [B, T, K] before
+    sparse_attention, which rejects [T, K]; the cr4 list is [B, T, 128 + min(512, T // 4)]."""
+    B, T, H, D = 2, 256, 2, 16
+    q = jnp.asarray(rng.standard_normal((B, T, H, D)), jnp.float32)
+    kv = jnp.asarray(rng.standard_normal((B, T + T // 128, D)), jnp.float32)
+    idx = csa_jax.build_indices(T, 128, window=128)
+    assert idx.shape == (T, 128 + T // 128)
+    with pytest.raises(ValueError, match=r"idx must be \[B, T, K\]"):
+        csa_jax.sparse_attention(q, kv, idx)
+    idx = jnp.broadcast_to(idx, (B, *idx.shape))
+    o, lse = csa_jax.sparse_attention(q, kv, idx)
+    assert o.shape == (B, T, H, D) and lse.shape == (B, T, H)
+    Hi, Di = 2, 8
+    top = csa_jax.indexer_topk(jnp.asarray(rng.standard_normal((B, T, Hi, Di)), jnp.float32),
+                               jnp.asarray(rng.standard_normal((B, T // 4, Di)), jnp.float32),
+                               jnp.asarray(rng.standard_normal((B, T, Hi)), jnp.float32),
+                               ratio=4, topk=512)
+    assert top.shape == (B, T, min(512, T // 4))  # clipped to the pool's 64 rows
+    assert csa_jax.build_indices(T, 4, pool_topk=top).shape == (B, T, 128 + T // 4)

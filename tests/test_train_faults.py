@@ -179,7 +179,7 @@ def test_benchmark_json_path_is_checked_before_the_benchmark(capsys, tmp_path):
 
 def test_empty_and_malformed_lists_are_refused(capsys, tmp_path, text):
     missing = str(tmp_path / "missing.txt")  # the old code reached the data (and stopped) first
-    for argv, msg in ((["--layers", ""], "schedule '': empty"),
+    for argv, msg in ((["--layers", ""], "--layers '': empty"),
                       (["--layers", " , "], "is not a compress ratio"),
                       (["--layers", "flash:"], "layer count '' is not an int"),
                       (["--data", ""], "--data '': empty path"),
@@ -227,9 +227,11 @@ def test_data_dir_skips_hidden_and_binary_files_and_says_so(capsys, tmp_path):
     ds = ByteDataset([str(d)], seq_len=32, batch_size=2)
     assert ds.n_files == 2
     assert sorted(p.name for p in ds.hidden) == [".env", ".git", ".venv"]
-    assert sorted(p.name for p in ds.binary) == ["img.png", "latin1.txt", "m.cpython-312.pyc"]
+    assert sorted(p.name for p in ds.binary) == ["img.png", "m.cpython-312.pyc"]
+    assert [p.name for p in ds.not_utf8] == ["latin1.txt"]
     assert ds.summary().startswith("took 2 files, 0.0 MB; skipped 3 hidden (.env, .git, .venv) "
-                                   "and 3 binary (")
+                                   "and 2 binary (NUL bytes: ")
+    assert ds.summary().endswith(" and 1 not UTF-8 (latin1.txt; --data-encoding any takes them)")
     # the CLI prints it (here on a run that has nothing left to do: no compile)
     workdir = tmp_path / "w"
     argv = ["--data", str(d), "--workdir", str(workdir), *SMALL]
@@ -296,8 +298,8 @@ def test_help_prints_each_presets_defaults_and_only_available_impls():
     impls = parser._option_string_actions["--impl"].choices
     assert list(impls) == list(registry.choices())  # the registry's names, no hard-coded list
     assert "pallas_mosaic_gpu" not in text  # reserved, never implemented
-    runnable = " ".join(parser._option_string_actions["--impl"].help.split())
-    assert f"Runnable in this install: auto, {', '.join(registry.available_impls())}." in runnable
+    runnable = " ".join(text.split())
+    assert f"Runnable here: auto, {', '.join(registry.available_impls())}." in runnable
 
 
 def test_readme_quick_start_matches_the_default_run():

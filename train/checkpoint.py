@@ -20,7 +20,10 @@ from __future__ import annotations
 import contextlib
 import gc
 import hashlib
+import json
 import logging
+import os
+import re
 import shutil
 import sys
 import traceback
@@ -29,6 +32,8 @@ from pathlib import Path
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+
+from train.workdir import free_bytes
 
 __all__ = ["CheckpointError", "Checkpointer", "checksums"]
 
@@ -54,9 +59,28 @@ def checksums(state) -> dict[str, str]:
     return out
 
 
+def _os_error(e: BaseException) -> str | None:
+    """The OS error inside an orbax / TensorStore failure ("No space left on device"), which
+    TensorStore puts at the end of a long message as [os_error_code='28'], or None."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno:
+            return f"{os.strerror(e.errno)} [errno {e.errno}]"
+        m = re.search(r"os_error_code='?(\d+)", str(e))
+        if m:
+            return f"{os.strerror(int(m.group(1)))} [errno {m.group(1)}]"
+        e = e.__cause__ or e.__context__
+    return None
+
+
 def _reason(e: BaseException) -> str:
-    """A one-line cause of a read failure: the innermost exception's first line (TensorStore
-    wraps its error in an outer one whose text dumps a pybind repr of the whole spec)."""
+    """A one-line cause of a read or write failure: the OS error if there is one, else the
+    innermost exception's first line (TensorStore wraps its error in an outer one whose text
+    dumps a pybind repr of the whole spec)."""
+    os_error = _os_error(e)
+    if os_error is not None:
+        return os_error
     inner, seen = e, set()
     while (inner.__cause__ or inner.__context__) is not None and id(inner) not in seen:
         seen.add(id(inner))
@@ -88,18 +112,85 @@ def _quiet_orbax_unraisable():
         sys.unraisablehook = old
 
 
+def _from_orbax(tb) -> bool:
+    return any(_ORBAX_DIR in f.filename for f in traceback.extract_tb(tb))
+
+
+_ORBAX_DIR = f"{os.sep}orbax{os.sep}"
+
+
+class _OrbaxNoise(logging.Filter):
+    """Holds back orbax's own error logs (a failed write logs a traceback per thread; the
+    failure reaches us as an exception too: one `error:` line) and asyncio's "exception was
+    never retrieved" for orbax's gathered writes. Checkpointer.close drops them if a failed
+    save was reported, and logs them then otherwise, so nothing is lost."""
+
+    def __init__(self):
+        super().__init__()
+        self.held: list[logging.LogRecord] = []
+
+    def filter(self, record):
+        if _ORBAX_DIR in record.pathname or (
+                record.name == "asyncio" and record.exc_info and _from_orbax(record.exc_info[2])):
+            self.held.append(record)
+            return False
+        return True
+
+
+def _write_noise_hook(previous):
+    """An unraisablehook that drops what a failed orbax write leaves behind: TensorStore
+    callbacks that reach an asyncio loop orbax already closed ("Event loop is closed"), and
+    exceptions raised inside orbax; everything else goes to `previous`."""
+
+    def hook(u):
+        closed = isinstance(u.exc_value, RuntimeError) and str(u.exc_value) == \
+            "Event loop is closed"
+        if not (closed or _from_orbax(u.exc_traceback)):
+            previous(u)
+
+    hook.previous = previous
+    return hook
+
+
+def _bytes_to_write(state) -> int:
+    """Uncompressed bytes of the arrays this process writes (its primary shards)."""
+    n = 0
+    for leaf in jax.tree.leaves(state):
+        if isinstance(leaf, jax.Array):
+            n += sum(s.data.nbytes for s in leaf.addressable_shards if s.replica_id == 0)
+        else:
+            n += np.asarray(leaf).nbytes
+    return n
+
+
+_SLACK = 256 * 1024  # orbax's metadata files and the file system's blocks
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e6:.1f} MB" if n >= 100_000 else f"{n / 1e3:.1f} kB"
+
+
 class Checkpointer:
     """Save / restore `{workdir}/checkpoints/<step>/{state,meta}` with orbax."""
 
     def __init__(self, directory, *, keep: int):
         self.directory = Path(directory).absolute()
-        # orbax logs every save at INFO/WARNING through absl; the progress bar is enough.
+        self._saving: int | None = None  # the step of the save in flight
+        self._reported = False  # a failed save was raised as a CheckpointError
+        # orbax logs every save at INFO/WARNING through absl; the progress bar is enough. Its
+        # errors come back as exceptions (one line each, below), not as per-thread tracebacks.
         logging.getLogger("absl").setLevel(logging.ERROR)
+        self._noise = _OrbaxNoise()
+        for name in ("absl", "asyncio"):
+            logging.getLogger(name).addFilter(self._noise)
+        self._hook = _write_noise_hook(sys.unraisablehook)
+        sys.unraisablehook = self._hook
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
                                                enable_async_checkpointing=True)
         try:
             self._mgr = ocp.CheckpointManager(self.directory, options=options)
         except Exception as e:  # e.g. the path exists and is a file, or is not writable
+            self._unhook()
             raise CheckpointError(f"cannot use checkpoint directory {str(self.directory)!r}: "
                                   f"{_reason(e)}") from None
 
@@ -113,25 +204,45 @@ class Checkpointer:
         """Start saving `state` and `meta` (plus the arrays' checksums, computed now from the
         values being saved) as checkpoint `step`; orbax finishes the write in the background."""
         meta = {**meta, "checksums": checksums(state)}
+        self.wait()  # the previous save, so its failure is reported before a new one starts
         self._saving = step
+        # Refuse up front when the disk cannot hold it: a write that fails half-way leaves
+        # orbax's threads failing one by one (the except clauses below clean up after them).
+        need = _bytes_to_write(state) + len(json.dumps(meta)) + _SLACK
         try:
-            self.wait()  # the previous save, so its failure is reported before a new one starts
+            free = free_bytes(self.directory)
+        except OSError:
+            free = None
+        if free is not None and free < need:
+            self._saving = None
+            raise CheckpointError(
+                f"cannot save checkpoint {step} in {str(self.directory)!r}: no space left on "
+                f"the device (the checkpoint needs about {_size(need)}, {_size(free)} are free)")
+        try:
             self._mgr.save(step, args=ocp.args.Composite(
                 state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
-        except CheckpointError:
-            raise
         except Exception as e:  # disk full, directory gone, ...
-            raise CheckpointError(f"cannot save checkpoint {str(self.path(step))!r}: "
-                                  f"{_reason(e)}") from None
+            raise self._save_error(step, e) from None
+
+    def _save_error(self, step, e) -> CheckpointError:
+        """The error of a failed save, after removing its partial directory (orbax writes into
+        `<step>.orbax-checkpoint-tmp*` and renames it only once complete: nothing else is
+        touched)."""
+        self._saving = None
+        if step is not None:
+            for partial in self.directory.glob(f"{step}.orbax-checkpoint-tmp*"):
+                shutil.rmtree(partial, ignore_errors=True)
+        self._reported = True  # orbax's own logs of it are redundant
+        what = "a checkpoint" if step is None else f"checkpoint {step}"
+        return CheckpointError(f"cannot save {what} in {str(self.directory)!r}: {_reason(e)}")
 
     def wait(self) -> None:
         """Block until the last save is on disk (CheckpointError if it failed)."""
         try:
             self._mgr.wait_until_finished()
         except Exception as e:  # disk full, directory gone, ...
-            step = getattr(self, "_saving", None)
-            where = str(self.path(step)) if step is not None else str(self.directory)
-            raise CheckpointError(f"cannot save checkpoint {where!r}: {_reason(e)}") from None
+            raise self._save_error(self._saving, e) from None
+        self._saving = None
 
     def reached_preemption(self, step: int) -> bool:
         """True at the step where every process of a multi-process run saves for a preemption
@@ -228,4 +339,20 @@ class Checkpointer:
         return dest
 
     def close(self) -> None:
-        self._mgr.close()
+        try:
+            self._mgr.close()
+        except Exception:  # a save that failed was reported by wait()
+            pass
+        finally:
+            self._unhook()
+
+    def _unhook(self) -> None:
+        gc.collect()  # what a failed write left to be collected, still under the filter
+        if sys.unraisablehook is self._hook:
+            sys.unraisablehook = self._hook.previous
+        for name in ("absl", "asyncio"):
+            logging.getLogger(name).removeFilter(self._noise)
+        if not self._reported:  # orbax errors that no exception of ours reported
+            for record in self._noise.held:
+                logging.getLogger(record.name).handle(record)
+        self._noise.held.clear()

@@ -1,10 +1,11 @@
 """`python -m train`: train a byte-level LM whose attention layers are CSA / HCA / SWA.
 
 Every user mistake and environment fault (bad or empty flag value, missing data, unusable
-sequence length, an uncreatable or unwritable workdir, mismatched checkpoints, no checkpoint
-that verifies, a diverged loss) ends with one `error:` line on stderr and exit code 2; an
-interrupted run (SIGINT / SIGTERM) saves a checkpoint and exits with 128 + the signal number
-(a second signal exits at once).
+sequence length, an impl that cannot run here, a size that cannot fit the device, an
+uncreatable or unwritable workdir, a workdir in use by another run, a full disk, mismatched
+checkpoints, no checkpoint that verifies, a diverged loss) ends with one `error:` line on stderr
+naming the flag as typed, and exit code 2; an interrupted run (SIGINT / SIGTERM) says so at once,
+saves a checkpoint and exits with 128 + the signal number (a second signal exits at once).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 import sys
 
 from train.config import PRESETS, ConfigError, TrainConfig, get_preset, parse_schedule
@@ -39,13 +41,45 @@ reproduces the uninterrupted run exactly. Outputs in the workdir: checkpoints/, 
 """
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Appends to --impl's help the impls that run on this machine, asked only when the help is
+    printed: the device check starts jax's backends, which must wait for
+    jax.distributed.initialize in a multi-process run."""
+
+    def _get_help_string(self, action):
+        text = super()._get_help_string(action)
+        if action.dest == "impl":
+            from csa_jax import registry
+
+            text += f" Runnable here: auto, {', '.join(registry.available_impls())}."
+        return text
+
+
+# Flags of TrainConfig / ModelConfig fields: messages about a field name the flag instead.
+FIELD_FLAGS = {
+    "steps": "--steps", "batch_size": "--batch-size", "seq_len": "--seq-len", "seed": "--seed",
+    "lr": "--lr", "warmup_steps": "--warmup-steps", "log_every": "--log-every",
+    "eval_every": "--eval-every", "eval_batches": "--eval-batches", "ckpt_every": "--ckpt-every",
+    "keep_checkpoints": "--keep", "fsdp": "--fsdp", "layer_ratios": "--layers",
+    "compute_dtype": "--dtype", "indexer_loss_coef": "--indexer-loss-coef", "impl": "--impl",
+    "data_encoding": "--data-encoding",
+}
+_FIELD_RE = re.compile(r"(?<![\w.\-'\"])(" + "|".join(FIELD_FLAGS) + r")=")
+
+
+def flag_names(message: str) -> str:
+    """`keep_checkpoints=0 must be ...` -> `--keep=0 must be ...`: a message about a config
+    field, as the CLI user typed it (`--flag=value` is valid argparse syntax)."""
+    return _FIELD_RE.sub(lambda m: FIELD_FLAGS[m.group(1)] + "=", message)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from csa_jax import registry      # the impl names (imports jax: --help takes a few seconds)
 
     p = argparse.ArgumentParser(
         prog="csa-train" if sys.argv[0].endswith("csa-train") else "python -m train",
         description=__doc__.splitlines()[0].split(": ", 1)[1],
-        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+        epilog=EPILOG, formatter_class=_HelpFormatter)
     g = p.add_argument_group("run")
     g.add_argument("--preset", default="tiny", choices=list(PRESETS),
                    help="model size and defaults: tiny (CPU, minutes), small (~170M, one GPU), "
@@ -65,6 +99,11 @@ def build_parser() -> argparse.ArgumentParser:
                    + preset_defaults("batch_size"))
     g.add_argument("--seq-len", type=int, help="tokens (bytes) per sequence; must be a multiple "
                    "of every compress ratio in the layer schedule. " + preset_defaults("seq_len"))
+    g.add_argument("--data-encoding", choices=("utf-8", "any"), default="utf-8",
+                   help="which files found in --data directories and globs are text: utf-8 "
+                        "(default: other files are skipped, and the summary says so) or any "
+                        "(every file without NUL bytes, e.g. Latin-1). A file named on its own "
+                        "is taken whenever it has no NUL bytes")
     g.add_argument("--max-corpus-mb", type=float, help="read at most this many MB of text "
                    "(default 16)")
     g = p.add_argument_group("model")
@@ -75,9 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
                             f"{n} {','.join(map(str, p['model'].layer_ratios))}"
                             for n, p in PRESETS.items()))
     g.add_argument("--impl", choices=registry.choices(), default="auto",
-                   help="sparse_attention implementation; auto = the best one for this platform. "
-                        f"Runnable in this install: auto, {', '.join(registry.available_impls())}. "
-                        "Default: auto")
+                   help="sparse_attention implementation; auto = the best one for this "
+                        "platform. Default: auto.")
     g.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                    help="compute dtype (weights stay float32); auto = bfloat16 on GPU/TPU, "
                         "float32 on CPU")
@@ -120,18 +158,36 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+_POSITIVE = ("steps", "batch_size", "seq_len", "log_every", "eval_every", "eval_batches",
+             "ckpt_every", "keep_checkpoints")
+
+
 def config_from_args(args):
     """TrainConfig from parsed flags (preset defaults for flags not given)."""
     import jax
 
     from csa_jax import registry
 
-    if args.impl != "auto" and args.impl not in registry.available_impls():
-        raise ConfigError(f"--impl {args.impl}: {registry.get(args.impl).unavailable()}; "
-                          f"available: auto, {', '.join(registry.available_impls())}")
+    if args.impl != "auto":
+        why = registry.get(args.impl).cannot_run_here()
+        if why is not None:
+            why = why.removeprefix(f"impl={args.impl!r} ")
+            raise ConfigError(f"--impl {args.impl} {why}; runnable here: auto, "
+                              f"{', '.join(registry.available_impls())}")
+    for field in _POSITIVE:  # flag values checked as typed, before any work
+        v = getattr(args, field)
+        if v is not None and v <= 0:
+            raise ConfigError(f"{FIELD_FLAGS[field]} {v}: must be a positive integer")
+    if args.warmup_steps is not None and args.warmup_steps < 0:
+        raise ConfigError(f"--warmup-steps {args.warmup_steps}: must be >= 0")
+    if args.lr is not None and not args.lr > 0:
+        raise ConfigError(f"--lr {args.lr}: must be > 0")
     model = {"impl": args.impl}
     if args.layers is not None:
-        model["layer_ratios"] = parse_schedule(args.layers)
+        try:
+            model["layer_ratios"] = parse_schedule(args.layers)
+        except ConfigError as e:  # "schedule 'x': ..." -> "--layers 'x': ..."
+            raise ConfigError(re.sub(r"^schedule ", "--layers ", str(e))) from None
     if args.indexer_loss_coef is not None:
         model["indexer_loss_coef"] = args.indexer_loss_coef
     dtype = args.dtype
@@ -140,7 +196,7 @@ def config_from_args(args):
     model["compute_dtype"] = dtype
     over = {k: getattr(args, k) for k in (
         "steps", "batch_size", "seq_len", "seed", "lr", "warmup_steps", "log_every",
-        "eval_every", "eval_batches", "ckpt_every", "keep_checkpoints", "fsdp")}
+        "eval_every", "eval_batches", "ckpt_every", "keep_checkpoints", "fsdp", "data_encoding")}
     if args.data is not None:
         for spec in args.data:
             if not spec.strip():
@@ -160,6 +216,7 @@ def main(argv=None) -> int:
     from train.checkpoint import CheckpointError
     from train.data import DataError
     from train.loop import DivergedError, train_and_evaluate
+    from train.metrics import OutputError
 
     try:
         from train import distributed  # joins the other processes before jax picks a backend
@@ -174,7 +231,10 @@ def main(argv=None) -> int:
         result = train_and_evaluate(cfg, workdir, progress=not args.no_progress,
                                     log=lambda s: print(s, file=sys.stderr, flush=True),
                                     profile_steps=profile_steps)
-    except (ConfigError, DataError, CheckpointError, DivergedError) as e:
+    except (ConfigError, DataError) as e:
+        print(f"error: {flag_names(str(e))}", file=sys.stderr)
+        return 2
+    except (CheckpointError, DivergedError, OutputError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # before the training loop (which handles signals) started

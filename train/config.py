@@ -36,9 +36,9 @@ def release_schedule(n_layers: int, family: str = "flash", hca_ratio: int = 128)
     hca_ratio is the ratio of the "cr128" layers (128 in V4; smaller for short sequences).
     """
     if family not in ("flash", "pro"):
-        raise ConfigError(f"schedule family={family!r} must be 'flash' or 'pro'")
+        raise ConfigError(f"the family {family!r} must be 'flash' or 'pro'")
     if n_layers < 1:
-        raise ConfigError(f"{n_layers=} must be >= 1")
+        raise ConfigError(f"the layer count must be >= 1, got {n_layers}")
     lead = 0 if family == "flash" else hca_ratio
     return tuple(lead if i < 2 else (4 if (i - 2) % 2 == 0 else hca_ratio) for i in range(n_layers))
 
@@ -55,7 +55,10 @@ def parse_schedule(text: str, hca_ratio: int = 128) -> tuple[int, ...]:
             n_layers = int(n)
         except ValueError:
             raise ConfigError(f"schedule {text!r}: layer count {n!r} is not an int") from None
-        return release_schedule(n_layers, family.strip().lower(), hca_ratio)
+        try:
+            return release_schedule(n_layers, family.strip().lower(), hca_ratio)
+        except ConfigError as e:
+            raise ConfigError(f"schedule {text!r}: {e}") from None
     ratios = []
     for part in text.split(","):
         part = part.strip().lower().removeprefix("cr")
@@ -213,6 +216,7 @@ class TrainConfig:
     ckpt_every: int = 100
     keep_checkpoints: int = 3
     data: tuple[str, ...] = ()
+    data_encoding: str = "utf-8"  # train.data.ENCODINGS: which found files count as text
     max_corpus_bytes: int = 16 * 2**20
     eval_fraction: float = 0.02
     fsdp: str = "off"
@@ -230,6 +234,8 @@ class TrainConfig:
             raise ConfigError(f"lr={self.lr} must be > 0")
         if not 0.0 < self.eval_fraction < 0.5:
             raise ConfigError(f"eval_fraction={self.eval_fraction} must be in (0, 0.5)")
+        if self.data_encoding not in ("utf-8", "any"):
+            raise ConfigError(f"data_encoding={self.data_encoding!r} must be 'utf-8' or 'any'")
         if self.fsdp not in ("off", "xla", "explicit"):
             raise ConfigError(f"fsdp={self.fsdp!r} must be one of off | xla | explicit")
         if self.fsdp == "explicit" and self.model.scan_layers:

@@ -3,8 +3,11 @@
 Tokens are the bytes of the text (vocab 256); byte 0 ends every document. The default corpus is
 the Python standard library's own source files, found at run time (every machine with Python has
 them); `--data` takes the user's files, directories or globs instead: directories and globs skip hidden
-folders and files (.git, .venv, ...), and binary files (NUL bytes, or not UTF-8) are skipped;
-`ByteDataset.summary()` says what was taken and skipped.
+folders and files (.git, .venv, ...). The model reads bytes, so any file without NUL bytes is
+trainable: a file named on its own is taken whenever it has none (a Latin-1 text, say); in what
+directories and globs find, binary files (NUL bytes) are skipped and, with the default
+encoding "utf-8", so are files that are not UTF-8 (encoding "any", `--data-encoding any`,
+takes them). `ByteDataset.summary()` says what was taken, what was skipped and why.
 
 Determinism: the file list is sorted, the document order is a permutation seeded by `seed`, the
 stream is packed into fixed windows of seq_len + 1 bytes, the last `eval_fraction` of the windows
@@ -23,9 +26,11 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["ByteDataset", "DataError", "default_corpus_files", "is_text", "resolve_files", "scan"]
+__all__ = ["ByteDataset", "DataError", "ENCODINGS", "default_corpus_files", "is_text",
+           "resolve_files", "scan"]
 
 EOS = 0  # document separator byte
+ENCODINGS = ("utf-8", "any")  # which files that directories and globs find count as text
 
 
 class DataError(ValueError):
@@ -58,10 +63,11 @@ def _walk(root: Path, hidden: list[Path]) -> list[Path]:
     return [p for p in out if p.is_file()]
 
 
-def scan(specs) -> tuple[list[Path], list[Path]]:
+def scan(specs, named: set | None = None) -> tuple[list[Path], list[Path]]:
     """(files, hidden): the files named by `specs` (files, directories, glob patterns) and the
     hidden folders and files that directories passed over. A file named explicitly is taken
-    even if hidden. Raises DataError naming the first spec that matches nothing."""
+    even if hidden (and added to `named` when given). Raises DataError naming the first spec
+    that matches nothing."""
     out: set[Path] = set()
     hidden: list[Path] = []
     for spec in specs:
@@ -70,6 +76,8 @@ def scan(specs) -> tuple[list[Path], list[Path]]:
         path = Path(os.path.expanduser(spec))
         if path.is_file():
             out.add(path)
+            if named is not None:
+                named.add(path)
         elif path.is_dir():
             found = _walk(path, hidden)
             if not found:
@@ -92,10 +100,13 @@ def resolve_files(specs) -> list[Path]:
     return scan(specs)[0]
 
 
-def is_text(data: bytes) -> bool:
-    """UTF-8 text without NUL bytes (binary files: objects, images, .so, .pyc, ...)."""
+def is_text(data: bytes, encoding: str = "utf-8") -> bool:
+    """No NUL bytes (binary files: objects, images, .so, .pyc, ...) and, for encoding "utf-8",
+    valid UTF-8."""
     if b"\0" in data:
         return False
+    if encoding == "any":
+        return True
     try:
         data.decode("utf-8")
     except UnicodeDecodeError:
@@ -116,12 +127,17 @@ class ByteDataset:
     """
 
     def __init__(self, specs=(), *, seq_len: int, batch_size: int, seed: int = 0,
-                 max_bytes: int = 16 * 2**20, eval_fraction: float = 0.02):
+                 max_bytes: int = 16 * 2**20, eval_fraction: float = 0.02,
+                 encoding: str = "utf-8"):
+        if encoding not in ENCODINGS:
+            raise DataError(f"encoding {encoding!r} must be one of {', '.join(ENCODINGS)}")
+        named: set[Path] = set()
         if specs:
-            files, self.hidden = scan(specs)
+            files, self.hidden = scan(specs, named)
         else:
             files, self.hidden = default_corpus_files(), []
-        self.binary: list[Path] = []  # files of --data that are not text, skipped
+        self.binary: list[Path] = []  # files of --data with NUL bytes, skipped
+        self.not_utf8: list[Path] = []  # found by a directory or glob, not UTF-8: skipped
         self.seq_len, self.batch_size, self.seed = seq_len, batch_size, seed
         order = np.random.default_rng([seed, 0x5EED]).permutation(len(files))
         chunks, total, digest = [], 0, hashlib.sha256()
@@ -136,17 +152,21 @@ class ByteDataset:
                 if specs:
                     raise DataError(f"--data file {str(files[i])!r} is unreadable: {e}") from None
                 continue  # the default corpus is best effort
-            if specs and not is_text(data):
+            if specs and not is_text(data, "any"):
                 self.binary.append(files[i])
+                continue
+            if specs and files[i] not in named and not is_text(data, encoding):
+                self.not_utf8.append(files[i])
                 continue
             data = data[: max_bytes - total] + bytes([EOS])
             chunks.append(data)
             total += len(data)
             digest.update(len(data).to_bytes(8, "little") + data)
         self.binary.sort()
+        self.not_utf8.sort()
         if not chunks:
-            raise DataError(f"--data {' '.join(map(str, specs))!r}: no text files (skipped "
-                            f"{len(self.binary)} binary files: {_names(self.binary)})")
+            raise DataError(f"--data {' '.join(map(str, specs))!r}: no text files; skipped "
+                            + "; ".join(self._skipped()))
         stream = np.frombuffer(b"".join(chunks), dtype=np.uint8)
         window = seq_len + 1
         n = (len(stream) - 1) // seq_len  # windows overlap by one byte (last target = next input)
@@ -167,15 +187,22 @@ class ByteDataset:
     def summary(self) -> str:
         """What was taken and what was skipped, in one line."""
         out = f"took {self.n_files} files, {self.n_bytes / 1e6:.1f} MB"
-        skipped = []
-        if self.hidden:
-            skipped.append(f"{len(self.hidden)} hidden ({_names(self.hidden)})")
-        if self.binary:
-            skipped.append(f"{len(self.binary)} binary ({_names(self.binary)})")
+        skipped = self._skipped()
         if skipped:
             out += "; skipped " + " and ".join(skipped)
         if self.n_unread:
             out += f"; {self.n_unread} more files not read (the --max-corpus-mb limit)"
+        return out
+
+    def _skipped(self) -> list[str]:
+        out = []
+        if self.hidden:
+            out.append(f"{len(self.hidden)} hidden ({_names(self.hidden)})")
+        if self.binary:
+            out.append(f"{len(self.binary)} binary (NUL bytes: {_names(self.binary)})")
+        if self.not_utf8:
+            out.append(f"{len(self.not_utf8)} not UTF-8 ({_names(self.not_utf8)}; "
+                       f"--data-encoding any takes them)")
         return out
 
     def _order(self, epoch: int) -> np.ndarray:

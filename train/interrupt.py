@@ -1,5 +1,6 @@
 """Ctrl-C / SIGTERM during a run: the first stops the loop at the next step boundary (it saves a
-checkpoint first); a second one stops the process at once, saying what is saved.
+checkpoint first), saying so at once; a second one stops the process at once, saying what is
+saved.
 
 Python runs signal handlers in the main thread between bytecodes, so while the main thread
 waits inside XLA (a step) or orbax (a save) a handler waits too, and two Ctrl-C that arrive
@@ -83,6 +84,14 @@ class StopFlag:
                     self.signum = sig
                 if self._count >= 2:
                     self._hard_stop(sig)
+                self._received(sig)  # the first one
+
+    def _received(self, sig):
+        """Said at once (the main thread may be inside a long step or its compilation)."""
+        name = signal.Signals(sig).name
+        os.write(2, f"\n{name} received: the run stops after the step in progress (the "
+                    f"first step also compiles, which can take minutes) and saves a checkpoint "
+                    f"of it; {name} again stops at once without saving\n".encode())
 
     def _hard_stop(self, sig):
         name = signal.Signals(sig).name

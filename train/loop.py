@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
-import tempfile
 import time
 from pathlib import Path
 
@@ -35,6 +34,7 @@ from train.metrics import MetricsWriter, plot_losses
 from train.model import DecoderLM, count_params
 from train.parallel import check_parallel, make_runner
 from train.profile import StepProfiler
+from train.workdir import WorkdirLock, free_bytes, prepare_workdir, remove_if_unused
 
 __all__ = ["DivergedError", "RunResult", "init_state", "make_optimizer", "train_and_evaluate"]
 
@@ -44,6 +44,10 @@ _RESUMABLE_CHANGES = {"steps", "log_every", "eval_every", "eval_batches", "ckpt_
                       "keep_checkpoints", "model.attention.impl", "model.remat",
                       "model.scan_layers", "model.attention.indexer_scores",
                       "model.attention.indexer_select", "model.swiglu", "model.norm", "fsdp"}
+
+
+# Fields added to TrainConfig later, with the value that behaves as runs saved before did.
+_ADDED_FIELDS = {"data_encoding": "utf-8"}
 
 
 def make_optimizer(cfg: TrainConfig):
@@ -85,6 +89,16 @@ def _init_model(model_cfg, seed):
 # ----------------------------------------------------------------------------- the run
 
 
+def _with_last(e: CheckpointError, stop, ckpt) -> CheckpointError:
+    """A failed save's error, saying what is safe on disk and how to go on."""
+    if stop.last_saved is not None:
+        return CheckpointError(f"{e}; the newest complete checkpoint, step {stop.last_saved} "
+                               f"({str(ckpt.path(stop.last_saved))!r}), is untouched: make room "
+                               f"and rerun the same command to resume from it")
+    return CheckpointError(f"{e}; no checkpoint of this run is on disk: make room or use "
+                           f"another --workdir")
+
+
 class DivergedError(RuntimeError):
     """The loss became NaN or infinite (reported by the CLI without a traceback)."""
 
@@ -114,28 +128,107 @@ def _config_diff(saved: dict, now: dict, prefix="") -> list[str]:
             out += _config_diff(a, b, prefix=name + ".")
         elif name == "data" and _same_paths(a, b):
             continue
+        elif k not in saved and name in _ADDED_FIELDS and b == _ADDED_FIELDS[name]:
+            continue  # a field added after the run was saved, at its old behaviour
         elif (list(a) if isinstance(a, (list, tuple)) else a) != \
                 (list(b) if isinstance(b, (list, tuple)) else b) and name not in _RESUMABLE_CHANGES:
             out.append(f"{name}: saved {a!r}, now {b!r}")
     return out
 
 
-def prepare_workdir(workdir) -> Path:
-    """Create `workdir` and check that it is writable, before any work (ConfigError if not)."""
-    workdir = Path(workdir)
-    if workdir.exists() and not workdir.is_dir():
-        raise ConfigError(f"--workdir {str(workdir)!r} exists and is not a directory")
+def check_impl(cfg: TrainConfig) -> None:
+    """An explicitly requested attention impl must run on this machine (before any model is
+    built): ConfigError naming what it needs and what runs here."""
+    from csa_jax import registry
+
+    impl = cfg.model.attention.impl
+    if impl == "auto":
+        return
+    why = registry.get(impl).cannot_run_here()
+    if why is not None:
+        raise ConfigError(f"{why}; runnable here: auto, {', '.join(registry.available_impls())}")
+
+
+def check_room(workdir, state) -> None:
+    """Before any work: the workdir's disk must hold at least one checkpoint of this run (its
+    uncompressed size) and the logs (CheckpointError if not)."""
+    need = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state)) + 2**20
     try:
-        workdir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ConfigError(f"--workdir {str(workdir)!r} cannot be created: "
-                          f"{e.strerror or e}") from None
+        free = free_bytes(workdir)
+    except OSError:
+        return
+    if free < need:
+        raise CheckpointError(f"--workdir {str(workdir)!r} has {free / 1e6:.1f} MB free and one "
+                              f"checkpoint of this run needs about {need / 1e6:.1f} MB: make "
+                              f"room or use another --workdir")
+
+
+def _device_memory() -> tuple[int | None, str]:
+    """(bytes, what) of the first device's memory: the allocator's limit on an accelerator, the
+    machine's RAM (or its cgroup limit, if lower) on a CPU."""
+    dev = jax.devices()[0]
+    if dev.platform != "cpu":
+        stats = dev.memory_stats() or {}
+        limit = stats.get("bytes_limit")
+        return (int(limit) if limit else None), f"the {dev.device_kind} has"
     try:
-        with tempfile.TemporaryFile(dir=workdir, prefix=".write-test-"):
-            pass
-    except OSError as e:
-        raise ConfigError(f"--workdir {str(workdir)!r} is not writable: {e.strerror or e}") from None
-    return workdir
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return None, ""
+    try:
+        cg = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if cg.isdigit():
+            ram = min(ram, int(cg))
+    except OSError:
+        pass
+    return ram, "this machine has"
+
+
+def _gb(n: int) -> str:
+    for unit, scale in (("TB", 1e12), ("GB", 1e9)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n / 1e6:.1f} MB"
+
+
+def check_memory(cfg: TrainConfig, runner, state) -> None:
+    """Before compiling: refuse a step that cannot fit the device (ConfigError with the bytes,
+    the device's memory and what to lower). Traces the step (jit's cache keeps the trace for
+    the first call) and takes its largest array, not counting broadcasts and iotas (XLA fuses
+    those into their users), plus the train state: a lower bound of what the step needs at
+    once. One device only (fsdp off)."""
+    if cfg.fsdp != "off":
+        return
+    trace = getattr(runner.step, "trace", None)  # a jitted step (not a test's stand-in)
+    limit, where = _device_memory()
+    if trace is None or not limit:
+        return
+    batch = tuple(jax.ShapeDtypeStruct((cfg.batch_size, cfg.seq_len), jnp.int32) for _ in range(2))
+    jaxpr = trace(state, batch).jaxpr
+    largest, shape = 0, None
+    todo = [jaxpr.jaxpr]
+    while todo:
+        jx = todo.pop()
+        for eqn in jx.eqns:
+            if eqn.primitive.name not in ("broadcast_in_dim", "iota"):
+                for v in eqn.outvars:
+                    a = v.aval
+                    n = int(np.prod(getattr(a, "shape", ()))) * getattr(a, "dtype", np.int8).itemsize
+                    if n > largest:
+                        largest, shape = n, a.str_short()
+            for p in eqn.params.values():
+                for sub in (p if isinstance(p, (list, tuple)) else (p,)):
+                    sub = getattr(sub, "jaxpr", sub)
+                    if hasattr(sub, "eqns"):
+                        todo.append(sub)
+    resident = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
+    need = resident + largest
+    if need > limit:
+        raise ConfigError(
+            f"this step needs at least {_gb(need)} (its largest array is {shape}, "
+            f"{_gb(largest)}, beside {_gb(resident)} of parameters and optimizer state) and "
+            f"{where} {_gb(limit)}: lower --seq-len ({cfg.seq_len}) or --batch-size "
+            f"({cfg.batch_size}), or use a smaller --preset or --layers schedule")
 
 
 def train_and_evaluate(cfg: TrainConfig, workdir, *, progress: bool = True,
@@ -152,17 +245,41 @@ def train_and_evaluate(cfg: TrainConfig, workdir, *, progress: bool = True,
     """
     log = distributed.main_only(log)  # processes other than 0 write no logs, metrics or plots
     check_parallel(cfg)
-    workdir = prepare_workdir(workdir)
-    data = ByteDataset(cfg.data, seq_len=cfg.seq_len, batch_size=cfg.batch_size, seed=cfg.seed,
-                       max_bytes=cfg.max_corpus_bytes, eval_fraction=cfg.eval_fraction)
-    log(f"data: {data.summary()}")
-    graphdef, state, tx, schedule = init_state(cfg)
-    ckpt = Checkpointer(workdir / "checkpoints", keep=cfg.keep_checkpoints)
+    check_impl(cfg)
+    workdir, created = prepare_workdir(workdir)
+    lock = WorkdirLock(workdir, jax.process_index())
     try:
-        return _run(cfg, workdir, data, graphdef, state, tx, schedule, ckpt, progress, log,
-                    profile_steps)
+        lock.acquire()
+    except BaseException:
+        remove_if_unused(created)
+        raise
+    started = False
+    try:
+        if lock.note:
+            log(lock.note)
+        data = ByteDataset(cfg.data, seq_len=cfg.seq_len, batch_size=cfg.batch_size,
+                           seed=cfg.seed, max_bytes=cfg.max_corpus_bytes,
+                           eval_fraction=cfg.eval_fraction, encoding=cfg.data_encoding)
+        log(f"data: {data.summary()}")
+        graphdef, state, tx, schedule = init_state(cfg)
+        check_room(workdir, state)
+        ckpt = Checkpointer(workdir / "checkpoints", keep=cfg.keep_checkpoints)
+        try:
+            def on_start():
+                nonlocal started
+                started = True
+            return _run(cfg, workdir, data, graphdef, state, tx, schedule, ckpt, progress, log,
+                        profile_steps, on_start)
+        finally:
+            ckpt.close()  # on every path: an unclosed manager spews asyncio errors at exit
     finally:
-        ckpt.close()  # on every path: an unclosed manager spews asyncio errors at exit
+        lock.release()
+        if not started:  # a failed start: leave no empty workdir behind
+            try:
+                (workdir / "checkpoints").rmdir()
+            except OSError:
+                pass
+            remove_if_unused(created, names=[lock.name])
 
 
 def _check_meta(cfg, workdir, data):
@@ -180,7 +297,8 @@ def _check_meta(cfg, workdir, data):
     return check
 
 
-def _run(cfg, workdir, data, graphdef, state, tx, schedule, ckpt, progress, log, profile_steps):
+def _run(cfg, workdir, data, graphdef, state, tx, schedule, ckpt, progress, log, profile_steps,
+         on_start):
     runner = make_runner(cfg, graphdef, state["params"], tx, schedule)
     data = distributed.process_share(data, runner)  # several processes: each reads its rows
     plot = distributed.main_only(plot_losses)
@@ -198,6 +316,7 @@ def _run(cfg, workdir, data, graphdef, state, tx, schedule, ckpt, progress, log,
             return RunResult("already_done", start, {}, {})
         log(f"resuming from step {start} in {workdir}")
     state = runner.put(state)  # the device layout from here on
+    check_memory(cfg, runner, state)
     eval_batches = [runner.batch(b) for b in data.eval_batches(cfg.eval_batches)]
     tokens_per_step = cfg.batch_size * cfg.seq_len
     flops_per_token = cfg.model.flops_per_token(cfg.seq_len)
@@ -216,17 +335,27 @@ def _run(cfg, workdir, data, graphdef, state, tx, schedule, ckpt, progress, log,
         if stop.saving is not None:  # the previous background write must finish first
             finish_saves()
         stop.saving = step
-        ckpt.save(step, runner.get(state), {**meta_now, "batches_consumed": step, "step": step})
+        try:
+            ckpt.save(step, runner.get(state), {**meta_now, "batches_consumed": step,
+                                                "step": step})
+        except CheckpointError as e:
+            stop.saving = None
+            raise _with_last(e, stop, ckpt) from None
         if jax.process_count() == 1:
             # One process: wait, so that a second Ctrl-C can say exactly what is on disk.
             # Several processes: the write goes on in the background (orbax's async save).
             finish_saves()
 
     def finish_saves():
-        ckpt.wait()
+        try:
+            ckpt.wait()
+        except CheckpointError as e:
+            stop.saving = None
+            raise _with_last(e, stop, ckpt) from None
         if stop.saving is not None:
             stop.saving, stop.last_saved = None, stop.saving
 
+    on_start()  # from here on the workdir holds this run's outputs
     writer = (MetricsWriter if distributed.is_main() else distributed.NullWriter)(
         workdir, start_step=start, total_steps=cfg.steps, progress=progress)
     prof = StepProfiler(profile_steps, workdir / "profile", log=writer.message)

@@ -8,7 +8,34 @@ import os
 import sys
 from pathlib import Path
 
-__all__ = ["MetricsWriter", "plot_losses", "read_metrics"]
+__all__ = ["MetricsWriter", "OutputError", "plain_line", "plot_losses", "read_metrics"]
+
+
+class OutputError(RuntimeError):
+    """metrics.jsonl or loss.png cannot be written (a full disk, say): one line, no traceback."""
+
+
+def _cannot_write(path, e: OSError) -> OutputError:
+    return OutputError(f"cannot write {str(path)!r}: {e.strerror or e}")
+
+
+def _quiet_tensorboardx_threads():
+    """tensorboardX writes events in a thread of its own; on a full disk that thread dies with a
+    traceback (the run reports the disk itself, in one line): drop OSErrors raised there."""
+    import threading
+    import traceback
+
+    previous = threading.excepthook
+    if getattr(previous, "quiet_tensorboardx", False):
+        return
+
+    def hook(args):
+        files = [f.filename for f in traceback.extract_tb(args.exc_traceback)]
+        if not (issubclass(args.exc_type, OSError) and any("tensorboardX" in f for f in files)):
+            previous(args)
+
+    hook.quiet_tensorboardx = True
+    threading.excepthook = hook
 
 
 def read_metrics(path) -> list[dict]:
@@ -33,6 +60,18 @@ def to_json_line(record: dict) -> str:
     return json.dumps({k: _finite_or_null(v) for k, v in record.items()}, allow_nan=False) + "\n"
 
 
+def plain_line(record: dict, total_steps: int) -> str:
+    """`step 20/200: loss 2.4813, grad_norm 0.41, lr 0.003, 5123 tok/s` (or `eval loss ...`)."""
+    parts = []
+    for key, fmt in (("loss", "loss {:.4f}"), ("eval_loss", "eval loss {:.4f}"),
+                     ("grad_norm", "grad_norm {:.3g}"), ("lr", "lr {:.3g}"),
+                     ("tokens_per_sec", "{:.0f} tok/s")):
+        v = record.get(key)
+        if isinstance(v, (int, float)):
+            parts.append(fmt.format(v))
+    return f"step {record['step']}/{total_steps}: " + ", ".join(parts)
+
+
 class MetricsWriter:
     """metrics.jsonl + TensorBoard (`{workdir}/tb`) + tqdm progress bar.
 
@@ -53,12 +92,17 @@ class MetricsWriter:
         self.path = self.workdir / "metrics.jsonl"
         kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= start_step]
         tmp = self.path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(to_json_line(r) for r in kept))
-        os.replace(tmp, self.path)  # atomic
-        self._file = open(self.path, "a")
+        try:
+            tmp.write_text("".join(to_json_line(r) for r in kept))
+            os.replace(tmp, self.path)  # atomic
+            self._file = open(self.path, "a")
+        except OSError as e:
+            raise _cannot_write(self.path, e) from None
+        _quiet_tensorboardx_threads()
         self._tb = None if SummaryWriter is None else SummaryWriter(str(self.workdir / "tb"),
                                                                       purge_step=start_step + 1)
         self._post: dict = {}
+        self._total, self._plain = total_steps, not progress
         self._bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True,
                          disable=not progress, file=sys.stderr)
         if self._tb is None:
@@ -66,8 +110,11 @@ class MetricsWriter:
                          f"(metrics.jsonl is written; pip install 'csa_jax[train]' for both)")
 
     def write(self, record: dict) -> None:
-        self._file.write(to_json_line(record))
-        self._file.flush()
+        try:
+            self._file.write(to_json_line(record))
+            self._file.flush()
+        except OSError as e:
+            raise _cannot_write(self.path, e) from None
         step = record["step"]
         for k, v in record.items():
             if self._tb is not None and k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
@@ -76,6 +123,8 @@ class MetricsWriter:
         if "tokens_per_sec" in record:
             self._post["tok/s"] = f"{record['tokens_per_sec']:.0f}"
         self._bar.set_postfix(self._post, refresh=False)
+        if self._plain:  # no bar: one log line per logged step instead
+            self.message(plain_line(record, self._total))
 
     def advance(self, n: int = 1) -> None:
         self._bar.update(n)
@@ -88,8 +137,19 @@ class MetricsWriter:
             return
         self._bar.close()
         if self._tb is not None:
-            self._tb.close()
-        self._file.close()
+            try:
+                self._tb.close()
+            except OSError:  # a full disk (reported by whatever failed first)
+                # tensorboardX's atexit hook would try again and print the same error
+                writers = list((getattr(self._tb, "all_writers", None) or {}).values())
+                for fw in writers + [getattr(self._tb, "file_writer", None)]:
+                    ev = getattr(fw, "event_writer", None)
+                    if ev is not None:
+                        ev._closed = True
+        try:
+            self._file.close()
+        except OSError:
+            pass
 
 
 def plot_losses(workdir) -> Path | None:
@@ -119,6 +179,10 @@ def plot_losses(workdir) -> Path | None:
     ax.legend()
     fig.tight_layout()
     out = Path(workdir) / "loss.png"
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
+    try:
+        fig.savefig(out, dpi=100)
+    except OSError as e:
+        raise _cannot_write(out, e) from None
+    finally:
+        plt.close(fig)
     return out
