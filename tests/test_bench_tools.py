@@ -14,13 +14,13 @@ from csa_jax.kernels import triton as pallas_triton
 
 
 def test_variant_specs_reach_the_config():
-    got = common.parse_variants("old:interm=kernel,block_k_dq=64; f32:interm_f32=true",
+    got = common.parse_variants("fused:interm=dq,block_k_dq=64; hm:slot_major_dq=false",
                                    base={"num_stages": 2})
     assert got == [("default", {"num_stages": 2}),
-                   ("old", {"num_stages": 2, "interm": "kernel", "block_k_dq": 64}),
-                   ("f32", {"num_stages": 2, "interm_f32": True})]
+                   ("fused", {"num_stages": 2, "interm": "dq", "block_k_dq": 64}),
+                   ("hm", {"num_stages": 2, "slot_major_dq": False})]
     cfg = dataclasses.replace(pallas_triton.Config(), **got[1][1])
-    assert (cfg.interm, cfg.block_k_dq, cfg.num_stages) == ("kernel", 64, 2)
+    assert (cfg.interm, cfg.block_k_dq, cfg.num_stages) == ("dq", 64, 2)
     with pytest.raises(ValueError, match="interm='kernal'"):
         dataclasses.replace(pallas_triton.Config(), **common.parse_overrides("interm=kernal"))
 

@@ -117,7 +117,7 @@ def test_golden_structured(name):
 FUZZ_CONFIGS = [
     pt.Config(block_t=8, block_k=8, depth=2, block_r=8),
     pt.Config(block_t=4, block_k=8, depth=3, block_r=16, token_chunk=8, fanin_split=3),
-    pt.Config(block_t=3, block_k=16, depth=4, block_r=8, explicit_transpose=True),
+    pt.Config(block_t=3, block_k=16, depth=4, block_r=8),
 ]
 
 
@@ -188,8 +188,7 @@ def test_structured_layouts_against_oracle(rng, layout, dtype):
     """Window reuse (contiguous union / pool tiles, closed-form dkv) matches the oracle."""
     q, kv, idx, sink, lay = _structured_problem(rng, layout, dtype=dtype)
     cfg = (pt.Config(block_t=8, block_k=8, depth=3, block_r=16, **lay) if dtype == jnp.float32
-           else pt.Config(block_t=5, block_k=16, depth=2, token_chunk=10,
-                          explicit_transpose=True, **lay))
+           else pt.Config(block_t=5, block_k=16, depth=2, token_chunk=10, **lay))
     _check_against_oracle(rng, q, kv, idx, sink, scale=0.2, config=cfg)
 
 

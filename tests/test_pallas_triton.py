@@ -1,6 +1,6 @@
 """The Triton-dialect impl ("pallas_triton") in interpret mode on CPU: the contract
-(tests/contract.py) with small tiles, and what is specific to it: the per-slot intermediate
-paths and slot-major scores on a structured list, its config rules, the dq kernel's dS/P buffer,
+(tests/contract.py) with small tiles, and what is specific to it: the two per-slot intermediate
+paths and both dq score forms on a structured list, its config rules, the dq kernel's dS/P buffer,
 and an ahead-of-time lowering to Triton IR for an NVIDIA (H200) and an AMD (gfx942) target
 whose ops are checked kernel by kernel (no GPU needed)."""
 from __future__ import annotations
@@ -23,8 +23,8 @@ from conftest import assert_close, dense_oracle, random_problem
 from contract import ImplContract, value_and_grads
 
 # Small tiles so that the tiny problems below still walk several tiles and head blocks.
-SMALL = pallas_triton.Config(block_k=16, block_h=16, block_k_dq=16, block_h_dq=16, block_k_dkv=16,
-                             block_h_dkv=16, block_r=4, num_stages=2, slot_major_dq=False)
+SMALL = pallas_triton.Config(block_k=16, block_h=16, block_k_dq=16, block_h_dq=16, block_r=4,
+                             num_stages=2, slot_major_dq=False)
 
 
 class TestContract(ImplContract):
@@ -32,14 +32,11 @@ class TestContract(ImplContract):
     CONFIG = SMALL
 
 
-@pytest.mark.parametrize("interm,split,slot_major", [("gemm", 1, False), ("kernel", 1, False),
-                                                     ("kernel", 2, False), ("gemm", 1, True),
-                                                     ("dq", 1, True)])
-def test_structured_layout_matches_reference(rng, interm, split, slot_major):
+@pytest.mark.parametrize("interm,slot_major", [("gemm", False), ("gemm", True), ("dq", True)])
+def test_structured_layout_matches_reference(rng, interm, slot_major):
     """A window + causal pool list (the shape the benchmark runs) against the XLA impl, with the
-    per-slot intermediate from the GEMM path, from the interm kernel (split=2: its
-    accumulator's columns split over two programs) and from the dq kernel itself ("dq");
-    slot_major: the forward's and the dq kernel's scores formed as (rows q^T)^T."""
+    per-slot intermediate from the GEMM path and from the dq kernel itself ("dq"); slot_major:
+    the dq kernel's scores formed as (rows q^T)^T (slot_major_dq, NVIDIA's default)."""
     T, P, H, D = 48, 12, 16, 32
     idx = jnp.broadcast_to(csa_jax.build_indices(T, 4, window=16,
                                                  pool_topk=csa_jax.pool_indices(T, 4)), (1, T, 28))
@@ -48,8 +45,7 @@ def test_structured_layout_matches_reference(rng, interm, split, slot_major):
     sink = jnp.asarray(rng.standard_normal(H), jnp.float32)
     do = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
     dlse = jnp.zeros(q.shape[:3], jnp.float32)
-    cfg = dataclasses.replace(SMALL, dkv_split_d=split, interm=interm, slot_major=slot_major,
-                              slot_major_dq=slot_major)
+    cfg = dataclasses.replace(SMALL, interm=interm, slot_major_dq=slot_major)
     o, lse, grads = value_and_grads(q, kv, idx, sink, do, dlse, scale=D ** -0.5,
                                     impl="pallas_triton", interpret=True, config=cfg)
 
@@ -73,10 +69,17 @@ def test_config_validation_and_defaults():
         pallas_triton.Config(num_warps=3)
     with pytest.raises(ValueError, match="num_stages=0"):
         pallas_triton.Config(num_stages=0)
-    with pytest.raises(ValueError, match="dkv_split_d=3"):
-        pallas_triton.Config(dkv_split_d=3)
-    with pytest.raises(ValueError, match="interm='scatter'"):
-        pallas_triton.Config(interm="scatter")
+    with pytest.raises(ValueError, match="num_warps_reduce=3"):
+        pallas_triton.Config(num_warps_reduce=3)
+    with pytest.raises(ValueError, match="block_r=24"):
+        pallas_triton.Config(block_r=24)
+    for bad in ("scatter", "kernel"):     # "kernel": the removed interm kernel
+        with pytest.raises(ValueError, match=f"interm='{bad}'"):
+            pallas_triton.Config(interm=bad)
+    for gone in ("block_k_dkv", "dkv_split_d", "slot_major", "qdo", "dq_delta", "narrow_keys",
+                 "interm_f32"):
+        with pytest.raises(TypeError, match=gone):
+            pallas_triton.Config(**{gone: 1})
     with pytest.raises(ValueError, match=r"interm='dq' needs all heads in one dq program: H=32"):
         q, kv, idx, sink = random_problem(np.random.default_rng(0), B=1, T=4, H=32, D=16, K=16)
         lse = jnp.zeros(q.shape[:3], jnp.float32)
@@ -100,14 +103,13 @@ def test_config_validation_and_defaults():
     cr128 = pallas_triton.default_config((1, 8192, 16, 128), (1, 8256, 128), (1, 8192, 192), bf)
     cr4 = pallas_triton.default_config((1, 8192, 16, 128), (1, 10240, 128), (1, 8192, 640), bf)
     cr0 = pallas_triton.default_config((1, 8192, 16, 128), (1, 8192, 128), (1, 8192, 128), bf)
-    knobs = lambda c: (c.num_warps, c.block_k_dq, c.reduce_split, c.qdo, c.interm,  # noqa: E731
-                       c.block_r)
-    assert knobs(cr128) == (4, 64, 128, True, "dq", 64)
-    assert knobs(cr4) == (4, 64, 0, True, "dq", 64)
+    knobs = lambda c: (c.num_warps, c.block_k_dq, c.reduce_split, c.interm, c.block_r)  # noqa
+    assert knobs(cr128) == (4, 64, 128, "dq", 64)
+    assert knobs(cr4) == (4, 64, 0, "dq", 64)
     assert cr0.reduce_split == 0
     # Pro cr4 at T = 4096 (H = 128, D = 512): the V4 defaults; hot rows (P = 1024 <= K = 1152)
     # but D = 512, where the split is not measured
-    assert knobs(cfg) == (8, 32, 0, False, "gemm", 32)
+    assert knobs(cfg) == (8, 32, 0, "gemm", 32)
 
 
 # ----------------------------------------------------------------------------- lowering
@@ -115,7 +117,6 @@ def test_config_validation_and_defaults():
 # Per kernel: the tt.dot ops of its tile loop (all of them sit inside the loop).
 KERNEL_DOTS = {"csa_triton_fwd": 2,          # q rows^T, p rows
                "csa_triton_dq": 3,           # q rows^T, dO rows^T, ds rows
-               "csa_triton_interm": 4,       # rows q^T, rows dO^T, ds^T q, p^T dO
                "csa_triton_dkv_reduce": 0}   # a gather-sum, no products
 
 
@@ -153,10 +154,10 @@ def test_lowers_to_triton_ir(kind, platform):
     B, T, H, D, P, K = 1, 64, 128, 512, 16, 80
     q, kv = S((B, T, H, D), jnp.bfloat16), S((B, T + P, D), jnp.bfloat16)
     idx, sink, lse = S((B, T, K), jnp.int32), S((H,), jnp.float32), S((B, T, H), jnp.float32)
-    for cfg, want in ((pallas_triton.Config(num_stages=2),
-                       ("csa_triton_fwd", "csa_triton_dq", "csa_triton_dkv_reduce")),
-                      (pallas_triton.Config(num_stages=2, slot_major=True, slot_major_dq=True,
-                                            interm="kernel"), tuple(KERNEL_DOTS))):
+    # both dq score forms (slot-major: NVIDIA's default, head-major: AMD's)
+    for cfg in (pallas_triton.Config(num_stages=2),
+                pallas_triton.Config(num_stages=2, slot_major_dq=False)):
+        want = ("csa_triton_fwd", "csa_triton_dq", "csa_triton_dkv_reduce")
         fwd = lambda *a, c=cfg: pallas_triton.forward(*a, scale=0.05, interpret=False, config=c)
         bwd = lambda *a, c=cfg: pallas_triton.backward(*a, scale=0.05, interpret=False, config=c)
         kernels = {**triton_ir.kernel_ops(_lower(fwd, (q, kv, idx, sink), kind, platform)),
@@ -271,14 +272,11 @@ def test_reduce_split_sums_hot_rows_exactly_once(rng, split):
     assert (np.asarray(offsets)[0, 3, 1] - np.asarray(offsets)[0, 3, 0]) > 2 * split
 
 
-@pytest.mark.parametrize("split,narrow,qdo,own_delta,interm", [(8, False, False, False, "gemm"),
-                                                            (0, True, False, True, "dq"),
-                                                            (8, True, True, False, "gemm")])
-def test_reduce_split_gradients_match_reference(rng, split, narrow, qdo, own_delta, interm):
-    """The whole op with reduce_split, the int16-key inverse map, the dq kernel's [q; dO] output
-    (qdo), its own delta (dq_delta) and/or its own per-slot intermediate (interm="dq") on a
-    window + HCA list (pool row 0 seen by every later token, early tokens' tail tiles empty),
-    both outputs' cotangents: gradients as the XLA impl's."""
+@pytest.mark.parametrize("split,interm", [(8, "gemm"), (0, "dq"), (8, "dq")])
+def test_reduce_split_gradients_match_reference(rng, split, interm):
+    """The whole op with reduce_split and/or the dq kernel's own per-slot intermediate
+    (interm="dq") on a window + HCA list (pool row 0 seen by every later token, early tokens'
+    tail tiles empty), both outputs' cotangents: gradients as the XLA impl's."""
     T, P, H, D = 64, 4, 16, 32
     idx = csa_jax.build_indices(T, 16, window=16)
     idx = jnp.broadcast_to(idx, (1,) + idx.shape[-2:])
@@ -287,8 +285,7 @@ def test_reduce_split_gradients_match_reference(rng, split, narrow, qdo, own_del
     sink = jnp.asarray(rng.standard_normal(H), jnp.float32)
     do = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
     dlse = jnp.asarray(rng.standard_normal(q.shape[:3]), jnp.float32)
-    cfg = dataclasses.replace(SMALL, reduce_split=split, narrow_keys=narrow, qdo=qdo,
-                              dq_delta=own_delta, interm=interm)
+    cfg = dataclasses.replace(SMALL, reduce_split=split, interm=interm)
     _, _, grads = value_and_grads(q, kv, idx, sink, do, dlse, scale=D ** -0.5,
                                   impl="pallas_triton", interpret=True, config=cfg)
     _, _, ref = value_and_grads(q, kv, idx, sink, do, dlse, scale=D ** -0.5, impl="xla")

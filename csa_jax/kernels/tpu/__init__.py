@@ -53,8 +53,8 @@ run one after another; each streams every tile of its own token blocks:
    lse, dlse and delta live in HBM as lane-dense [B, nb, block_t, H] blocks (token_rows; a
    [T*H, 1] f32 column pads to 128 lanes) and become [block_t*H, 1] columns in VMEM by a select
    and a sum (plan.rows_to_col / col_to_rows, exact).
-   The transposed products are transposed-operand dots (dot_general contracting dim 0 of both);
-   Config.explicit_transpose forces `x.T @ y` so the two can be compared on hardware.
+   The transposed products are transposed-operand dots (dot_general contracting dim 0 of both;
+   the `x.T @ y` variant, an ablation never run on a TPU, is at tag gluon-variants-2026-12-02).
 2. dkv of gathered slots: per-slot intermediate [token_chunk, K, D] f32 per launch, a CSR
    inverse map (stable sort by kv row + searchsorted, XLA), then `_dkv_kernel` twice: over
    segments of at most `fanin_split` entries of one row (a program owns block_r segments and

@@ -39,7 +39,7 @@ def _bwd_kernel(
                      # scratch: ring (ring_scratch), DMA sems [depth], stage [2, bk, D] f32 +
                      #   DMA sems [2] (the write-back ring), lse / dlse / delta columns
                      #   [bt*H, 1] f32, dq accumulator [bt*H, D] f32 (if dq is not f32)
-        plan, scale, k_g, explicit_transpose):
+        plan, scale, k_g):
     rest = list(rest)
     dq_ref, delta_out = rest.pop(0), rest.pop(0)
     interm_s = rest.pop(0) if plan.n_struct else None
@@ -72,8 +72,8 @@ def _bwd_kernel(
         dq_acc[rows] += scale * _dot_nn(ds.astype(v.dtype), v, prec)
         # Both transposed products contract the (token, head) axis of ds / p: transposed-
         # operand dots, so no [bk, H] transpose is materialised.
-        return (scale * _dot_tn(ds.astype(q.dtype), q, prec, explicit_transpose)
-                + _dot_tn(p.astype(do.dtype), do, prec, explicit_transpose))
+        return (scale * _dot_tn(ds.astype(q.dtype), q, prec)
+                + _dot_tn(p.astype(do.dtype), do, prec))
 
     # Write-back ring: the [bk, D] contribution of step i goes to stage[i % 2] and leaves by an
     # async copy to HBM; step i+2 waits for that copy before overwriting the stage slot, and the
@@ -152,8 +152,7 @@ def _bwd_launch(q2, kv_p, idx, o2, lse_r, dlse_r, do2, plan, blocks, *, scale, i
     h, d, bt, bk = plan.h, plan.d, plan.bt, plan.bk
     b0, nblk = blocks
     (idx_b, idx_spec), (valid, valid_spec), k_g = _gather_inputs(idx, plan, blocks)
-    kernel = functools.partial(_bwd_kernel, plan=plan, scale=scale, k_g=k_g,
-                               explicit_transpose=config.explicit_transpose)
+    kernel = functools.partial(_bwd_kernel, plan=plan, scale=scale, k_g=k_g)
     tok, rows = token_blocks_spec(plan, (d,), True), token_blocks_spec(plan, offset=True)
     hbm = pl.BlockSpec(memory_space=pltpu.HBM)
     in_specs = [idx_spec, tok, tok, rows, rows, valid_spec, hbm, tok]

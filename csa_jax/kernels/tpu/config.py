@@ -34,8 +34,6 @@ class Config:
                  a launch (the gathered slots' [token_chunk, K_g, D], the structured tiles'
                  per-block partials); a multiple of block_t. Each launch streams every tile
                  of its own tokens only.
-    explicit_transpose  write ds^T q and p^T dO as x.T @ y instead of transposed-operand dots
-                 (exists only to measure the difference on hardware).
     layout       what the caller promises about idx (csa_spec.md section 4):
                  "generic" (default): nothing; every slot is gathered by its own DMA.
                  "cr0":   slots [0, window) hold token t's window rows max(0, t-window+1)..t
@@ -55,7 +53,6 @@ class Config:
     depth: int = 2
     block_r: int = 64
     token_chunk: int | None = None
-    explicit_transpose: bool = False
     layout: str = "generic"
     window: int = 128
     pool_ratio: int = 128

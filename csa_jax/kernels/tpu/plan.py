@@ -24,10 +24,8 @@ def _dot_nn(a, b, precision):
                            preferred_element_type=jnp.float32)
 
 
-def _dot_tn(a, b, precision, explicit_transpose):
+def _dot_tn(a, b, precision):
     """a [X, M] . b [X, N] -> a^T b [M, N] f32, as a transposed-operand dot (contract dim 0)."""
-    if explicit_transpose:
-        return _dot_nn(a.T, b, precision)
     return lax.dot_general(a, b, (((0,), (0,)), ((), ())), precision=precision,
                            preferred_element_type=jnp.float32)
 

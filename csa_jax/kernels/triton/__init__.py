@@ -18,13 +18,9 @@ their repeated gathers hit L2):
   On NVIDIA its score products are slot-major (Config.slot_major_dq): q and dO sit in shared
   memory as the MMA's second operand instead of in registers beside the accumulator.
 - per-slot intermediate, "gemm": interm[t] = [scale*dS; P]^T [q; dO], one batched GEMM per token
-  in XLA (contraction over 2H). "kernel", program = (b, t, slot tile[, column chunk]): the tile
-  is gathered once and every head block of the token streams past it: interm[t, j] =
-  sum_h (scale*ds*q + p*dO), with the scores recomputed slot-major (s^T = rows q^T) so the head
-  sums ds^T q and p^T dO are plain dots into a [block_k_dkv, D] accumulator. One writer per slot.
-  "dq" (all heads in one dq program, the default at H <= 16, D <= 128 on NVIDIA): the dq
-  kernel itself writes each tile's interm = (scale*ds)^T q + p^T dO from the ds and p it holds
-  (no dS/P buffer, no GEMM).
+  in XLA (contraction over 2H). "dq" (all heads in one dq program, the default at H <= 16,
+  D <= 128 on NVIDIA): the dq kernel itself writes each tile's interm = (scale*ds)^T q + p^T dO
+  from the ds and p it holds (no dS/P buffer, no GEMM).
 - dkv gather-reduce, program = (b, kv row): the inverse map (kv row -> (t, j) slots, CSR built by
   a stable sort + histogram in XLA) is walked in fixed order, `block_r` slots at a time, and summed
   in f32. No atomics, no scatter: dkv is bit-deterministic.
@@ -46,7 +42,7 @@ num_stages is always set explicitly (the ROCm default is 1) and tiles stay <= 64
 docs/pallas_triton.md for what has and has not been run on AMD hardware.
 
 Files: config.py (Config, default_config, unsupported), plan.py (padded dims, gathers, scores),
-forward.py, backward.py (dq, per-slot intermediate, dkv reduce). This package is the impl module
+forward.py, backward.py (dq kernel, per-slot GEMM, dkv reduce). This package is the impl module
 (interface: csa_jax/registry.py); csa_jax/kernels/triton/testing.py is the entry point for benchmarks.
 """
 from csa_jax.kernels.triton.backward import backward

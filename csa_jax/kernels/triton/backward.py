@@ -1,5 +1,5 @@
-"""The Triton backward: the dq kernel, the per-slot intermediate (GEMM or kernel), the dkv
-gather-reduce over the shared CSR inverse map, and backward()."""
+"""The Triton backward: the dq kernel, the per-slot intermediate (XLA's GEMM or the dq
+kernel's own), the dkv gather-reduce over the shared CSR inverse map, and backward()."""
 from __future__ import annotations
 
 import functools
@@ -19,32 +19,20 @@ from csa_jax.kernels.triton.plan import (_dims, _gather_rows, _gather_tile, _hea
 
 def _dq_kernel(ntiles_ref, idx_ref, q_ref, do_ref, lse_ref, delta_ref, dlse_ref, kv_ref,  # in
                dq_ref, *extra_refs,                                                       # out
-               scale, bk, precision, slot_major, dsp, qdo, interm, own_delta):
-    # q_ref, do_ref [hb, D]; lse/delta/dlse [hb, 1] (own_delta: delta_ref is o's [hb, D] block,
-    # and delta = rowsum(o * dO) is formed here and written out, [hb, 1] f32); extra_refs, in
-    # this order: dsp (interm="gemm" only) [2, hb, Kp], this head block's scale * dS and P over
-    # all slots, in the dtype of the interm products; with qdo [2, hb, D], the block's q and dO
-    # (the per-slot GEMM's operand); with interm (interm="dq": hb = all heads) [Kp, D], the
-    # token's per-slot intermediate scale * dS^T q + P^T dO itself, tile by tile; with
-    # own_delta the delta block.
+               scale, bk, precision, slot_major, dsp, interm):
+    # q_ref, do_ref [hb, D]; lse/delta/dlse [hb, 1]; extra_refs, in this order: dsp
+    # (interm="gemm") [2, hb, Kp], this head block's scale * dS and P over all slots, in the
+    # dtype of the interm products; interm (interm="dq": hb = all heads) [Kp, D], the token's
+    # per-slot intermediate scale * dS^T q + P^T dO itself, tile by tile.
     q = q_ref[...]
     do = do_ref[...]
     lse = lse_ref[...]
     extra = list(extra_refs)
     dsp = extra.pop(0) if dsp else None
-    qdo_ref = extra.pop(0) if qdo else None
     interm_ref = extra.pop(0) if interm else None
-    if own_delta:
-        delta = jnp.sum(delta_ref[...].astype(jnp.float32) * do.astype(jnp.float32), axis=-1,
-                        keepdims=True)
-        extra.pop(0)[...] = delta
-    else:
-        delta = delta_ref[...]
+    delta = delta_ref[...]
     dlse = dlse_ref[...]
     ntiles = ntiles_ref[...]
-    if qdo_ref is not None:
-        qdo_ref[0] = q
-        qdo_ref[1] = do
 
     def store(i, ds_scaled, p):
         cols = pl.ds(i * bk, bk)
@@ -81,39 +69,6 @@ def _dq_kernel(ntiles_ref, idx_ref, q_ref, do_ref, lse_ref, delta_ref, dlse_ref,
         lax.fori_loop(ntiles, dsp.shape[-1] // bk, clear, 0)
 
 
-def _interm_kernel(ntiles_ref, idx_ref, q_ref, do_ref, lse_ref, delta_ref, dlse_ref, kv_ref,
-                   interm_ref,
-                   *, scale, bk, hh, n_heads, split, precision):
-    # idx_ref [bk] (this slot tile); q_ref, do_ref [Hp, D]; lse/delta/dlse [1, Hp] (all heads);
-    # interm_ref [bk, D / split]: this program's column chunk of the tile's intermediate.
-    dc = interm_ref.shape[-1]
-    cols = pl.ds((pl.program_id(0) % split) * dc, dc)
-
-    @pl.when(ntiles_ref[0] > ntiles_ref[1])
-    def _():
-        rows, valid = _gather_tile(idx_ref, kv_ref, 0, bk)                    # [bk, D], [bk]
-
-        def body(h, acc):
-            hs = pl.ds(h * hh, hh)
-            q = q_ref[hs, :]                                                   # [hh, D]
-            do = do_ref[hs, :]
-            lse = lse_ref[:, hs]                                               # [1, hh]
-            delta = delta_ref[:, hs]
-            dlse = dlse_ref[:, hs]
-            # Slot-major products: s^T [bk, hh] = rows q^T, so the head sums below are plain dots.
-            s = pltriton.dot(rows, q, trans_b=True, precision=precision) * scale
-            p = blockmath.recompute_p(s, lse, valid[:, None])
-            dp = pltriton.dot(rows, do, trans_b=True, precision=precision)
-            ds = blockmath.softmax_grad(p, dp, delta, dlse)
-            if split > 1:   # the scores need all of D, the accumulator only its chunk
-                q, do = q_ref[hs, cols], do_ref[hs, cols]
-            acc = acc + pltriton.dot((ds * scale).astype(q.dtype), q, precision=precision)
-            return acc + pltriton.dot(p.astype(do.dtype), do, precision=precision)
-
-        acc = lax.fori_loop(0, n_heads // hh, body, jnp.zeros((bk, dc), jnp.float32))
-        interm_ref[...] = acc.astype(interm_ref.dtype)
-
-
 def _reduce_kernel(off_ref, perm_ref, interm_ref, dkv_ref, *, br):
     # off_ref [2] (this row's CSR range); perm_ref [E + br]; interm_ref [E, D]; dkv_ref [1, D]
     start = off_ref[0]
@@ -136,7 +91,9 @@ def _inverse_map(idx_p, N, narrow_keys=False):
 
     perm lists flat slot positions t*Kp + j sorted by kv row (stable: ascending slot order within
     a row, which fixes the summation order); empty slots sort past row N-1 and are never read.
-    The map is csa_jax.blockmath.inverse_map; offsets holds each row's [start, end)."""
+    The map is csa_jax.blockmath.inverse_map; offsets holds each row's [start, end).
+    narrow_keys (blockmath's int16 keys) is for benchmarks only: the library never sets it
+    (in a training step it was 6.7 ms slower: docs/perf/train_h200.md)."""
     B = idx_p.shape[0]
     perm, _, offs = blockmath.inverse_map(idx_p.reshape(B, -1), N, N,       # offs [B, N+1]
                                           narrow=narrow_keys)
@@ -147,52 +104,37 @@ def _inverse_map(idx_p, N, narrow_keys=False):
 def _backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, interpret, config,
               parts=("dq", "interm", "reduce")):
     """`parts` (all by default) lets a benchmark time the kernels one by one; skipped parts
-    return zeros (with interm="gemm" the interm part needs the dq kernel, so its dq is kept;
-    with interm="dq" the dq kernel forms the intermediate itself, so "dq" includes it)."""
+    return zeros (the interm part needs the dq kernel, so its dq is kept; with interm="dq" the
+    dq kernel forms the intermediate itself, so "dq" includes it)."""
     d = _dims(q, kv, idx, config)
     prec = blockmath.precision(q.dtype)
     f32 = jnp.float32
     idx_p, used = _prep_idx(idx, d)
-    gemm = config.interm == "gemm"
     fused = config.interm == "dq"
     if fused and d.Hp != _head_block(d, config.block_h_dq):
         raise ValueError(f"interm='dq' needs all heads in one dq program: H={d.H} (padded "
                          f"{d.Hp}) > block_h_dq={config.block_h_dq}; use interm='gemm'")
-    run_dq = "dq" in parts or ((gemm or fused) and "interm" in parts)
-    own_delta = config.dq_delta and (gemm or fused) and run_dq   # "kernel" needs it first
+    run_dq = "dq" in parts or "interm" in parts
     # Padded heads: q = dO = 0, lse = delta = dlse = 0, so p = 1 but ds = 0 and p * dO = 0.
     q_p = _pad_to(_pad_to(q, 3, d.Dp), 2, d.Hp)
     do_p = _pad_to(_pad_to(do, 3, d.Dp), 2, d.Hp)
     kv_p = _pad_to(kv, 2, d.Dp)
     col = lambda x: _pad_to(x.astype(f32), 2, d.Hp)[..., None]                 # [B, T, Hp, 1]
     lse_p, dlse_p = col(lse), col(dlse)
-    if own_delta:   # the dq kernel reads o's block in delta's place and forms delta itself
-        delta_p = _pad_to(_pad_to(o, 3, d.Dp), 2, d.Hp)
-    else:
-        delta = jnp.sum(o.astype(f32) * do.astype(f32), axis=-1)              # [B, T, H]
-        delta_p = col(delta)
+    delta = jnp.sum(o.astype(f32) * do.astype(f32), axis=-1)                  # [B, T, H]
+    delta_p = col(delta)
 
     dq = jnp.zeros_like(q_p)
     dkv = jnp.zeros_like(kv_p)
-    idt = f32 if (config.interm_f32 or q_p.dtype == f32) else q_p.dtype
+    idt = q_p.dtype                       # the intermediate's dtype: q's (f32 for f32 inputs)
     if run_dq:
-        qdo = gemm and config.qdo
         dq, *dsp = _dq_call(d, config, scale, interpret, prec, used, idx_p, q_p, do_p, lse_p,
-                            delta_p, dlse_p, kv_p, dsp_dtype=q_p.dtype if gemm else None,
-                            qdo=qdo, own_delta=own_delta, interm_dtype=idt if fused else None)
-        if own_delta:
-            delta = dsp.pop()[:, :, :d.H, 0]                                   # [B, T, H]
+                            delta_p, dlse_p, kv_p, dsp_dtype=None if fused else q_p.dtype,
+                            interm_dtype=idt if fused else None)
     if "interm" in parts:
-        if fused:
-            interm = dsp[0]
-        elif gemm:
-            interm = _interm_gemm(dsp[0], q_p, do_p, prec, idt, qdo=dsp[1] if qdo else None)
-        else:
-            interm = _interm_call(d, config, scale, interpret, prec, used, idx_p, q_p, do_p,
-                                  lse_p, delta_p, dlse_p, kv_p, idt)
+        interm = dsp[0] if fused else _interm_gemm(dsp[0], q_p, do_p, prec, idt)
         if "reduce" in parts:
-            dkv = _reduce_call(d, config, interpret, idx_p, interm, kv.dtype,
-                               config.narrow_keys)
+            dkv = _reduce_call(d, config, interpret, idx_p, interm, kv.dtype)
         else:   # keep the kernel alive for timing
             dkv = dkv.at[:, 0].set(interm[:, 0, 0].astype(dkv.dtype))
 
@@ -203,13 +145,11 @@ def _backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, interpret, config,
 
 
 def _dq_call(d, config, scale, interpret, prec, used, idx_p, q_p, do_p, lse_p, delta_p, dlse_p,
-             kv_p, dsp_dtype=None, qdo=False, own_delta=False, interm_dtype=None):
+             kv_p, dsp_dtype=None, interm_dtype=None):
     """dq [B, T, Hp, Dp]: programs over (b, t, head block). With dsp_dtype also returns
-    dsp [B, T, 2, Hp, Kp] = (scale * dS, P) of every slot (zeros past a token's last tile), and
-    with qdo (needs dsp_dtype) [q; dO] [B, T, 2, Hp, Dp], copied from the tiles it read. With
-    interm_dtype (one head block = all Hp heads) the per-slot intermediate [B, T, Kp, Dp] (the
-    tiles past a token's last non-empty one unwritten). With own_delta, delta_p is o padded
-    [B, T, Hp, Dp] and delta [B, T, Hp, 1] f32 is returned last."""
+    dsp [B, T, 2, Hp, Kp] = (scale * dS, P) of every slot (zeros past a token's last tile).
+    With interm_dtype (one head block = all Hp heads) the per-slot intermediate
+    [B, T, Kp, Dp] (the tiles past a token's last non-empty one unwritten)."""
     bk = config.block_k_dq
     hb = _head_block(d, config.block_h_dq)
     n, coords = _token_head_grid(d, hb)
@@ -223,30 +163,21 @@ def _dq_call(d, config, scale, interpret, prec, used, idx_p, q_p, do_p, lse_p, d
         out_specs.append(pl.BlockSpec((None, None, 2, hb, d.Kp),
                                       lambda i: (*tok(i), 0, coords(i)[2], 0)))
         out_shape.append(jax.ShapeDtypeStruct((d.B, d.T, 2, d.Hp, d.Kp), dsp_dtype))
-    if qdo:
-        if dsp_dtype is None:
-            raise ValueError("qdo=True needs dsp_dtype (the GEMM interm path)")
-        out_specs.append(pl.BlockSpec((None, None, 2, hb, d.Dp),
-                                      lambda i: (*tok(i), 0, coords(i)[2], 0)))
-        out_shape.append(jax.ShapeDtypeStruct((d.B, d.T, 2, d.Hp, d.Dp), q_p.dtype))
     if interm_dtype is not None:
         if hb != d.Hp:
             raise ValueError(f"the dq kernel's interm output needs one head block: "
                              f"block {hb} < {d.Hp} heads")
         out_specs.append(pl.BlockSpec((None, None, d.Kp, d.Dp), lambda i: (*tok(i), 0, 0)))
         out_shape.append(jax.ShapeDtypeStruct((d.B, d.T, d.Kp, d.Dp), interm_dtype))
-    if own_delta:
-        out_specs.append(col_spec)
-        out_shape.append(jax.ShapeDtypeStruct((d.B, d.T, d.Hp, 1), jnp.float32))
     return pl.pallas_call(
         functools.partial(_dq_kernel, scale=scale, bk=bk, precision=prec,
-                          slot_major=config.slot_major_dq, dsp=dsp_dtype is not None, qdo=qdo,
-                          interm=interm_dtype is not None, own_delta=own_delta),
+                          slot_major=config.slot_major_dq, dsp=dsp_dtype is not None,
+                          interm=interm_dtype is not None),
         grid=(n,),
         in_specs=[
             pl.BlockSpec((None, None), tok),
             pl.BlockSpec((None, None, d.Kp), lambda i: (*tok(i), 0)),
-            head_spec, head_spec, col_spec, head_spec if own_delta else col_spec, col_spec,
+            head_spec, head_spec, col_spec, col_spec, col_spec,
             pl.BlockSpec((None, d.N, d.Dp), lambda i: (coords(i)[0], 0, 0)),
         ],
         out_specs=out_specs,
@@ -257,56 +188,18 @@ def _dq_call(d, config, scale, interpret, prec, used, idx_p, q_p, do_p, lse_p, d
     )(_ntiles(used, bk), idx_p, q_p, do_p, lse_p, delta_p, dlse_p, kv_p)
 
 
-def _interm_gemm(dsp, q_p, do_p, prec, idt, qdo=None):
+def _interm_gemm(dsp, q_p, do_p, prec, idt):
     """interm[b, t, j] = sum_h scale * dS[h, j] q[h] + P[h, j] dO[h]: one batched GEMM per token
     (M = slots, N = D, contraction over 2 * heads) in XLA (cuBLAS on GPU, which accumulates bf16
-    products in f32), written straight in the interm dtype: no f32 [B, T, K, D] temporary.
-    qdo: the stacked [q; dO] operand if the dq kernel wrote it (else XLA stacks them here)."""
-    if qdo is None:
-        qdo = jnp.stack([q_p, do_p], axis=2)                                   # [B, T, 2, Hp, Dp]
+    products in f32), written straight in the interm dtype: no f32 [B, T, K, D] temporary."""
+    qdo = jnp.stack([q_p, do_p], axis=2)                                       # [B, T, 2, Hp, Dp]
     dims = (((2, 3), (2, 3)), ((0, 1), (0, 1)))
     return lax.dot_general(dsp, qdo, dims, precision=prec, preferred_element_type=idt)
 
 
-def _interm_call(d, config, scale, interpret, prec, used, idx_p, q_p, do_p, lse_p, delta_p,
-                 dlse_p, kv_p, idt):
-    """Per-slot intermediate [B, T, Kp, Dp]: programs over (b, t, slot tile, column chunk)."""
-    bk = config.block_k_dkv
-    nkt = d.Kp // bk
-    split = min(config.dkv_split_d, d.Dp // 16)
-    dc = d.Dp // split
-    hh = _head_block(d, config.block_h_dkv)
-    ntiles = _ntiles(used, bk)
-
-    def slot_coords(i):
-        i = i // split
-        return i // (d.T * nkt), (i // nkt) % d.T, i % nkt
-
-    # (ntiles[t], tile) pairs tell a program whether its tile holds any non-empty slot.
-    tile_no = jnp.broadcast_to(jnp.arange(nkt, dtype=jnp.int32), (d.B, d.T, nkt))
-    live = jnp.stack([jnp.broadcast_to(ntiles[..., None], tile_no.shape), tile_no], -1)
-    all_heads = pl.BlockSpec((None, None, d.Hp, d.Dp), lambda i: (*slot_coords(i)[:2], 0, 0))
-    all_rows = pl.BlockSpec((None, None, 1, d.Hp), lambda i: (*slot_coords(i)[:2], 0, 0))
-    return pl.pallas_call(
-        functools.partial(_interm_kernel, scale=scale, bk=bk, hh=hh, n_heads=d.Hp,
-                          split=split, precision=prec),
-        grid=(d.B * d.T * nkt * split,),
-        in_specs=[
-            pl.BlockSpec((None, None, None, 2), lambda i: (*slot_coords(i), 0)),
-            pl.BlockSpec((None, None, bk), slot_coords),
-            all_heads, all_heads, all_rows, all_rows, all_rows,
-            pl.BlockSpec((None, d.N, d.Dp), lambda i: (slot_coords(i)[0], 0, 0)),
-        ],
-        out_specs=pl.BlockSpec((None, None, bk, dc), lambda i: (*slot_coords(i), i % split)),
-        out_shape=jax.ShapeDtypeStruct((d.B, d.T, d.Kp, d.Dp), idt),
-        compiler_params=_params(config.num_warps_dkv, config.num_stages_dkv),
-        interpret=interpret,
-        name="csa_triton_interm",
-    )(live, idx_p, q_p, do_p, *(jnp.swapaxes(x, 2, 3) for x in (lse_p, delta_p, dlse_p)), kv_p)
-
-
 def _reduce_call(d, config, interpret, idx_p, interm, dtype, narrow_keys=False):
-    """dkv [B, N, Dp]: deterministic gather-reduce over the inverse map, programs over rows."""
+    """dkv [B, N, Dp]: deterministic gather-reduce over the inverse map, programs over rows
+    (narrow_keys: see _inverse_map; the library never sets it)."""
     offsets, perm = _inverse_map(idx_p, d.N, narrow_keys)
     return _reduce_rows(d, config, interpret, offsets, perm, interm, dtype)
 

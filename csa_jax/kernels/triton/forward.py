@@ -15,10 +15,11 @@ from csa_jax.kernels.triton.plan import (_dims, _gather_tile, _head_block, _ntil
                                          _prep_idx, _scores, _token_head_grid)
 
 
-def _fwd_step(carry, q, rows, valid, *, scale, precision, slot_major=False):
-    """One online-softmax step of the forward over a gathered tile rows [bk, D]."""
+def _fwd_step(carry, q, rows, valid, *, scale, precision):
+    """One online-softmax step of the forward over a gathered tile rows [bk, D]; head-major
+    scores q rows^T (the slot-major form ran 1.3-1.7x slower: docs/perf/triton_h200.md)."""
     m, l, acc = carry
-    s = _scores(q, rows, slot_major, precision) * scale                       # [hb, bk]
+    s = _scores(q, rows, False, precision) * scale                            # [hb, bk]
     m, l, p, alpha = blockmath.softmax_update(m, l, s, valid[None, :])
     acc = alpha * acc + pltriton.dot(p.astype(rows.dtype), rows, precision=precision)
     return m, l, acc
@@ -33,15 +34,14 @@ def _fwd_store(o_ref, lse_ref, sink_ref, m, l, acc):
 
 def _fwd_kernel(ntiles_ref, idx_ref, q_ref, kv_ref, sink_ref,      # inputs
                 o_ref, lse_ref,                                    # outputs
-                *, scale, bk, precision, slot_major=False):
+                *, scale, bk, precision):
     # ntiles_ref (); idx_ref [Kp]; q_ref [hb, D]; kv_ref [N, D]; sink_ref [hb, 1]
     q = q_ref[...]
     hb, D = q.shape
 
     def body(i, carry):
         rows, valid = _gather_tile(idx_ref, kv_ref, i * bk, bk)
-        return _fwd_step(carry, q, rows, valid, scale=scale, precision=precision,
-                         slot_major=slot_major)
+        return _fwd_step(carry, q, rows, valid, scale=scale, precision=precision)
 
     m, l, acc = lax.fori_loop(0, ntiles_ref[...], body, blockmath.init_state((hb,), D))
     _fwd_store(o_ref, lse_ref, sink_ref, m, l, acc)
@@ -68,8 +68,7 @@ def _forward(q, kv, idx, sink, *, scale, interpret, config, kernel=None):
         b, t, h = coords(i)
         return b, t, h, 0
 
-    kernel = kernel or functools.partial(_fwd_kernel, slot_major=config.slot_major)
-    kernel = functools.partial(kernel, scale=scale, bk=config.block_k,
+    kernel = functools.partial(kernel or _fwd_kernel, scale=scale, bk=config.block_k,
                                precision=blockmath.precision(q.dtype))
     o, lse = pl.pallas_call(
         kernel,

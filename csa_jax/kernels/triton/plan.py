@@ -29,10 +29,17 @@ def _dims(q, kv, idx, config):
     B, T, H, D = q.shape
     N, K = kv.shape[1], idx.shape[2]
     hp = max(16, _next_pow2(H))
-    hmax = min(hp, max(config.block_h, config.block_h_dq, config.block_h_dkv))
+    hmax = min(hp, max(config.block_h, config.block_h_dq))
     Hp = blockmath.round_up(H, hmax)
     Dp = max(16, _next_pow2(D))
-    kmax = max(config.block_k, config.block_k_dq, config.block_k_dkv)
+    # Slots: a multiple of the largest slot tile and, for 16-bit inputs, of 32 slots (16 when
+    # K <= 16). The 32 is the padding every default kernel was compiled and measured with; it
+    # came from the per-slot interm kernel's tile (removed 2026-12-02) and matters only where
+    # both tiles are 16 rows (AMD's bf16 defaults); kept so that no default kernel changed
+    # (benchmarks/triton_asm_diff.py).
+    kp = max(16, _next_pow2(K))
+    align = min(kp, 32) if q.dtype.itemsize < 4 else 16
+    kmax = max(config.block_k, config.block_k_dq, align)
     return _Dims(B, T, H, D, N, K, Hp, Dp, blockmath.round_up(K, kmax))
 
 
@@ -73,9 +80,9 @@ def _gather_tile(idx_ref, kv_ref, start, bk):
 def _scores(a, rows, slot_major, precision):
     """a rows^T [hb, bk] for a resident [hb, D] operand a (q or dO) and a gathered tile.
 
-    slot_major computes it as (rows a^T)^T: a becomes the MMA's second operand (shared memory
-    on Hopper) rather than a register-resident first operand; the [bk, hb] result is
-    transposed in registers."""
+    slot_major (the dq kernel's Config.slot_major_dq) computes it as (rows a^T)^T: a becomes
+    the MMA's second operand (shared memory on Hopper) rather than a register-resident first
+    operand; the [bk, hb] result is transposed in registers."""
     if slot_major:
         return pltriton.dot(rows, a, trans_b=True, precision=precision).T
     return pltriton.dot(a, rows, trans_b=True, precision=precision)

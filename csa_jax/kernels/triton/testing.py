@@ -8,7 +8,8 @@ and nothing outside benchmarks/ and tests/ imports it.
     dims(q, kv, idx, config)            padded launch dims (_Dims: B, T, H, D, N, K, Hp, Dp, Kp)
     prep_idx(idx, dims)                 (idx padded to Kp with -1 [B, T, Kp], used slots [B, T])
     inverse_map(idx_p, N, narrow_keys=False)  the dkv reduce's CSR: (offsets [B, N, 2], perm
-                                        [B, T*Kp]); narrow_keys sorts int16 keys (N < 2**15)
+                                        [B, T*Kp]); narrow_keys sorts int16 keys (N < 2**15),
+                                        a benchmark's comparison only (not a Config choice)
     reduce_rows(dims, config, interpret, offsets, perm, interm, dtype)  the gather-reduce
                                         kernel alone on a ready inverse map
     interm_gemm(dsp, q, do, precision, dtype)  the per-slot GEMM (with XLA's [q; dO] stack)
@@ -18,7 +19,8 @@ and nothing outside benchmarks/ and tests/ imports it.
     gather_tile, gather_rows            the kernels' gathers (for such bodies)
     backward_parts(..., parts=)         the backward with only some of ("dq", "interm", "reduce")
     dq_call(dims, config, scale, interpret, precision, used, idx_p, q, do, lse, delta, dlse, kv,
-            dsp_dtype=None)             the dq kernel's launch alone (and its dS/P buffer)
+            dsp_dtype=None, interm_dtype=None)  the dq kernel's launch alone (and its dS/P
+                                        buffer or, interm="dq", its per-slot intermediate)
 """
 from csa_jax.kernels.triton.backward import _backward as backward_parts
 from csa_jax.kernels.triton.backward import _dq_call as dq_call
