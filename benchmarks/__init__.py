@@ -12,7 +12,10 @@ What is here, by topic (docs/perf/README.md lists the pages whose commands use t
   alone), topk_select_probe (the exact top-k select kernel), train_perf_gpu.sh (the one runner
   of the above on a GPU);
 - communication: bench_comm (GEMMs under concurrent collectives);
+- pallas_tpu: tpu_mlir_diff (the default kernels' Mosaic MLIR before and after a change, on a CPU);
+- anchors: anchor_flashmla (FlashMLA's forward in the same call: bench_csa --anchor DIR);
 - pallas_triton: triton_compile / triton_ir / triton_resources (compile and resources on a CPU),
+  triton_asm_diff (the default kernels' code before and after a change, on a CPU),
   triton_fwd_probe (the forward kernel with one stage left out), triton_ncu.sh (Nsight Compute);
 - gluon: gluon_check, gluon_bwd_check, gluon_grad_configs (checks vs xla on the GPU),
   gluon_kernel_time (where the time goes), gluon_resources

@@ -107,11 +107,11 @@ def dkv_dsink(dsp, qdo_st, q_p, do_p, idx_p, d, kv_dtype, sink, lse, dc, *, idx_
                                        qdo_st.reshape(B, T, 2 * Hp, Dp),
                                        (((2,), (2,)), ((0, 1), (0, 1))),
                                        preferred_element_type=dt)
-        offsets, perm = _inverse_map(idx_p, d.N, False)
+        offsets, perm = _inverse_map(idx_p, d.N)
         dkv = reduce_rows(offsets, perm, per_slot.reshape(B, T * Kp, Dp), kv_dtype)
     else:
         ptc = pt_default_config((B, T, d.H, d.D), (B, d.N, d.D), idx_shape, dt)
         per_slot = _interm_gemm(dsp.reshape(B, T, 2, Hp, Kp), q_p, do_p, None, dt)
-        dkv = _reduce_call(d, ptc, interpret_reduce, idx_p, per_slot, kv_dtype, False)
+        dkv = _reduce_call(d, ptc, interpret_reduce, idx_p, per_slot, kv_dtype)
     w = jnp.exp(sink[None, None, :] - lse)
     return dkv[:, :, :d.D], jnp.sum(w * dc, axis=(0, 1))

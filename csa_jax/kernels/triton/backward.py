@@ -86,17 +86,14 @@ def _reduce_kernel(off_ref, perm_ref, interm_ref, dkv_ref, *, br):
     dkv_ref[...] = acc.astype(dkv_ref.dtype)
 
 
-def _inverse_map(idx_p, N, narrow_keys=False):
+def _inverse_map(idx_p, N):
     """CSR of the slot -> kv row map per batch: (offsets [B, N, 2], perm [B, T*Kp]).
 
     perm lists flat slot positions t*Kp + j sorted by kv row (stable: ascending slot order within
     a row, which fixes the summation order); empty slots sort past row N-1 and are never read.
-    The map is csa_jax.blockmath.inverse_map; offsets holds each row's [start, end).
-    narrow_keys (blockmath's int16 keys) is for benchmarks only: the library never sets it
-    (in a training step it was 6.7 ms slower: docs/perf/train_h200.md)."""
+    The map is csa_jax.blockmath.inverse_map; offsets holds each row's [start, end)."""
     B = idx_p.shape[0]
-    perm, _, offs = blockmath.inverse_map(idx_p.reshape(B, -1), N, N,       # offs [B, N+1]
-                                          narrow=narrow_keys)
+    perm, _, offs = blockmath.inverse_map(idx_p.reshape(B, -1), N, N)       # offs [B, N+1]
     return jnp.stack([offs[:, :-1], offs[:, 1:]], axis=-1), perm
 
 
@@ -197,10 +194,9 @@ def _interm_gemm(dsp, q_p, do_p, prec, idt):
     return lax.dot_general(dsp, qdo, dims, precision=prec, preferred_element_type=idt)
 
 
-def _reduce_call(d, config, interpret, idx_p, interm, dtype, narrow_keys=False):
-    """dkv [B, N, Dp]: deterministic gather-reduce over the inverse map, programs over rows
-    (narrow_keys: see _inverse_map; the library never sets it)."""
-    offsets, perm = _inverse_map(idx_p, d.N, narrow_keys)
+def _reduce_call(d, config, interpret, idx_p, interm, dtype):
+    """dkv [B, N, Dp]: deterministic gather-reduce over the inverse map, programs over rows."""
+    offsets, perm = _inverse_map(idx_p, d.N)
     return _reduce_rows(d, config, interpret, offsets, perm, interm, dtype)
 
 

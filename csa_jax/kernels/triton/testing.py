@@ -7,9 +7,8 @@ and nothing outside benchmarks/ and tests/ imports it.
 
     dims(q, kv, idx, config)            padded launch dims (_Dims: B, T, H, D, N, K, Hp, Dp, Kp)
     prep_idx(idx, dims)                 (idx padded to Kp with -1 [B, T, Kp], used slots [B, T])
-    inverse_map(idx_p, N, narrow_keys=False)  the dkv reduce's CSR: (offsets [B, N, 2], perm
-                                        [B, T*Kp]); narrow_keys sorts int16 keys (N < 2**15),
-                                        a benchmark's comparison only (not a Config choice)
+    inverse_map(idx_p, N)               the dkv reduce's CSR: (offsets [B, N, 2], perm
+                                        [B, T*Kp])
     reduce_rows(dims, config, interpret, offsets, perm, interm, dtype)  the gather-reduce
                                         kernel alone on a ready inverse map
     interm_gemm(dsp, q, do, precision, dtype)  the per-slot GEMM (with XLA's [q; dO] stack)
