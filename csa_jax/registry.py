@@ -4,6 +4,8 @@ An impl is a module (or package) exposing the impl-module interface
 
     class Config                      frozen, validated dataclass of tuning knobs
     default_config(q_shape, kv_shape, idx_shape, dtype) -> Config
+        (a module that uses a layout promise takes `layout=, window=, pool_ratio=` keywords
+        too: sparse_attention(layout=...) passes them; csa_jax/layouts.py)
     forward(q, kv, idx, sink, *, scale, interpret, config) -> (o, lse)
     backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, interpret, config) -> (dq, dkv, dsink)
     unsupported(q_shape, kv_shape, idx_shape, dtype) -> str | None     (optional: why "auto"
