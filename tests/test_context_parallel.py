@@ -1,0 +1,155 @@
+"""Context parallelism (csa_jax/context_parallel.py): the op with q / kv / idx split over T on 8
+simulated devices equals one device (values and gradients w.r.t. q, kv, pool, sink), for every
+layer type, with Explicit and Auto axes, shards shorter than the window halo, split and
+replicated pools; the compiled program moves no q, o or whole-sequence kv; bad splits raise.
+"""
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import csa_jax
+from conftest import assert_close
+from csa_jax.context_parallel import plan, sparse_attention_cp
+
+pytestmark = pytest.mark.usefixtures("eight_devices")
+
+B, H, D = 2, 2, 16
+
+
+def _problem(rng, T, ratio, window, topk=12):
+    """Random q, token rows, pool rows, sink and the layer's [window | pool] lists (cr4: random
+    visible pool ids with -1 and duplicates)."""
+    Pn = T // ratio if ratio else 0
+    f = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)  # noqa: E731
+    q, kv = f(B, T, H, D), f(B, T, D)
+    pool = f(B, Pn, D) if Pn else None
+    if ratio == 4:
+        vis = (np.arange(T) + 1) // ratio                               # rows visible to t
+        ids = rng.integers(0, np.maximum(vis, 1)[None, :, None], size=(B, T, topk))
+        ids = np.where(ids < vis[None, :, None], ids, -1)
+        ids = np.where(rng.random(ids.shape) < 0.2, -1, ids)
+        ids[..., 1] = ids[..., 0]                                       # a duplicate row
+        idx = csa_jax.build_indices(T, ratio, window=window, pool_topk=jnp.asarray(ids))
+    else:
+        idx = jnp.broadcast_to(csa_jax.build_indices(T, ratio, window=window),
+                               (B, T, window + Pn))
+    return q, kv, pool, jnp.asarray(idx, jnp.int32), f(H)
+
+
+def _loss_one_device(q, kv, pool, idx, sink, do, dlse):
+    full = kv if pool is None else jnp.concatenate([kv, pool], axis=1)
+    o, lse = csa_jax.sparse_attention(q, full, idx, sink, impl="xla")
+    return jnp.sum(o * do) + jnp.sum(lse * dlse), (o, lse)
+
+
+@pytest.mark.parametrize("ratio,window,overlap,axis_type", [
+    (0, 48, "none", AxisType.Explicit),      # cr0; L = 32 < 47 halo rows: two hops
+    (0, 16, "xla", AxisType.Auto),
+    (4, 16, "ring", AxisType.Explicit),      # cr4: 64 pool rows, 8 per shard
+    (4, 48, "none", AxisType.Auto),
+    (16, 48, "xla", AxisType.Explicit),      # HCA-like: 16 pool rows, 2 per shard
+    (16, 16, "ring", AxisType.Auto),
+    (12, 16, "ring", AxisType.Explicit),     # 21 pool rows: not divisible by 8, replicated
+], ids=lambda v: getattr(v, "name", str(v)))
+def test_cp_matches_one_device(ratio, window, overlap, axis_type, rng):
+    T = 256
+    q, kv, pool, idx, sink = _problem(rng, T, ratio, window)
+    do = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
+    dlse = jnp.asarray(rng.standard_normal(q.shape[:3]), jnp.float32)
+    grad = jax.grad(_loss_one_device, argnums=(0, 1, 2, 4), has_aux=True)
+    want_g, (want_o, want_lse) = grad(q, kv, pool, idx, sink, do, dlse)
+
+    mesh = jax.make_mesh((8,), ("cp",), axis_types=(axis_type,))
+    put = lambda x, s: None if x is None else jax.device_put(x, NamedSharding(mesh, s))  # noqa
+    seq = P(None, "cp")
+
+    def loss(q, kv, pool, idx, sink):
+        o, lse = sparse_attention_cp(q, kv, pool, idx, sink, axis="cp", window=window,
+                                     overlap=overlap, impl="xla", mesh=mesh)
+        return jnp.sum(o * do) + jnp.sum(lse * dlse), (o, lse)
+
+    pool_spec = seq if pool is not None and pool.shape[1] % 8 == 0 else P()
+    args = (put(q, seq), put(kv, seq), put(pool, pool_spec), put(idx, seq), put(sink, P()))
+    got_g, (o, lse) = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 4), has_aux=True))(*args)
+    assert_close(o, want_o, jnp.float32, what="o")
+    assert_close(lse, want_lse, jnp.float32, what="lse")
+    for name, g, w in zip(("dq", "dkv", "dpool", "dsink"), got_g, want_g):
+        if w is not None:
+            assert_close(g, w, jnp.float32, what=name)
+
+
+def test_cp_on_one_device_axis_equals_no_cp(rng):
+    """A context-parallel axis of size 1: the same op (the halo is empty of neighbours)."""
+    T, window = 64, 16
+    q, kv, pool, idx, sink = _problem(rng, T, 4, window)
+    mesh = jax.make_mesh((1,), ("cp",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:1])
+    o, lse = jax.jit(lambda *a: sparse_attention_cp(*a, axis="cp", window=window, impl="xla",
+                                                    mesh=mesh))(q, kv, pool, idx, sink)
+    _, (want_o, want_lse) = _loss_one_device(q, kv, pool, idx, sink, 0.0, 0.0)
+    assert_close(o, want_o, jnp.float32, what="o")
+    assert_close(lse, want_lse, jnp.float32, what="lse")
+
+
+_MOVES = ("all-gather", "all-to-all", "collective-permute", "reduce-scatter", "all-reduce")
+
+
+def _moved_shapes(hlo):
+    out = []
+    for line in hlo.splitlines():
+        if any(re.search(rf"\b{m}(-start)?\(", line) for m in _MOVES):
+            for dims in re.findall(r"[a-z0-9]+\[([0-9,]*)\]", line.split("=", 1)[1].split("(")[0]):
+                out.append(tuple(int(v) for v in dims.split(",") if v))
+    return out
+
+
+@pytest.mark.parametrize("overlap", ["none", "ring"])
+def test_cp_moves_no_q_o_or_sequence_kv(overlap, rng):
+    """The compiled step's collectives carry only halo rows, pool rows and the sink's
+    [H] sum: no array with a T-long or rank-4 (q / o / dq) shape."""
+    T, window, ratio = 512, 16, 4
+    q, kv, pool, idx, sink = _problem(rng, T, ratio, window)
+    mesh = jax.make_mesh((8,), ("cp",), axis_types=(AxisType.Explicit,))
+    put = lambda x, s: jax.device_put(x, NamedSharding(mesh, s))  # noqa: E731
+    seq = P(None, "cp")
+
+    def step(q, kv, pool, idx, sink):
+        f = lambda q, kv, pool, sink: sparse_attention_cp(  # noqa: E731
+            q, kv, pool, idx, sink, axis="cp", window=window, overlap=overlap, impl="xla")
+        (o, lse), vjp = jax.vjp(f, q, kv, pool, sink)
+        return o, lse, *vjp((o, lse))
+
+    args = (put(q, seq), put(kv, seq), put(pool, seq), put(idx, seq), put(sink, P()))
+    hlo = jax.jit(step).lower(*args).compile().as_text()
+    moved = _moved_shapes(hlo)
+    assert moved, "expected the halo ppermute and the pool gather"
+    bad = [s for s in moved if len(s) >= 4 or T in s or T + T // ratio in s]
+    assert not bad, f"collectives move q/o or whole-sequence kv: {sorted(set(bad))}"
+    elems = max(int(np.prod(s)) for s in moved)
+    assert elems <= B * (T // ratio) * D, f"largest collective {elems} elements > the pool's"
+
+
+def test_cp_errors_name_the_values(rng):
+    with pytest.raises(ValueError, match=r"T=100 divisible by the size n=8"):
+        plan(100, 8, 16)
+    with pytest.raises(ValueError, match=r"window=0"):
+        plan(64, 8, 0)
+    p = plan(64, 8, 48)   # shard of 8 tokens, 47 halo rows: 6 hops (supported, not an error)
+    assert (p["L"], p["halo"], p["hops"]) == (8, 47, 6)
+    T, window = 64, 16
+    q, kv, pool, idx, sink = _problem(rng, T, 4, window)
+    mesh = jax.make_mesh((8,), ("cp",), axis_types=(AxisType.Explicit,))
+    bad = idx.at[0, 40, 0].set(3)          # a token row far outside token 40's window
+    with pytest.raises(ValueError, match=r"idx\[0, 40, 0\] = 3 breaks the context-parallel"):
+        sparse_attention_cp(q, kv, pool, bad, sink, axis="cp", window=window, mesh=mesh)
+    with pytest.raises(ValueError, match=r"axis='seq' is not an axis"):
+        sparse_attention_cp(q, kv, pool, idx, sink, axis="seq", window=window, mesh=mesh)
+    with pytest.raises(ValueError, match=r"overlap='fast'"):
+        sparse_attention_cp(q, kv, pool, idx, sink, axis="cp", window=window, overlap="fast",
+                            mesh=mesh)
