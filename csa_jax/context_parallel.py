@@ -269,3 +269,120 @@ def _merge_spec(x, spec, axis):
         names = strip(o) + ((axis,) if w == axis else ())
         out.append(None if not names else names[0] if len(names) == 1 else names)
     return P(*out)
+
+
+# ----------------------------------------------------------------------------- the layer's pieces
+# The V4 layer (csa_jax/layers.py) under context parallelism: x [B, T, C] split over T. Its
+# projections, norms and RoPE are per token and run as they are; these three are the pieces that
+# look across tokens. Each is a shard_map over `axis` only.
+
+
+def _seq_mesh(x, axis, mesh=None):
+    mesh = _mesh_of(x, mesh)
+    if axis not in mesh.axis_names:
+        raise ValueError(f"context axis {axis!r} is not an axis of the mesh {mesh.axis_names}")
+    return mesh, mesh.shape[axis]
+
+
+def _place(mesh, axis, args, specs):
+    explicit = any(t == AxisType.Explicit and a == axis
+                   for a, t in zip(mesh.axis_names, mesh.axis_types))
+    if not explicit:
+        return args
+    return tuple(jax.sharding.reshard(x, NamedSharding(mesh, _merge_spec(x, sp, axis)))
+                 for x, sp in zip(args, specs))
+
+
+def compress_cp(x, w_kv, w_gate, ape, norm_scale, *, ratio, axis, eps=1e-6, mesh=None):
+    """csa_jax.compress with x [B, T, C] split over T on `axis`: pool rows [B, T // ratio, d],
+    split over P on `axis` (device s computes the rows of its own groups). Needs the shard length
+    L = T / n to be a multiple of ratio (groups never straddle shards; ValueError naming both
+    otherwise). ratio 4's overlapping rows take the first halves of the previous shard's last
+    group by one `ppermute` (none before the sequence start), so the rows equal one device's."""
+    from csa_jax import compressor
+
+    mesh, n = _seq_mesh(x, axis, mesh)
+    B, T, C = x.shape
+    if T % n:
+        raise ValueError(f"context parallelism needs T={T} divisible by the size n={n} of "
+                         f"axis {axis!r}")
+    L = T // n
+    if L % ratio:
+        raise ValueError(
+            f"context-parallel compressor: the shard length L = T / n = {T} / {n} = {L} must be "
+            f"a multiple of ratio={ratio} (a compressor group may not straddle two shards); "
+            f"use fewer devices on {axis!r} or a longer sequence (T a multiple of {n * ratio})")
+
+    def body(x, w_kv, w_gate, ape, norm_scale):
+        c, z = compressor._project(x, w_kv, w_gate, ape, ratio)     # [B, L/m, m, coff*d]
+        prev = None
+        if ratio == 4:
+            last = jnp.concatenate([c[:, -1:], z[:, -1:]], axis=-1)  # [B, 1, 4, 2*coff*d]
+            if n > 1:
+                got = lax.ppermute(last, axis, [(j, j + 1) for j in range(n - 1)])
+            else:
+                got = jnp.zeros_like(last)
+            w = c.shape[-1]
+            first = lax.axis_index(axis) == 0                        # nothing before row 0
+            prev = (got[..., :w], jnp.where(first, -jnp.inf, got[..., w:]))
+        return compressor._pool_rows(c, z, norm_scale, ratio=ratio, eps=eps, prev=prev)
+
+    specs = (P(None, axis), P(), P(), P(), P())
+    args = _place(mesh, axis, (x, w_kv, w_gate, ape, norm_scale), specs)
+    return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P(None, axis),
+                         axis_names=frozenset({axis}), check_vma=True)(*args)
+
+
+def indexer_topk_cp(q_idx, k_idx, weights, *, ratio, topk, axis, mesh=None):
+    """csa_jax.indexer_topk (select="top_k" ids, XLA scores) with q_idx [B, T, Hi, Di] and
+    weights [B, T, Hi] split over T and k_idx [B, P, Di] split over P on `axis`: each device
+    all-gathers the indexer keys (P x Di, no gradient) and ranks them for its own tokens at
+    their global positions, so the causal visibility is one device's. int32 [B, T, min(topk, P)]
+    split over T."""
+    from csa_jax import compressor
+
+    mesh, n = _seq_mesh(q_idx, axis, mesh)
+    T = q_idx.shape[1]
+    L = T // n
+
+    def body(q_idx, k_idx, weights):
+        keys = lax.all_gather(k_idx, axis, axis=1, tiled=True) if n > 1 else k_idx
+        return compressor.topk_at_offset(q_idx, keys, weights, ratio=ratio, topk=topk,
+                                         offset=lax.axis_index(axis) * L)
+
+    specs = (P(None, axis), P(None, axis), P(None, axis))
+    args = _place(mesh, axis, tuple(jax.lax.stop_gradient(a) for a in (q_idx, k_idx, weights)),
+                  specs)
+    return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P(None, axis),
+                         axis_names=frozenset({axis}), check_vma=True)(*args)
+
+
+def index_lists_cp(B, T, ratio, *, window, axis, topk=None, mesh=None, like=None):
+    """csa_jax.build_indices's [B, T, K] lists (global ids), built shard by shard: split over T
+    on `axis`, no device ever holding all T rows. topk: the indexer's pool-local ids [B, T, k]
+    split over T (ratio 4 only). `like`: an array whose type carries the mesh."""
+    mesh = _mesh_of(like if like is not None else topk, mesh)
+    n = mesh.shape[axis]
+    L = T // n
+    Pn = T // ratio if ratio else 0
+
+    def lists(s, top=None):
+        t = s * L + jnp.arange(L, dtype=jnp.int32)[:, None]                     # [L, 1]
+        win = t - window + 1 + jnp.arange(window, dtype=jnp.int32)[None, :]
+        parts = [jnp.broadcast_to(jnp.where(win >= 0, win, -1), (B, L, window))]
+        if ratio == 4:
+            parts.append(jnp.where(top >= 0, top + T, -1))
+        elif ratio:
+            p = jnp.arange(Pn, dtype=jnp.int32)[None, :]
+            parts.append(jnp.broadcast_to(jnp.where(p < (t + 1) // ratio, p + T, -1),
+                                          (B, L, Pn)))
+        return jnp.concatenate(parts, axis=-1).astype(jnp.int32)
+
+    if ratio == 4:
+        (top,) = _place(mesh, axis, (topk,), (P(None, axis),))
+        return jax.shard_map(lambda top: lists(lax.axis_index(axis), top), mesh=mesh,
+                             in_specs=P(None, axis), out_specs=P(None, axis),
+                             axis_names=frozenset({axis}), check_vma=True)(top)
+    return jax.shard_map(lambda: lists(lax.axis_index(axis)), mesh=mesh, in_specs=(),
+                         out_specs=P(None, axis), axis_names=frozenset({axis}),
+                         check_vma=True)()

@@ -153,3 +153,85 @@ def test_cp_errors_name_the_values(rng):
     with pytest.raises(ValueError, match=r"overlap='fast'"):
         sparse_attention_cp(q, kv, pool, idx, sink, axis="cp", window=window, overlap="fast",
                             mesh=mesh)
+
+
+# ----------------------------------------------------------------------------- the NNX layer
+
+
+def _layer_pair(ratio, seed, **kw):
+    from test_layers import make_layer, small_cfg
+    base = dict(window=48, topk=5, impl="xla")
+    one = make_layer(small_cfg(ratio, **base), seed)
+    cp = make_layer(small_cfg(ratio, **base, **kw), seed)
+    return one, cp
+
+
+def _layer_loss(graphdef, dy):
+    from flax import nnx
+
+    def f(state, x):
+        y, _ = nnx.merge(graphdef, state)(x)
+        return jnp.sum(y * dy)
+    return f
+
+
+@pytest.mark.parametrize("ratio,axis_type,overlap", [
+    (0, AxisType.Explicit, "none"),
+    (4, AxisType.Explicit, "xla"),
+    (16, AxisType.Explicit, "ring"),
+    (4, AxisType.Auto, "none"),
+], ids=lambda v: getattr(v, "name", str(v)))
+def test_layer_cp_matches_one_device(ratio, axis_type, overlap, rng):
+    """CSAAttention with x split over T on 8 devices (shard of 32 tokens, window 48: a
+    two-hop halo; cr4: 8 pool rows per shard; ratio 16: 2): the loss and the gradients w.r.t.
+    every parameter and x equal one device's. Explicit axes find the axis in x's type; Auto
+    axes name it (context_axis). At 14a1614 the Explicit runs raised (ShardingTypeError; cr0:
+    the custom_vjp's bwd output type)."""
+    from flax import nnx
+    T = 256
+    seed = int(rng.integers(1 << 30))
+    kw = dict(context_overlap=overlap)
+    if axis_type == AxisType.Auto:
+        kw["context_axis"] = "cp"
+    one, cp = _layer_pair(ratio, seed, **kw)
+    x = jnp.asarray(rng.standard_normal((2, T, 32)), jnp.float32)
+    dy = jnp.asarray(rng.standard_normal((2, T, 32)), jnp.float32)
+    g1, s1 = nnx.split(one)
+    want = jax.jit(jax.value_and_grad(_layer_loss(g1, dy), argnums=(0, 1)))(s1, x)
+
+    mesh = jax.make_mesh((8,), ("cp",), axis_types=(axis_type,))
+    g2, s2 = nnx.split(cp)
+    xs = jax.device_put(x, NamedSharding(mesh, P(None, "cp")))
+    s2 = jax.device_put(s2, NamedSharding(mesh, P()))
+    step = jax.jit(jax.value_and_grad(_layer_loss(g2, dy), argnums=(0, 1)))
+    with jax.set_mesh(mesh):
+        got = step(s2, xs)
+        hlo = step.lower(s2, xs).compile().as_text()
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert_close(a, b, jnp.float32, factor=4, what=f"cr{ratio} {a.shape}")
+    if axis_type == AxisType.Explicit:
+        # nothing T long, nothing as large as one device's q shard [2, 32, 4, 32] (the ratio-4
+        # compressor's one-group halo [2, 1, 4, 2d] and the pool gather are far smaller)
+        q_shard = 2 * (T // 8) * cp.cfg.num_heads * cp.cfg.head_dim
+        bad = [s for s in _moved_shapes(hlo) if T in s or int(np.prod(s)) >= q_shard]
+        assert not bad, f"the layer's collectives move q-sized or T-long arrays: {sorted(set(bad))}"
+
+
+def test_layer_cp_groups_must_not_straddle_shards(rng):
+    """ratio 128 at T = 512 over 8 devices: shards of 64 tokens cut the compressor's groups."""
+    from flax import nnx
+    from test_layers import small_cfg
+    layer = CSAAttention_(small_cfg(128, window=16, impl="xla"))
+    mesh = jax.make_mesh((8,), ("cp",), axis_types=(AxisType.Explicit,))
+    x = jax.device_put(jnp.zeros((1, 512, 32)), NamedSharding(mesh, P(None, "cp")))
+    with pytest.raises(ValueError, match=r"L = T / n = 512 / 8 = 64 must be a multiple of "
+                                         r"ratio=128"):
+        g, s = nnx.split(layer)
+        jax.jit(lambda s, x: nnx.merge(g, s)(x))(s, x)
+
+
+def CSAAttention_(cfg):
+    from flax import nnx
+
+    from csa_jax.layers import CSAAttention
+    return CSAAttention(cfg, rngs=nnx.Rngs(0))
