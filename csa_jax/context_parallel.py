@@ -160,9 +160,10 @@ def _merge(parts, dtype):
 
 def sparse_attention_cp(q, kv, pool, idx, sink=None, *, axis, window, overlap="none",
                         scale=None, impl="auto", interpret=None, config=None,
-                        window_slots=None, mesh=None):
+                        window_slots=None, mesh=None, batch_axes=None, head_axes=None):
     """csa_jax.sparse_attention(q, concat([kv, pool], 1), idx, sink) with T split over mesh
-    axis `axis`: see the module docstring. Returns (o [B, T, H, D], lse [B, T, H])."""
+    axis `axis`: see the module docstring. Returns (o [B, T, H, D], lse [B, T, H]).
+    batch_axes / head_axes: mesh axes splitting B / H besides (None: q's Explicit ones)."""
     from csa_jax import api
     from comm.collectives import to_varying
 
@@ -238,37 +239,61 @@ def sparse_attention_cp(q, kv, pool, idx, sink=None, *, axis, window, overlap="n
             return parts[0]
         return _merge(parts, q.dtype)
 
-    sq, skv, slse = P(None, axis), P(None, axis), P(None, axis)
-    spool = P(None, axis) if pool_split else P()
-    in_specs = (sq, skv, skv, P()) + ((spool,) if has_pool else ())
-    explicit = any(t == AxisType.Explicit and a == axis
-                   for a, t in zip(mesh.axis_names, mesh.axis_types))
-    args = (q, kv, idx, sink_arr) + ((pool,) if has_pool else ())
-    if explicit:
-        args = tuple(jax.sharding.reshard(x, NamedSharding(mesh, _merge_spec(x, sp, axis)))
-                     for x, sp in zip(args, in_specs))
-    fn = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=(sq, slse),
-                       axis_names=frozenset({axis}), check_vma=True)
+    b, h = _batch_head_axes(q, mesh, axis, batch_axes, head_axes)
+    bt, ht = _entry(b), _entry(h)
+    sq, skv = P(bt, axis, ht), P(bt, axis)
+    spool = P(bt, axis) if pool_split else P(bt)
+    in_specs = (sq, skv, skv, P(ht)) + ((spool,) if has_pool else ())
+    args = _place(mesh, axis, (q, kv, idx, sink_arr) + ((pool,) if has_pool else ()), in_specs)
+    # Manual over every mesh axis: the impl runs on plain local shards (a shard_map manual over
+    # `axis` only, with other Explicit axes left to csa_jax/sharding.py, trips jax 0.11.2's
+    # all_gather transpose); the custom_vjp types each cotangent like its primal, so kv's dkv is
+    # summed over the head axes and the sink's over the batch and sequence axes.
+    fn = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=(sq, sq), check_vma=True)
     return fn(*args)
 
 
-def _merge_spec(x, spec, axis):
-    """x's own spec on the other axes, `axis` where `spec` puts it (and nowhere else)."""
-    own = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None) or P()
-    own = tuple(own) + (None,) * (x.ndim - len(tuple(own)))
-    want = tuple(spec) + (None,) * (x.ndim - len(tuple(spec)))
+def _axes(entry):
+    if entry is None:
+        return ()
+    return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
 
-    def strip(e):
-        if e is None:
-            return ()
-        names = tuple(e) if isinstance(e, (tuple, list)) else (e,)
-        return tuple(a for a in names if a != axis)
 
-    out = []
-    for o, w in zip(own, want):
-        names = strip(o) + ((axis,) if w == axis else ())
-        out.append(None if not names else names[0] if len(names) == 1 else names)
-    return P(*out)
+def _entry(axes):
+    return None if not axes else (axes[0] if len(axes) == 1 else tuple(axes))
+
+
+def _explicit_names(mesh):
+    return tuple(a for a, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Explicit)
+
+
+def _batch_head_axes(q, mesh, axis, batch_axes=None, head_axes=None):
+    """(batch axes, head axes) of q [B, T, H, D] (or [B, T, ...] for head-less arrays): given,
+    or read from q's Explicit type (Auto axes carry none: ()), each kept only if it divides its
+    dimension (else that dimension is whole on every device: correct, not free)."""
+    spec = tuple(getattr(getattr(jax.typeof(q), "sharding", None), "spec", None) or ())
+    spec = spec + (None,) * (q.ndim - len(spec))
+    explicit = _explicit_names(mesh)
+
+    def pick(given, entry, size):
+        axes = given if given is not None else tuple(
+            a for a in _axes(entry) if a != axis and a in explicit)
+        axes = tuple(axes)
+        if axis in axes:
+            raise ValueError(f"the context axis {axis!r} cannot also split batch or heads")
+        n = int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
+        return axes if size % n == 0 else ()
+
+    b = pick(batch_axes, spec[0], q.shape[0])
+    h = pick(head_axes, spec[2], q.shape[2]) if q.ndim == 4 else ()
+    return b, h
+
+
+def _place(mesh, axis, args, specs):
+    """reshard each input to its spec under Explicit axes (Auto: shard_map's in_specs ask)."""
+    if not _explicit_names(mesh):
+        return args
+    return tuple(jax.sharding.reshard(x, NamedSharding(mesh, sp)) for x, sp in zip(args, specs))
 
 
 # ----------------------------------------------------------------------------- the layer's pieces
@@ -282,15 +307,6 @@ def _seq_mesh(x, axis, mesh=None):
     if axis not in mesh.axis_names:
         raise ValueError(f"context axis {axis!r} is not an axis of the mesh {mesh.axis_names}")
     return mesh, mesh.shape[axis]
-
-
-def _place(mesh, axis, args, specs):
-    explicit = any(t == AxisType.Explicit and a == axis
-                   for a, t in zip(mesh.axis_names, mesh.axis_types))
-    if not explicit:
-        return args
-    return tuple(jax.sharding.reshard(x, NamedSharding(mesh, _merge_spec(x, sp, axis)))
-                 for x, sp in zip(args, specs))
 
 
 def compress_cp(x, w_kv, w_gate, ape, norm_scale, *, ratio, axis, eps=1e-6, mesh=None):
@@ -327,10 +343,11 @@ def compress_cp(x, w_kv, w_gate, ape, norm_scale, *, ratio, axis, eps=1e-6, mesh
             prev = (got[..., :w], jnp.where(first, -jnp.inf, got[..., w:]))
         return compressor._pool_rows(c, z, norm_scale, ratio=ratio, eps=eps, prev=prev)
 
-    specs = (P(None, axis), P(), P(), P(), P())
+    bt = _entry(_batch_head_axes(x, mesh, axis)[0])
+    specs = (P(bt, axis), P(), P(), P(), P())
     args = _place(mesh, axis, (x, w_kv, w_gate, ape, norm_scale), specs)
-    return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P(None, axis),
-                         axis_names=frozenset({axis}), check_vma=True)(*args)
+    return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P(bt, axis),
+                         check_vma=True)(*args)
 
 
 def indexer_topk_cp(q_idx, k_idx, weights, *, ratio, topk, axis, mesh=None):
@@ -350,21 +367,26 @@ def indexer_topk_cp(q_idx, k_idx, weights, *, ratio, topk, axis, mesh=None):
         return compressor.topk_at_offset(q_idx, keys, weights, ratio=ratio, topk=topk,
                                          offset=lax.axis_index(axis) * L)
 
-    specs = (P(None, axis), P(None, axis), P(None, axis))
+    bt = _entry(_batch_head_axes(q_idx, mesh, axis)[0])
+    specs = (P(bt, axis), P(bt, axis), P(bt, axis))
     args = _place(mesh, axis, tuple(jax.lax.stop_gradient(a) for a in (q_idx, k_idx, weights)),
                   specs)
-    return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P(None, axis),
-                         axis_names=frozenset({axis}), check_vma=True)(*args)
+    return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P(bt, axis),
+                         check_vma=True)(*args)
 
 
 def index_lists_cp(B, T, ratio, *, window, axis, topk=None, mesh=None, like=None):
     """csa_jax.build_indices's [B, T, K] lists (global ids), built shard by shard: split over T
     on `axis`, no device ever holding all T rows. topk: the indexer's pool-local ids [B, T, k]
     split over T (ratio 4 only). `like`: an array whose type carries the mesh."""
-    mesh = _mesh_of(like if like is not None else topk, mesh)
+    like = like if like is not None else topk
+    mesh = _mesh_of(like, mesh)
     n = mesh.shape[axis]
     L = T // n
     Pn = T // ratio if ratio else 0
+    b = _batch_head_axes(like, mesh, axis)[0]
+    bt = _entry(b)
+    B = B // (int(np.prod([mesh.shape[a] for a in b])) if b else 1)      # per device
 
     def lists(s, top=None):
         t = s * L + jnp.arange(L, dtype=jnp.int32)[:, None]                     # [L, 1]
@@ -379,10 +401,13 @@ def index_lists_cp(B, T, ratio, *, window, axis, topk=None, mesh=None, like=None
         return jnp.concatenate(parts, axis=-1).astype(jnp.int32)
 
     if ratio == 4:
-        (top,) = _place(mesh, axis, (topk,), (P(None, axis),))
+        (top,) = _place(mesh, axis, (topk,), (P(bt, axis),))
         return jax.shard_map(lambda top: lists(lax.axis_index(axis), top), mesh=mesh,
-                             in_specs=P(None, axis), out_specs=P(None, axis),
-                             axis_names=frozenset({axis}), check_vma=True)(top)
-    return jax.shard_map(lambda: lists(lax.axis_index(axis)), mesh=mesh, in_specs=(),
-                         out_specs=P(None, axis), axis_names=frozenset({axis}),
+                             in_specs=P(bt, axis), out_specs=P(bt, axis), check_vma=True)(top)
+
+    def no_input():
+        out = lists(lax.axis_index(axis))
+        return lax.pcast(out, b, to="varying") if b else out   # the same lists on every row shard
+
+    return jax.shard_map(no_input, mesh=mesh, in_specs=(), out_specs=P(bt, axis),
                          check_vma=True)()

@@ -85,6 +85,39 @@ def test_cp_matches_one_device(ratio, window, overlap, axis_type, rng):
             assert_close(g, w, jnp.float32, what=name)
 
 
+@pytest.mark.parametrize("overlap", ["none", "ring"])
+def test_cp_composes_with_batch_and_heads(overlap, rng):
+    """A (batch 2) x (sequence 2) x (heads 2) Explicit mesh: each device holds one batch row,
+    half the tokens and one head; values and gradients equal one device's and keep the inputs'
+    shardings; nothing T-long or q-shaped moves."""
+    T, window = 128, 16
+    q, kv, pool, idx, sink = _problem(rng, T, 4, window)
+    do = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
+    dlse = jnp.asarray(rng.standard_normal(q.shape[:3]), jnp.float32)
+    want_g, (want_o, want_lse) = jax.grad(_loss_one_device, argnums=(0, 1, 2, 4), has_aux=True)(
+        q, kv, pool, idx, sink, do, dlse)
+    mesh = jax.make_mesh((2, 2, 2), ("b", "cp", "h"), axis_types=(AxisType.Explicit,) * 3)
+    put = lambda x, s: jax.device_put(x, NamedSharding(mesh, s))  # noqa: E731
+
+    def loss(q, kv, pool, idx, sink):
+        o, lse = sparse_attention_cp(q, kv, pool, idx, sink, axis="cp", window=window,
+                                     overlap=overlap, impl="xla")
+        return jnp.sum(o * do) + jnp.sum(lse * dlse), (o, lse)
+
+    args = (put(q, P("b", "cp", "h")), put(kv, P("b", "cp")), put(pool, P("b", "cp")),
+            put(idx, P("b", "cp")), put(sink, P("h")))
+    step = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 4), has_aux=True))
+    (dq, dkv, dpool, dsink), (o, lse) = step(*args)
+    for name, g, w in zip(("o", "lse", "dq", "dkv", "dpool", "dsink"),
+                          (o, lse, dq, dkv, dpool, dsink), (want_o, want_lse, *want_g)):
+        assert_close(g, w, jnp.float32, what=name)
+    assert o.sharding.spec[:3] == dq.sharding.spec[:3] == ("b", "cp", "h")
+    assert dkv.sharding.spec[:2] == ("b", "cp") and dsink.sharding.spec == P("h")
+    bad = [s for s in _moved_shapes(step.lower(*args).compile().as_text())
+           if T in s or len(s) >= 4]
+    assert not bad, sorted(set(bad))
+
+
 def test_cp_on_one_device_axis_equals_no_cp(rng):
     """A context-parallel axis of size 1: the same op (the halo is empty of neighbours)."""
     T, window = 64, 16
