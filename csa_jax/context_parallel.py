@@ -269,22 +269,30 @@ def _explicit_names(mesh):
 
 def _batch_head_axes(q, mesh, axis, batch_axes=None, head_axes=None):
     """(batch axes, head axes) of q [B, T, H, D] (or [B, T, ...] for head-less arrays): given,
-    or read from q's Explicit type (Auto axes carry none: ()), each kept only if it divides its
-    dimension (else that dimension is whole on every device: correct, not free)."""
+    or read from q's Explicit type; on a mesh of Auto axes (no spec in the types) the batch
+    split over every other axis and the heads whole. Each kept only if it divides its dimension
+    (else that dimension is whole on every device: correct, not free)."""
     spec = tuple(getattr(getattr(jax.typeof(q), "sharding", None), "spec", None) or ())
     spec = spec + (None,) * (q.ndim - len(spec))
     explicit = _explicit_names(mesh)
 
-    def pick(given, entry, size):
-        axes = given if given is not None else tuple(
-            a for a in _axes(entry) if a != axis and a in explicit)
+    def pick(given, entry, size, auto=()):
+        if given is not None:
+            axes = given
+        elif explicit:
+            axes = tuple(a for a in _axes(entry) if a != axis and a in explicit)
+        else:
+            axes = auto
         axes = tuple(axes)
         if axis in axes:
             raise ValueError(f"the context axis {axis!r} cannot also split batch or heads")
         n = int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
         return axes if size % n == 0 else ()
 
-    b = pick(batch_axes, spec[0], q.shape[0])
+    # Auto axes carry no spec: the batch is taken as split over every other mesh axis (a data /
+    # FSDP layout), when they divide B
+    others = tuple(a for a in mesh.axis_names if a != axis and mesh.shape[a] > 1)
+    b = pick(batch_axes, spec[0], q.shape[0], auto=others)
     h = pick(head_axes, spec[2], q.shape[2]) if q.ndim == 4 else ()
     return b, h
 

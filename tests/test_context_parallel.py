@@ -268,3 +268,50 @@ def CSAAttention_(cfg):
 
     from csa_jax.layers import CSAAttention
     return CSAAttention(cfg, rngs=nnx.Rngs(0))
+
+
+# ----------------------------------------------------------------------------- the trainer
+
+
+@pytest.mark.slow   # ~40 s on 2 cores: two compiles of a three-layer model
+def test_trainer_context_parallel_matches_one_device():
+    """--context-parallel 4 on 8 devices (2 data groups x 4 sequence shards): two Adam steps
+    and an eval give one device's losses."""
+    from train.config import get_preset
+    from train.loop import init_state
+    from train.parallel import ContextParallelRunner, make_runner
+
+    def run(cp):
+        cfg = get_preset("tiny", model=dict(impl="xla", layer_ratios=(0, 4, 16), mlp_hidden=64),
+                         data=("unused",), batch_size=2, seq_len=128, warmup_steps=0,
+                         context_parallel=cp)
+        graphdef, state, tx, schedule = init_state(cfg)
+        runner = make_runner(cfg, graphdef, state["params"], tx, schedule)
+        toks = np.random.default_rng(0).integers(0, 256, (2, 129)).astype(np.int32)
+        batch = runner.batch((toks[:, :-1], toks[:, 1:]))
+        dstate, losses = runner.put(state), []
+        for _ in range(2):
+            dstate, metrics = runner.step(dstate, batch)
+            losses.append(float(metrics["loss"]))
+        return losses + [float(runner.eval(dstate, batch))], runner, batch
+
+    want, _, _ = run(1)
+    got, runner, batch = run(4)
+    assert isinstance(runner, ContextParallelRunner) and runner.mesh.shape["cp"] == 4
+    assert batch[0].sharding.spec == P("data", "cp")
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+def test_trainer_context_parallel_errors():
+    from train.config import ConfigError, get_preset
+    from train.parallel import check_parallel
+    with pytest.raises(ConfigError, match=r"seq_len=96 must be a multiple of 64"):
+        get_preset("tiny", model=dict(layer_ratios=(0, 4, 16)), seq_len=96, context_parallel=4)
+    with pytest.raises(ConfigError, match=r"--context-parallel 3 must divide the 8 devices"):
+        check_parallel(get_preset("tiny", model=dict(layer_ratios=(0,)), seq_len=96,
+                                  context_parallel=3))
+    with pytest.raises(ConfigError, match=r"with --fsdp explicit is not implemented"):
+        get_preset("tiny", seq_len=256, context_parallel=4, fsdp="explicit")
+    cfg = get_preset("tiny", seq_len=256, context_parallel=4)
+    assert cfg.model.attention.context_axis == "cp"
+    assert get_preset("tiny").model.attention.context_axis is None
