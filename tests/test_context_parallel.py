@@ -89,7 +89,8 @@ def test_cp_matches_one_device(ratio, window, overlap, axis_type, rng):
 def test_cp_composes_with_batch_and_heads(overlap, rng):
     """A (batch 2) x (sequence 2) x (heads 2) Explicit mesh: each device holds one batch row,
     half the tokens and one head; values and gradients equal one device's and keep the inputs'
-    shardings; nothing T-long or q-shaped moves."""
+    shardings; nothing T-long or q-shaped moves. The reference runs its token-chunk loop
+    (chunk_tokens=16 of a shard's 64), whose carry must be typed varying inside the shard_map."""
     T, window = 128, 16
     q, kv, pool, idx, sink = _problem(rng, T, 4, window)
     do = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
@@ -101,7 +102,8 @@ def test_cp_composes_with_batch_and_heads(overlap, rng):
 
     def loss(q, kv, pool, idx, sink):
         o, lse = sparse_attention_cp(q, kv, pool, idx, sink, axis="cp", window=window,
-                                     overlap=overlap, impl="xla")
+                                     overlap=overlap, impl="xla",
+                                     config=csa_jax.reference.Config(chunk_tokens=16))
         return jnp.sum(o * do) + jnp.sum(lse * dlse), (o, lse)
 
     args = (put(q, P("b", "cp", "h")), put(kv, P("b", "cp")), put(pool, P("b", "cp")),
