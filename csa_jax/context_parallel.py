@@ -247,9 +247,12 @@ def sparse_attention_cp(q, kv, pool, idx, sink=None, *, axis, window, overlap="n
     args = _place(mesh, axis, (q, kv, idx, sink_arr) + ((pool,) if has_pool else ()), in_specs)
     # Manual over every mesh axis: the impl runs on plain local shards (a shard_map manual over
     # `axis` only, with other Explicit axes left to csa_jax/sharding.py, trips jax 0.11.2's
-    # all_gather transpose); the custom_vjp types each cotangent like its primal, so kv's dkv is
-    # summed over the head axes and the sink's over the batch and sequence axes.
-    fn = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=(sq, sq), check_vma=True)
+    # all_gather transpose). check_vma=False: Pallas kernels cannot type their outputs' variance
+    # (pallas_call asks for it under check_vma=True); without it shard_map's transpose sums the
+    # cotangent of each input over the axes its spec leaves out (kv's dkv over the head axes,
+    # the sink's over batch and sequence, a replicated pool's over the sequence), and the
+    # collectives' transposes (all_gather -> psum_scatter, ppermute -> inverse) are exact.
+    fn = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=(sq, sq), check_vma=False)
     return fn(*args)
 
 
