@@ -334,13 +334,15 @@ def compress_cp(x, w_kv, w_gate, ape, norm_scale, *, ratio, axis, eps=1e-6, mesh
         raise ValueError(f"context parallelism needs T={T} divisible by the size n={n} of "
                          f"axis {axis!r}")
     L = T // n
-    if L % ratio:
+    if L % ratio and n > 1:
         raise ValueError(
             f"context-parallel compressor: the shard length L = T / n = {T} / {n} = {L} must be "
             f"a multiple of ratio={ratio} (a compressor group may not straddle two shards); "
             f"use fewer devices on {axis!r} or a longer sequence (T a multiple of {n * ratio})")
 
     def body(x, w_kv, w_gate, ape, norm_scale):
+        if n == 1:  # one device holds the sequence: the plain compressor, nothing to exchange
+            return compressor.compress(x, w_kv, w_gate, ape, norm_scale, ratio=ratio, eps=eps)
         c, z = compressor._project(x, w_kv, w_gate, ape, ratio)     # [B, L/m, m, coff*d]
         prev = None
         if ratio == 4:
@@ -361,12 +363,13 @@ def compress_cp(x, w_kv, w_gate, ape, norm_scale, *, ratio, axis, eps=1e-6, mesh
                          check_vma=True)(*args)
 
 
-def indexer_topk_cp(q_idx, k_idx, weights, *, ratio, topk, axis, mesh=None):
+def indexer_topk_cp(q_idx, k_idx, weights, *, ratio, topk, axis, mesh=None, select="top_k",
+                    scores="xla"):
     """csa_jax.indexer_topk (select="top_k" ids, XLA scores) with q_idx [B, T, Hi, Di] and
     weights [B, T, Hi] split over T and k_idx [B, P, Di] split over P on `axis`: each device
     all-gathers the indexer keys (P x Di, no gradient) and ranks them for its own tokens at
     their global positions, so the causal visibility is one device's. int32 [B, T, min(topk, P)]
-    split over T."""
+    split over T. select / scores: used on an axis of one device (indexer_topk itself)."""
     from csa_jax import compressor
 
     mesh, n = _seq_mesh(q_idx, axis, mesh)
@@ -374,7 +377,10 @@ def indexer_topk_cp(q_idx, k_idx, weights, *, ratio, topk, axis, mesh=None):
     L = T // n
 
     def body(q_idx, k_idx, weights):
-        keys = lax.all_gather(k_idx, axis, axis=1, tiled=True) if n > 1 else k_idx
+        if n == 1:  # one device: csa_jax.indexer_topk itself, with its select / scores kernels
+            return compressor.indexer_topk(q_idx, k_idx, weights, ratio=ratio, topk=topk,
+                                           select=select, scores=scores)
+        keys = lax.all_gather(k_idx, axis, axis=1, tiled=True)
         return compressor.topk_at_offset(q_idx, keys, weights, ratio=ratio, topk=topk,
                                          offset=lax.axis_index(axis) * L)
 
@@ -382,8 +388,9 @@ def indexer_topk_cp(q_idx, k_idx, weights, *, ratio, topk, axis, mesh=None):
     specs = (P(bt, axis), P(bt, axis), P(bt, axis))
     args = _place(mesh, axis, tuple(jax.lax.stop_gradient(a) for a in (q_idx, k_idx, weights)),
                   specs)
+    # check_vma off for one device: indexer_topk's Triton kernels cannot type their outputs
     return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P(bt, axis),
-                         check_vma=True)(*args)
+                         check_vma=n > 1)(*args)
 
 
 def index_lists_cp(B, T, ratio, *, window, axis, topk=None, mesh=None, like=None):

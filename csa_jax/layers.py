@@ -369,7 +369,8 @@ class CSAAttention(nnx.Module):
             with jax.named_scope("indexer"):
                 q_idx, k_idx, w = self.indexer(jax.lax.stop_gradient(x),
                                                jax.lax.stop_gradient(q_lat), context_axis=axis)
-                topk = cpm.indexer_topk_cp(q_idx, k_idx, w, ratio=m, topk=cfg.topk, axis=axis)
+                topk = cpm.indexer_topk_cp(q_idx, k_idx, w, ratio=m, topk=cfg.topk, axis=axis,
+                                           select=cfg.indexer_select, scores=cfg.indexer_scores)
         with jax.named_scope("index_lists"):
             idx = cpm.index_lists_cp(B, T, m, window=cfg.window, axis=axis, topk=topk, like=q)
         with jax.named_scope("csa_attention"):
