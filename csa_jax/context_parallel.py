@@ -48,10 +48,13 @@ batch or heads on other axes is still split there by csa_jax/sharding.py), devic
           ring, i.e. a ring reduce-scatter of the pool dkv. Each block's call reads all pool
           slots (masked), so its pool work is n x that of "xla": it suits structured pool lists
           (cr128) at small n; it exists to measure the overlap (benchmarks/bench_cp.py).
+  "bidirectional"  as "ring", with each block's rows in two halves that travel opposite rings
+          (comm's bidirectional schedule): half the bytes per link and step, twice the calls.
 The merged forms equal the single call to rounding (f32: ~1e-6 relative); the split needs the
 layout [window | pool] (window slots first: `window_slots` of them), which the layer's lists
-have. With a replicated pool (n does not divide P) there is nothing to gather and "ring" runs
-as "xla".
+have. With a replicated pool (n does not divide P) there is nothing to gather and "ring" /
+"bidirectional" run as "xla". The hierarchical (node, local) schedule needs the sequence split
+over two mesh axes, which this module does not take yet.
 
 Errors: T not divisible by n, a kernel config with a structured layout (its promise is about
 global positions, the local buffer breaks it), window < 1, and an idx breaking the window
@@ -70,7 +73,7 @@ from jax.sharding import PartitionSpec as P
 
 __all__ = ["sparse_attention_cp", "OVERLAPS", "halo_rows", "plan"]
 
-OVERLAPS = ("none", "xla", "ring")
+OVERLAPS = ("none", "xla", "ring", "bidirectional")
 
 
 def halo_rows(window: int) -> int:
@@ -202,7 +205,7 @@ def sparse_attention_cp(q, kv, pool, idx, sink=None, *, axis, window, overlap="n
     has_pool = Pn > 0        # (a zero-size array through shard_map crashes XLA:CPU, 0.11.2)
     has_sink = sink is not None
     sink_arr = jnp.zeros((H,), jnp.float32) if sink is None else sink
-    if overlap == "ring" and not pool_split:
+    if overlap in ("ring", "bidirectional") and not pool_split:
         overlap = "xla"
 
     def body(q, kv, idx, sink, pool=None):
@@ -231,10 +234,17 @@ def sparse_attention_cp(q, kv, pool, idx, sink=None, *, axis, window, overlap="n
             else:  # ring: block `blk` holds pool rows [blk * Pb, (blk + 1) * Pb)
                 from comm.collectives import ring_blocks
                 Pb = pool.shape[1]
-                for blk, rows in ring_blocks(pool, axis):
-                    rel = ip - T - blk * Pb
-                    ids = jnp.where((ip >= T) & (rel >= 0) & (rel < Pb), rel, -1)
-                    parts.append(call(q, rows, ids.astype(jnp.int32)))
+                # bidirectional: the first h rows of every block travel one way, the rest the
+                # other, so each link carries half the bytes per step
+                h = Pb - Pb // 2 if overlap == "bidirectional" and Pb > 1 else Pb
+                rings = [(ring_blocks(pool[:, :h], axis, shift=1), 0)]
+                if h < Pb:
+                    rings.append((ring_blocks(pool[:, h:], axis, shift=-1), h))
+                for steps in zip(*(r for r, _ in rings)):
+                    for (blk, rows), (_, lo) in zip(steps, rings):
+                        rel = ip - T - blk * Pb - lo
+                        ids = jnp.where((ip >= T) & (rel >= 0) & (rel < rows.shape[1]), rel, -1)
+                        parts.append(call(q, rows, ids.astype(jnp.int32)))
         if len(parts) == 1:
             return parts[0]
         return _merge(parts, q.dtype)

@@ -53,9 +53,9 @@ def _loss_one_device(q, kv, pool, idx, sink, do, dlse):
     (0, 48, "none", AxisType.Explicit),      # cr0; L = 32 < 47 halo rows: two hops
     (0, 16, "xla", AxisType.Auto),
     (4, 16, "ring", AxisType.Explicit),      # cr4: 64 pool rows, 8 per shard
-    (4, 48, "none", AxisType.Auto),
+    (4, 48, "bidirectional", AxisType.Auto),     # 4-row halves
     (16, 48, "xla", AxisType.Explicit),      # HCA-like: 16 pool rows, 2 per shard
-    (16, 16, "ring", AxisType.Auto),
+    (16, 16, "bidirectional", AxisType.Auto),    # 1-row halves of 2-row blocks
     (12, 16, "ring", AxisType.Explicit),     # 21 pool rows: not divisible by 8, replicated
 ], ids=lambda v: getattr(v, "name", str(v)))
 def test_cp_matches_one_device(ratio, window, overlap, axis_type, rng):
