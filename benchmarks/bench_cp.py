@@ -36,7 +36,7 @@ def _args(argv):
     p.add_argument("--tokens", type=int, default=8192,
                    help="time: tokens per device (T = tokens x CP)")
     p.add_argument("--T", type=int, nargs="+", default=[131072], help="memory: sequence lengths")
-    p.add_argument("--overlap", nargs="+", default=["none", "xla", "ring"],
+    p.add_argument("--overlap", nargs="+", default=["none", "xla", "ring", "bidirectional"],
                    help="time: CP overlap variants (csa_jax.context_parallel.OVERLAPS)")
     p.add_argument("--impl", default="auto")
     p.add_argument("--reps", type=int, default=20)
@@ -150,7 +150,7 @@ def timing(a):
     n_dev = len(jax.devices())
     rows = []
     print(f"{jax.devices()[0].device_kind}, {n_dev} device(s)")
-    print(f"{'layer':<12}{'T':>8}{'CP':>4}{'overlap':>9}{'ms':>10}{'vs no-CP same T':>17}")
+    print(f"{'layer':<12}{'T':>8}{'CP':>4}{'overlap':>15}{'ms':>10}{'vs no-CP same T':>17}")
 
     def run(cfg, T, cp, overlap):
         layer = CSAAttention(cfg, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
@@ -187,7 +187,7 @@ def timing(a):
                 base = None
                 print(f"no-CP at T={T}: {type(e).__name__}: {str(e)[:160]}")
             rows.append(dict(layer=base_cfg.name, T=T, cp=0, overlap="-", ms=base))
-            print(f"{base_cfg.name:<12}{T:>8}{'-':>4}{'no CP':>9}"
+            print(f"{base_cfg.name:<12}{T:>8}{'-':>4}{'no CP':>15}"
                   f"{(base or float('nan')):>10.3f}{'1.00':>17}", flush=True)
             for ov in a.overlap:
                 cfg = _layer_cfg(a.family, ratio, a.impl, a.small, context_axis="cp",
@@ -199,7 +199,7 @@ def timing(a):
                     continue
                 rows.append(dict(layer=cfg.name, T=T, cp=cp, overlap=ov, ms=ms))
                 rel = f"{base / ms:.2f}x" if base else "-"
-                print(f"{cfg.name:<12}{T:>8}{cp:>4}{ov:>9}{ms:>10.3f}{rel:>17}", flush=True)
+                print(f"{cfg.name:<12}{T:>8}{cp:>4}{ov:>15}{ms:>10.3f}{rel:>17}", flush=True)
     return rows
 
 
