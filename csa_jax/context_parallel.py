@@ -2,7 +2,8 @@
 
     o, lse = sparse_attention_cp(q, kv, pool, idx, sink=None, *, axis, window,
                                  overlap="none", scale=None, impl="auto", interpret=None,
-                                 config=None, window_slots=None, mesh=None)
+                                 config=None, window_slots=None, mesh=None,
+                                 batch_axes=None, head_axes=None)
 
 Global view (as under jit): the token rows and the pool rows come as two arrays, so that each
 can be split its own way:
@@ -24,14 +25,16 @@ the window - 1 rows before them. An id that breaks the promise is checked eagerl
 naming the slot) when idx is concrete; under jit it cannot be checked and reads as an empty
 slot, so the caller (the layer's index builders) must keep it.
 
-Inside one `jax.shard_map` over `axis` (the other mesh axes stay as they are, so a q split over
-batch or heads on other axes is still split there by csa_jax/sharding.py), device s:
+Batch and heads may be split over other mesh axes at the same time (batch x sequence x heads):
+read from q's Explicit type, or `batch_axes` / `head_axes`; on Auto axes the batch is taken as
+split over the other axes when they divide B. Inside one `jax.shard_map` manual over every mesh
+axis, device s:
   1. receives the halo: the last window - 1 token rows before its shard, by `ppermute` from the
      device(s) before it (one hop when L >= window - 1; a shard shorter than the halo takes
      ceil((window - 1) / L) hops, each one `ppermute`), zeros before the sequence start;
   2. gets every pool row (all-gathered when split);
-  3. remaps idx from global ids to its local buffer [halo | own | pool] (csa_jax/sharding.py's
-     shard-by-shard rule, then the impl `auto` picks, on local shapes);
+  3. remaps idx from global ids to its local buffer [halo | own | pool] and runs the impl
+     (`auto` picks it on the local shapes) on its shards;
   4. attends. q, o, idx and the token rows never move; the backward (autodiff of the collectives)
      sends the halo's dkv back by the inverse `ppermute` and reduce-scatters the pool's dkv.
 
