@@ -31,6 +31,11 @@ every matrix carries logical axis names (`nnx.with_partitioning`, read back with
 `nnx.get_partition_spec`) that `LOGICAL_AXIS_RULES` maps to the mesh axes "fsdp" and "tensor"
 (comm.fsdp.logical_to_mesh).
 
+Context parallelism (docs/context_parallel.md): when x's sequence is split over a mesh axis
+(an Explicit axis in x's type, or cfg.context_axis), the compressor, the indexer, the index lists
+and the attention run shard by shard (csa_jax/context_parallel.py): q, kv rows and o stay with
+their tokens; a halo of window - 1 kv rows and the pool rows move.
+
 Named scopes (`jax.named_scope`) mark the parts of the layer in HLO op names and so in profiler
 traces (benchmarks/trace_breakdown.py): q_proj, kv_proj, compressor, indexer (indexer_scores,
 indexer_topk inside), index_lists, csa_attention, out_proj; RoPE and norms are rope / norm.
