@@ -51,6 +51,7 @@ __all__ = [
     "hierarchical_psum_scatter",
     "ring_all_gather",
     "ring_psum_scatter",
+    "ring_blocks",
     "axis_size",
     "to_varying",
 ]
@@ -103,6 +104,15 @@ def _check_overlap(overlap):
 
 def _ring_perm(n: int, shift: int):
     return [(j, (j + shift) % n) for j in range(n)]
+
+
+def ring_blocks(shard, axis_name, *, shift: int = 1) -> Iterator[tuple[jax.Array, jax.Array]]:
+    """Yields (block index, block) for the n blocks of a ring all-gather of `shard` over
+    `axis_name` (a traced index: the block of device (i - shift * step) % n), each block's
+    transfer issued before the previous block is handed out, so whatever the caller computes on
+    a block overlaps the next one's transfer. Differentiable by autodiff (ppermute transposes to
+    the reverse ring)."""
+    return _ring_blocks(to_varying(shard, axis_name), axis_name, axis_size(axis_name), shift)
 
 
 def _ring_blocks(shard, axis_name, n: int, shift: int) -> Iterator[tuple[jax.Array, jax.Array]]:

@@ -96,18 +96,38 @@ def compress(x, w_kv, w_gate, ape, norm_scale, *, ratio, eps=1e-6):
     P = T // ratio
     if P == 0:
         return jnp.zeros((B, 0, d), jnp.float32)
-    f32 = jnp.float32
+    c, z = _project(x[:, : P * ratio], w_kv, w_gate, ape, ratio)
+    return _pool_rows(c, z, norm_scale, ratio=ratio, eps=eps)
+
+
+def _project(x, w_kv, w_gate, ape, ratio):
+    """c, z [B, P, ratio, coff*d] f32 of the tokens x [B, P*ratio, C] (whole groups)."""
+    B, TP, _ = x.shape
+    width = w_kv.shape[1]
     mm = _mm_dtype(x.dtype)
-    xs = x[:, : P * ratio].astype(mm)
+    xs = x.astype(mm)
     c = einsum_f32acc("btc,cw->btw", xs, w_kv.astype(mm))                       # [B, P*m, coff*d]
     z = einsum_f32acc("btc,cw->btw", xs, w_gate.astype(mm))
-    c = c.reshape(B, P, ratio, width)
-    z = z.reshape(B, P, ratio, width) + ape.astype(f32)[None, None]
+    c = c.reshape(B, TP // ratio, ratio, width)
+    z = z.reshape(B, TP // ratio, ratio, width) + ape.astype(jnp.float32)[None, None]
+    return c, z
+
+
+def _pool_rows(c, z, norm_scale, *, ratio, eps, prev=None):
+    """Pool rows [B, P, d] from the groups' c, z [B, P, ratio, coff*d]. ratio 4: row i also
+    pools the first halves of group i-1; `prev` = (c, z) [B, 1, 4, coff*d] of the group before
+    row 0 (a context-parallel shard's halo; z = -inf where there is none), None: row 0 has none."""
+    f32 = jnp.float32
+    d = norm_scale.shape[0]
     if ratio == 4:
         # slots of row i: first halves of group i-1 (empty for i = 0), second halves of group i
-        prev_c = jnp.pad(c[:, :-1, :, :d], ((0, 0), (1, 0), (0, 0), (0, 0)))
-        prev_z = jnp.pad(z[:, :-1, :, :d], ((0, 0), (1, 0), (0, 0), (0, 0)),
-                         constant_values=-jnp.inf)
+        if prev is None:
+            prev_c = jnp.pad(c[:, :-1, :, :d], ((0, 0), (1, 0), (0, 0), (0, 0)))
+            prev_z = jnp.pad(z[:, :-1, :, :d], ((0, 0), (1, 0), (0, 0), (0, 0)),
+                             constant_values=-jnp.inf)
+        else:
+            prev_c = jnp.concatenate([prev[0][..., :d], c[:, :-1, :, :d]], axis=1)
+            prev_z = jnp.concatenate([prev[1][..., :d], z[:, :-1, :, :d]], axis=1)
         c = jnp.concatenate([prev_c, c[:, :, :, d:]], axis=2)                  # [B, P, 8, d]
         z = jnp.concatenate([prev_z, z[:, :, :, d:]], axis=2)
     w = jax.nn.softmax(z, axis=2)                                               # per channel
@@ -160,8 +180,9 @@ def _chunked_over_tokens(fn, T, per_token_elems, budget=2 ** 26):
     return res.reshape(res.shape[0], T, *res.shape[3:])
 
 
-def _scores_block(q_idx, k_idx, weights, ratio, start, size, rows=None):
-    """Scores of tokens [start, start + size) against pool rows [0, rows) (default all P)."""
+def _scores_block(q_idx, k_idx, weights, ratio, start, size, rows=None, offset=0):
+    """Scores of tokens [start, start + size) against pool rows [0, rows) (default all P);
+    `offset` is the position of token 0 in the sequence (a context-parallel shard's start)."""
     rows = k_idx.shape[1] if rows is None else rows
     mm = _mm_dtype(q_idx.dtype)
     q = jax.lax.dynamic_slice_in_dim(q_idx, start, size, axis=1).astype(mm)
@@ -174,9 +195,27 @@ def _scores_block(q_idx, k_idx, weights, ratio, start, size, rows=None):
         else:  # bf16 products: the head-weighted sum as one f32 multiply-reduce fusion, which
             # a GPU runs at memory speed (an f32 batched GEMV would run on CUDA cores)
             score = jnp.sum(w[..., None] * jax.nn.relu(dots), axis=2)
-    t = start + jnp.arange(size)[:, None]
+    t = offset + start + jnp.arange(size)[:, None]
     s = jnp.arange(rows)[None, :]
     return jnp.where((s < (t + 1) // ratio)[None], score, -jnp.inf)
+
+
+def topk_at_offset(q_idx, k_idx, weights, *, ratio, topk, offset):
+    """indexer_topk's ids (select="top_k", XLA scores) for tokens at positions offset + t of a
+    longer sequence: q_idx [B, L, Hi, Di], weights [B, L, Hi] of those tokens, k_idx [B, P, Di]
+    every pool row (a context-parallel shard's view). int32 [B, L, min(topk, P)]."""
+    B, L, Hi, _ = q_idx.shape
+    P = k_idx.shape[1]
+    k = min(topk, P)
+    q_idx, k_idx, weights = (jax.lax.stop_gradient(a) for a in (q_idx, k_idx, weights))
+
+    def pick(start, size):
+        score = _scores_block(q_idx, k_idx, weights, ratio, start, size, offset=offset)
+        with jax.named_scope("indexer_topk"):
+            vals, ids = jax.lax.top_k(score, k)
+            return jnp.where(vals > -jnp.inf, ids, -1).astype(jnp.int32)
+
+    return _chunked_over_tokens(pick, L, B * Hi * P)
 
 
 def indexer_scores(q_idx, k_idx, weights, *, ratio):

@@ -48,6 +48,12 @@ class CSAConfig:
     indexer_scores: str = "auto"           # indexer_topk's scores: auto | xla | kernel
     indexer_select: str = "auto"           # indexer_topk's select: auto | prefix | top_k |
                                            # kernel | approx
+    context_axis: str | None = None        # mesh axis the sequence is split over (context
+                                           # parallelism, csa_jax/context_parallel.py); None:
+                                           # the axis that splits x's T under Explicit axes, if any
+    context_overlap: str = "none"          # how the pool's collective meets the attention under
+                                           # context parallelism: none | xla | ring |
+                                           # bidirectional
 
     def __post_init__(self):
         if self.family is not None and self.family not in FAMILIES:
@@ -80,6 +86,11 @@ class CSAConfig:
         if self.indexer_select not in ("auto", "prefix", "top_k", "kernel", "approx"):
             raise ValueError(f"indexer_select={self.indexer_select!r} must be one of auto | prefix "
                              f"| top_k | kernel | approx (csa_jax.indexer_topk's select=)")
+        if self.context_axis is not None and not isinstance(self.context_axis, str):
+            raise ValueError(f"context_axis={self.context_axis!r} must be a mesh axis name or None")
+        if self.context_overlap not in ("none", "xla", "ring", "bidirectional"):
+            raise ValueError(f"context_overlap={self.context_overlap!r} must be one of none | xla "
+                             f"| ring | bidirectional (csa_jax.context_parallel.OVERLAPS)")
         from csa_jax import registry   # late: the registry imports the kernels
         if self.impl not in registry.choices():
             raise ValueError(f"impl={self.impl!r} must be one of {registry.choices()}")

@@ -31,6 +31,11 @@ every matrix carries logical axis names (`nnx.with_partitioning`, read back with
 `nnx.get_partition_spec`) that `LOGICAL_AXIS_RULES` maps to the mesh axes "fsdp" and "tensor"
 (comm.fsdp.logical_to_mesh).
 
+Context parallelism (docs/context_parallel.md): when x's sequence is split over a mesh axis
+(an Explicit axis in x's type, or cfg.context_axis), the compressor, the indexer, the index lists
+and the attention run shard by shard (csa_jax/context_parallel.py): q, kv rows and o stay with
+their tokens; a halo of window - 1 kv rows and the pool rows move.
+
 Named scopes (`jax.named_scope`) mark the parts of the layer in HLO op names and so in profiler
 traces (benchmarks/trace_breakdown.py): q_proj, kv_proj, compressor, indexer (indexer_scores,
 indexer_topk inside), index_lists, csa_attention, out_proj; RoPE and norms are rope / norm.
@@ -141,6 +146,18 @@ def _vector(value, names):
     return nnx.Param(value, out_sharding=tuple(names), eager_sharding=False)
 
 
+def _reshape_tail(x, shape):
+    """x.reshape(shape) where only dims after the first two (B, T) change. With x's T split
+    over an Explicit axis (context parallelism) jax cannot infer the output's sharding
+    (ShardingTypeError): it keeps x's B / T split, the new trailing dims unsplit."""
+    spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
+    if spec is None or len(tuple(spec)) < 2 or tuple(spec)[1] is None:
+        return x.reshape(shape)     # T not split: as it always was
+    lead = (tuple(spec) + (None, None))[:2]
+    return jax.lax.reshape(x, shape, out_sharding=jax.sharding.PartitionSpec(
+        *lead, *(None,) * (len(shape) - 2)))
+
+
 # ----------------------------------------------------------------------------- modules
 
 
@@ -171,11 +188,17 @@ class Compressor(nnx.Module):
         self.ape = _vector(jnp.zeros((ratio, coff * dim), param_dtype), (None, "kv"))
         self.norm_scale = _vector(jnp.ones((dim,), param_dtype), ("kv",))
 
-    def __call__(self, x):
+    def __call__(self, x, *, context_axis=None):
+        """context_axis: the mesh axis x's T is split over (pool rows come out split over P on
+        it, csa_jax.context_parallel.compress_cp), or None."""
         f32 = lambda p: p[...].astype(jnp.float32)  # noqa: E731  (vectors: f32 pooling math)
+        args = (x, self.w_kv[...], self.w_gate[...], f32(self.ape), f32(self.norm_scale))
         with jax.named_scope("compressor"):
-            return csa_jax.compress(x, self.w_kv[...], self.w_gate[...], f32(self.ape),
-                                    f32(self.norm_scale), ratio=self.ratio, eps=self.eps)
+            if context_axis is not None:
+                from csa_jax import context_parallel
+                return context_parallel.compress_cp(*args, ratio=self.ratio, eps=self.eps,
+                                                    axis=context_axis)
+            return csa_jax.compress(*args, ratio=self.ratio, eps=self.eps)
 
 
 class Indexer(nnx.Module):
@@ -192,16 +215,17 @@ class Indexer(nnx.Module):
         self.compressor = Compressor(cfg.d_model, di, _INDEXER_RATIO, eps=cfg.norm_eps,
                                      param_dtype=param_dtype, kernel_init=kernel_init, rngs=rngs)
 
-    def __call__(self, x, q_lat):
+    def __call__(self, x, q_lat, *, context_axis=None):
         """x [B,T,C], q_lat [B,T,q_rank] -> q_idx [B,T,Hi,Di], k_idx [B,P,Di] (both in x's
-        dtype: the score products run in it), weights [B,T,Hi] f32."""
+        dtype: the score products run in it), weights [B,T,Hi] f32. context_axis: as for
+        Compressor (k_idx split over P on it)."""
         cfg = self.cfg
         B, T, _ = x.shape
         hi, di = cfg.index_heads, cfg.index_dim
         pos = jnp.arange(T)
         q_idx = (q_lat @ self.wq[...].astype(q_lat.dtype)).reshape(B, T, hi, di)
         q_idx = apply_rope(q_idx, pos[:, None], base=cfg.rope_base, rope_dim=cfg.rope_dim)
-        k_idx = self.compressor(x)  # [B, P, Di] f32
+        k_idx = self.compressor(x, context_axis=context_axis)  # [B, P, Di] f32
         k_idx = apply_rope(k_idx, jnp.arange(k_idx.shape[1]) * _INDEXER_RATIO,
                            base=cfg.rope_base, rope_dim=cfg.rope_dim)
         weights = (x @ self.ww[...].astype(x.dtype)).astype(jnp.float32) * (di ** -0.5 * hi ** -0.5)
@@ -262,6 +286,28 @@ class CSAAttention(nnx.Module):
                             **rope)  # [B, T, D]
 
         aux = jnp.zeros((), jnp.float32)
+        cp = self.context_axis(x)
+        if cp is not None:
+            o = self._attend_cp(x, q, kv, q_lat, cp)
+        else:
+            o, aux = self._attend(x, q, kv, q_lat)
+
+        with jax.named_scope("out_proj"):
+            o = apply_rope(o, pos[:, None], inverse=True, **rope)  # de-rotate at the query position
+            G = cfg.o_groups
+            og = _reshape_tail(o, (B, T, G, (H // G) * D))
+            y = jnp.einsum("btgk,gkr->btgr", og, self.wo_a[...].astype(dt))  # [B, T, G, o_rank]
+            y = _reshape_tail(y, (B, T, G * cfg.o_rank)) @ self.wo_b[...].astype(dt)  # [B, T, C]
+        return y, aux
+
+    def _attend(self, x, q, kv, q_lat):
+        """The attention on one device (or shard by shard over batch / heads): (o, aux)."""
+        cfg = self.cfg
+        B, T, _ = x.shape
+        m = cfg.ratio
+        dt = q.dtype
+        rope = dict(base=cfg.rope_base, rope_dim=cfg.rope_dim)
+        aux = jnp.zeros((), jnp.float32)
         topk = None
         if m > 0:
             pool = self.compressor(x)  # [B, P, D] f32, before RoPE
@@ -288,13 +334,56 @@ class CSAAttention(nnx.Module):
                 aux = cfg.indexer_loss_coef * self._indexer_loss(q, kv, idx, lse, q_idx, k_idx, w,
                                                                  topk)
 
-        with jax.named_scope("out_proj"):
-            o = apply_rope(o, pos[:, None], inverse=True, **rope)  # de-rotate at the query position
-            G = cfg.o_groups
-            og = o.reshape(B, T, G, (H // G) * D)
-            y = jnp.einsum("btgk,gkr->btgr", og, self.wo_a[...].astype(dt))  # [B, T, G, o_rank]
-            y = y.reshape(B, T, G * cfg.o_rank) @ self.wo_b[...].astype(dt)  # [B, T, C]
-        return y, aux
+        return o, aux
+
+    def context_axis(self, x):
+        """The mesh axis x's sequence is split over (context parallelism), or None: the config's
+        context_axis, else the Explicit axis that splits x's T dimension, if any."""
+        if self.cfg.context_axis is not None:
+            return self.cfg.context_axis
+        spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
+        entry = tuple(spec)[1] if spec is not None and len(tuple(spec)) > 1 else None
+        if entry is None:
+            return None
+        if isinstance(entry, (tuple, list)):
+            if len(entry) != 1:
+                raise ValueError(f"x's sequence is split over several mesh axes {entry}: "
+                                 "context parallelism takes one axis")
+            entry = entry[0]
+        return entry
+
+    def _attend_cp(self, x, q, kv, q_lat, axis):
+        """The attention with T split over mesh axis `axis` (csa_jax/context_parallel.py): pool
+        rows and indexer keys computed per shard, lists built per shard, the op's halo and pool
+        collectives; q, kv rows and o stay where their tokens are."""
+        from csa_jax import context_parallel as cpm
+        cfg = self.cfg
+        B, T, _ = x.shape
+        m = cfg.ratio
+        dt = q.dtype
+        rope = dict(base=cfg.rope_base, rope_dim=cfg.rope_dim)
+        if m == _INDEXER_RATIO and cfg.indexer_loss_coef > 0:
+            raise NotImplementedError(
+                f"indexer_loss_coef={cfg.indexer_loss_coef} with context parallelism (axis "
+                f"{axis!r}): the auxiliary indexer loss is not implemented for a split sequence")
+        pool, topk = None, None
+        if m > 0:
+            pool = self.compressor(x, context_axis=axis)  # [B, P, D] f32, split over P
+            with jax.named_scope("compressor"):
+                pool = apply_rope(pool, jnp.arange(pool.shape[1]) * m, **rope).astype(dt)
+        if m == _INDEXER_RATIO:
+            with jax.named_scope("indexer"):
+                q_idx, k_idx, w = self.indexer(jax.lax.stop_gradient(x),
+                                               jax.lax.stop_gradient(q_lat), context_axis=axis)
+                topk = cpm.indexer_topk_cp(q_idx, k_idx, w, ratio=m, topk=cfg.topk, axis=axis,
+                                           select=cfg.indexer_select, scores=cfg.indexer_scores)
+        with jax.named_scope("index_lists"):
+            idx = cpm.index_lists_cp(B, T, m, window=cfg.window, axis=axis, topk=topk, like=q)
+        with jax.named_scope("csa_attention"):
+            sink = self.sink[...].astype(jnp.float32)
+            o, _ = cpm.sparse_attention_cp(q, kv, pool, idx, sink, axis=axis, window=cfg.window,
+                                           overlap=cfg.context_overlap, impl=cfg.impl)
+        return o
 
     @property
     def layout(self) -> csa_jax.Layout:

@@ -120,10 +120,31 @@ def _pad_tokens(x, T_pad, value=0):
     return jnp.pad(x, pad, constant_values=value)
 
 
-def _chunk_loop(B, T, H, K, config, body, init, padded):
+def _vma(x):
+    aval = jax.typeof(x)
+    mat = getattr(aval, "manual_axis_type", None)
+    return frozenset(mat.varying) if mat is not None else frozenset(getattr(aval, "vma", ()))
+
+
+def _varying_like(init, inputs):
+    """init's leaves cast to vary over every manual mesh axis any input varies over: inside a
+    shard_map (check_vma) the loop's carry must come out of the body with the type it went in,
+    and the body mixes the inputs into it (zeros start invariant)."""
+    axes = frozenset().union(*(_vma(x) for x in inputs))
+    if not axes:
+        return init
+
+    def cast(x):
+        missing = tuple(sorted(axes - _vma(x)))
+        return jax.lax.pcast(x, missing, to="varying") if missing else x
+    return jax.tree.map(cast, init)
+
+
+def _chunk_loop(B, T, H, K, config, body, init, padded, others=()):
     """Run body(start, C, carry) over token chunks; returns (carry, C, T_pad).
 
     `padded` lists the [B, T, ...] inputs; they are padded to a multiple of C (idx with -1).
+    `others`: the other arrays the body reads (their manual-axis variance types the carry).
     """
     C = _chunk_size(B, T, H, K, config)
     n = -(-T // C)
@@ -131,6 +152,7 @@ def _chunk_loop(B, T, H, K, config, body, init, padded):
     padded = [_pad_tokens(x, T_pad, v) for x, v in padded]
     if n == 1:
         return body(0, C, init, padded), C, T_pad
+    init = _varying_like(init, list(padded) + list(others))
     carry = jax.lax.fori_loop(0, n, lambda i, c: body(i * C, C, c, padded), init)
     return carry, C, T_pad
 
@@ -155,7 +177,8 @@ def forward(q, kv, idx, sink, *, scale, interpret=None, config=None):
     C = _chunk_size(B, T, H, K, config)
     T_pad = -(-T // C) * C
     init = (jnp.zeros((B, T_pad, H, D), q.dtype), jnp.zeros((B, T_pad, H), jnp.float32))
-    (o, lse), _, _ = _chunk_loop(B, T, H, K, config, body, init, [(q, 0), (idx, -1)])
+    (o, lse), _, _ = _chunk_loop(B, T, H, K, config, body, init, [(q, 0), (idx, -1)],
+                                 others=(kv, sink))
     return o[:, :T], lse[:, :T]
 
 
@@ -273,7 +296,7 @@ def backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, interpret=None, confi
             jnp.zeros((H,), jnp.float32))
     (dq, dkv, dsink), _, _ = _chunk_loop(
         B, T, H, K, config, body, init,
-        [(q, 0), (idx, -1), (o, 0), (do, 0), (lse, 1e30), (dlse, 0)])
+        [(q, 0), (idx, -1), (o, 0), (do, 0), (lse, 1e30), (dlse, 0)], others=(kv, sink))
     return dq[:, :T], dkv.astype(kv.dtype), dsink
 
 

@@ -20,8 +20,10 @@ Which mesh axes shard batch and heads is read from q:
   partitioned as XLA sees fit.
 
 A batch (head) sharding that does not divide B (H) is dropped (that dimension is gathered): still
-correct, never silently wrong. Sequence (T) sharding is not used: a token's structured layout
-(pallas_tpu's window promise) depends on its global position.
+correct, never silently wrong. Sequence (T) sharding is not done here: a q split over T is
+gathered first (correct, not free), because a token's kv rows are found by global ids. The
+sequence split is csa_jax/context_parallel.py (sparse_attention_cp and the layer's
+CSAConfig.context_axis): a halo ppermute and a pool all-gather instead of gathering T.
 """
 from __future__ import annotations
 

@@ -32,7 +32,26 @@ def _bwd(impl, scale, interpret, config, res, cts):
         scale=scale, interpret=interpret, config=config)
     # Without a sink (sink == -inf everywhere) its cotangent is exactly zero.
     dsink = jnp.where(jnp.isneginf(sink), 0.0, dsink)
-    return dq, dkv, None, dsink
+    return _like(dq, q), _like(dkv, kv), None, _like(dsink, sink)
+
+
+def _vma(x):
+    aval = jax.typeof(x)
+    mat = getattr(aval, "manual_axis_type", None)
+    return frozenset(mat.varying) if mat is not None else frozenset(getattr(aval, "vma", ()))
+
+
+def _like(ct, primal):
+    """The cotangent typed like its primal inside a shard_map (check_vma): summed over the
+    manual axes the primal is invariant over (it was used by every device: the shards'
+    contributions add, e.g. a replicated sink's), cast to varying over those it varies over."""
+    extra = tuple(sorted(_vma(ct) - _vma(primal)))
+    if extra:
+        ct = jax.lax.psum(ct, extra)
+    missing = tuple(sorted(_vma(primal) - _vma(ct)))
+    if missing:
+        ct = jax.lax.pcast(ct, missing, to="varying")
+    return ct
 
 
 attention.defvjp(_fwd, _bwd)

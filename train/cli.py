@@ -130,6 +130,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="shard params and optimizer state over all devices: xla (sharding "
                         "annotations, XLA schedules the collectives) or explicit (comm's "
                         "shard_map FSDP). Default: off")
+    g.add_argument("--context-parallel", type=int, metavar="N", dest="context_parallel",
+                   help="split each sequence over N devices (context parallelism, "
+                        "docs/context_parallel.md); the devices / N groups split the batch "
+                        "(with --fsdp xla they also shard params). seq_len must be a multiple "
+                        "of N times every compress ratio. Default: 1")
     g = p.add_argument_group("logging and checkpoints")
     g.add_argument("--log-every", type=int, help="steps between metrics lines. "
                    + preset_defaults("log_every"))
@@ -196,7 +201,8 @@ def config_from_args(args):
     model["compute_dtype"] = dtype
     over = {k: getattr(args, k) for k in (
         "steps", "batch_size", "seq_len", "seed", "lr", "warmup_steps", "log_every",
-        "eval_every", "eval_batches", "ckpt_every", "keep_checkpoints", "fsdp", "data_encoding")}
+        "eval_every", "eval_batches", "ckpt_every", "keep_checkpoints", "fsdp", "data_encoding",
+        "context_parallel")}
     if args.data is not None:
         for spec in args.data:
             if not spec.strip():

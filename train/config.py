@@ -220,9 +220,17 @@ class TrainConfig:
     max_corpus_bytes: int = 16 * 2**20
     eval_fraction: float = 0.02
     fsdp: str = "off"
+    context_parallel: int = 1   # devices the sequence is split over (csa_jax/context_parallel.py)
 
     def __post_init__(self):
         object.__setattr__(self, "data", tuple(self.data))
+        cp = self.context_parallel
+        if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
+            raise ConfigError(f"context_parallel={cp!r} must be an int >= 1")
+        # the layers find the sequence axis by name: "cp" while the sequence is split
+        axis = "cp" if cp > 1 else None
+        if self.model.attention.context_axis != axis:
+            object.__setattr__(self, "model", self.model.replace(context_axis=axis))
         for name in ("steps", "batch_size", "log_every", "eval_every", "eval_batches",
                      "ckpt_every", "keep_checkpoints", "max_corpus_bytes"):
             v = getattr(self, name)
@@ -242,6 +250,25 @@ class TrainConfig:
             raise ConfigError("scan_layers=True does not combine with fsdp='explicit' (its "
                               "layer-by-layer weight gathers need the plain layer loop)")
         self.model.check_seq_len(self.seq_len)
+        if cp > 1:
+            self._check_context_parallel()
+
+    def _check_context_parallel(self):
+        cp, T = self.context_parallel, self.seq_len
+        ratios = sorted({r for r in self.model.layer_ratios if r > 0})
+        unit = cp * (math.lcm(*ratios) if ratios else 1)
+        if T % unit:
+            raise ConfigError(
+                f"--context-parallel {cp}: seq_len={T} must be a multiple of {unit} (each of the "
+                f"{cp} shards a multiple of every compress ratio {ratios}, so no compressor group "
+                f"straddles two devices)")
+        if 4 in ratios and self.model.attention.indexer_loss_coef > 0:
+            raise ConfigError(f"--context-parallel {cp} with indexer_loss_coef="
+                              f"{self.model.attention.indexer_loss_coef}: the auxiliary indexer "
+                              "loss is not implemented for a split sequence")
+        if self.fsdp == "explicit":
+            raise ConfigError(f"--context-parallel {cp} with --fsdp explicit is not implemented "
+                              "(use --fsdp xla or off)")
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)

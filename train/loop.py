@@ -43,7 +43,8 @@ __all__ = ["DivergedError", "RunResult", "init_state", "make_optimizer", "train_
 _RESUMABLE_CHANGES = {"steps", "log_every", "eval_every", "eval_batches", "ckpt_every",
                       "keep_checkpoints", "model.attention.impl", "model.remat",
                       "model.scan_layers", "model.attention.indexer_scores",
-                      "model.attention.indexer_select", "model.swiglu", "model.norm", "fsdp"}
+                      "model.attention.indexer_select", "model.swiglu", "model.norm", "fsdp",
+                      "context_parallel", "model.attention.context_axis"}
 
 
 # Fields added to TrainConfig later, with the value that behaves as runs saved before did.

@@ -21,7 +21,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from csa_jax.layers import LOGICAL_AXIS_RULES
 from train.config import ConfigError
 
-__all__ = ["FSDPRunner", "SingleDeviceRunner", "check_parallel", "make_runner"]
+__all__ = ["ContextParallelRunner", "FSDPRunner", "SingleDeviceRunner", "check_parallel",
+           "make_runner"]
 
 
 def _next_rng(rng):
@@ -179,12 +180,57 @@ class FSDPRunner:
         return self._eval(nnx.to_pure_dict(dstate["fsdp"].params), batch)
 
 
+class ContextParallelRunner(SingleDeviceRunner):
+    """Context parallelism (csa_jax/context_parallel.py) without FSDP: a mesh of Auto axes
+    ("data", "cp") = (devices / N, N); params and optimizer state replicated, each batch array
+    [B, T] split as P("data", "cp"), so every device holds B / (devices / N) sequences' T / N
+    tokens. The layers (context_axis "cp") attend with the halo and pool collectives; the rest
+    of the model is per token and the partitioner keeps it split; the gradients' sums over the
+    mesh are XLA's."""
+
+    def __init__(self, graphdef, tx, schedule, compute_dtype, context_parallel, devices=None):
+        import numpy as np
+        from jax.sharding import AxisType, Mesh
+
+        super().__init__(graphdef, tx, schedule, compute_dtype)
+        devices = list(jax.devices() if devices is None else devices)
+        n = context_parallel
+        self.mesh = Mesh(np.array(devices).reshape(len(devices) // n, n), ("data", "cp"),
+                         axis_types=(AxisType.Auto, AxisType.Auto))
+        self.n = len(devices)
+        self._replicated = NamedSharding(self.mesh, PartitionSpec())
+        self._split = NamedSharding(self.mesh, PartitionSpec("data", "cp"))
+        jit_step, jit_eval = self.step, self._eval
+        self._jit_step = jit_step
+        self.step = self._in_mesh(jit_step)
+        self._eval = self._in_mesh(jit_eval)
+
+    def _in_mesh(self, fn):
+        def run(*args):
+            with jax.set_mesh(self.mesh):
+                return fn(*args)
+        return run
+
+    def hlo_text(self, state, batch):
+        with jax.set_mesh(self.mesh):
+            return self._jit_step.lower(state, batch).compile().as_text()
+
+    def put(self, state):
+        return jax.tree.map(lambda x: jax.device_put(jnp.array(x), self._replicated), state)
+
+    def shardings(self, state):
+        return jax.tree.map(lambda _: self._replicated, state)
+
+    def batch(self, batch):
+        return tuple(jax.device_put(jnp.asarray(b), self._split) for b in batch)
+
+
 _CACHE: dict = {}
 
 
 def _step_key(cfg):
     """The fields that shape the compiled step (not logging, data or checkpoint settings)."""
-    return (cfg.model, cfg.fsdp, cfg.steps, cfg.lr, cfg.warmup_steps, cfg.min_lr_ratio,
+    return (cfg.model, cfg.fsdp, cfg.context_parallel, cfg.steps, cfg.lr, cfg.warmup_steps, cfg.min_lr_ratio,
             cfg.weight_decay, cfg.b2, cfg.grad_clip, jax.device_count())
 
 
@@ -205,6 +251,20 @@ def check_parallel(cfg):
     if cfg.fsdp == "off" and jax.process_count() > 1:
         raise ConfigError(f"this run spans {jax.process_count()} processes: --fsdp off trains "
                           f"on one device; pass --fsdp xla or --fsdp explicit")
+    cp = cfg.context_parallel
+    if cp > 1:
+        if n % cp:
+            raise ConfigError(f"--context-parallel {cp} must divide the {n} devices")
+        if cfg.batch_size % (n // cp):
+            raise ConfigError(f"--context-parallel {cp}: batch_size={cfg.batch_size} must divide "
+                              f"by the {n // cp} groups of {cp} devices")
+        if cfg.fsdp != "off":
+            raise ConfigError(f"--context-parallel {cp} with --fsdp {cfg.fsdp} is not "
+                              "implemented: params are replicated over the mesh (use --fsdp off)")
+        if jax.process_count() > 1:
+            raise ConfigError(f"--context-parallel {cp} runs in one process (got "
+                              f"{jax.process_count()})")
+        return
     if cfg.fsdp != "off" and cfg.batch_size % n:
         raise ConfigError(f"--fsdp {cfg.fsdp}: batch_size={cfg.batch_size} must divide by the "
                           f"{n} devices")
@@ -212,6 +272,9 @@ def check_parallel(cfg):
 
 def _make_runner(cfg, graphdef, params, tx, schedule):
     check_parallel(cfg)
+    if cfg.context_parallel > 1:
+        return ContextParallelRunner(graphdef, tx, schedule, cfg.model.compute_dtype,
+                                     cfg.context_parallel)
     if cfg.fsdp == "off":
         return SingleDeviceRunner(graphdef, tx, schedule, cfg.model.compute_dtype)
     return FSDPRunner(graphdef, params, tx, schedule, cfg.model.compute_dtype, cfg.fsdp)
