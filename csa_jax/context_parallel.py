@@ -74,6 +74,8 @@ from jax import lax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from csa_jax.sharding import _axes, _entry    # PartitionSpec entry <-> mesh axis names
+
 __all__ = ["sparse_attention_cp", "OVERLAPS", "halo_rows", "plan"]
 
 OVERLAPS = ("none", "xla", "ring", "bidirectional")
@@ -267,16 +269,6 @@ def sparse_attention_cp(q, kv, pool, idx, sink=None, *, axis, window, overlap="n
     # collectives' transposes (all_gather -> psum_scatter, ppermute -> inverse) are exact.
     fn = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=(sq, sq), check_vma=False)
     return fn(*args)
-
-
-def _axes(entry):
-    if entry is None:
-        return ()
-    return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
-
-
-def _entry(axes):
-    return None if not axes else (axes[0] if len(axes) == 1 else tuple(axes))
 
 
 def _explicit_names(mesh):

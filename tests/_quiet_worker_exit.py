@@ -1,6 +1,6 @@
 """An xdist worker ignores SIGINT once its tests are done (imported by tests/conftest.py).
 
-When the controller shuts a worker down, execnet gives the worker's session 5 s to end and then
+When the controller shuts a worker down, execnet gives the worker 5 s to end its session and then
 SIGINTs it (execnet/gateway_base.py, `_terminate_execution`). After its last test a worker
 still runs pytest's unconfigure, which collects garbage (pytest's unraisable-exception plugin
 calls gc.collect() twice); over this suite's jax heap, on 2 loaded cores, that can take longer.
