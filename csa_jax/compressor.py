@@ -236,7 +236,8 @@ SELECT_MODES = ("auto", "prefix", "top_k", "kernel", "approx")
 # applies: NVIDIA GPUs, rows of at most 8192 scores (P padded to a power of two), at most 2**28
 # scores held at once (the kernel reads the whole [B, T, P]), and scores from the scores kernel
 # (scores="auto"/"kernel" taking the problem); elsewhere "prefix". The same ids as
-# "prefix" / "top_k". Measured on the H200 (`small`, T = 8192, docs/perf/train_h200.md session 4):
+# "prefix" / "top_k". Measured on the H200 (`small`, T = 8192, docs/perf/train_h200.md,
+# branch train4b at 311d332, 2026-12-01):
 # the step's top-k 2.42 -> 2.04 ms (select kernel 0.83, XLA's sort of the k selected 1.12).
 _AUTO_KERNEL_SELECT = True
 # Below this many [B, T, P] scores "prefix" runs as "top_k" (same ids): small problems (the CPU

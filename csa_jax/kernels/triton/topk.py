@@ -18,7 +18,7 @@ lax.top_k over the whole row, with -1 where fewer than k rows are visible. The s
 slots per token instead of the visible rows (up to P).
 
 Measured in the `small` step on the H200 (T = 8192, P = 2048, k = 512; docs/perf/train_h200.md,
-session 4): this kernel 0.166 ms and the sort 0.224 ms per cr4 layer, against 0.484 ms for the
+branch train4b at 311d332, 2026-12-01): this kernel 0.166 ms and the sort 0.224 ms per cr4 layer, against 0.484 ms for the
 prefix bands' lax.top_k. Untried: several tokens per program (ROWS), ordering the k in-kernel.
 """
 from __future__ import annotations
