@@ -42,4 +42,6 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 .venv/bin/python -m pip install -q --disable-pip-version-check -c constraints.txt -e ".[$EXTRAS]"
-.venv/bin/python -c 'import jax, flax, optax; print(f"setup: ok: jax {jax.__version__}, flax {flax.__version__}, optax {optax.__version__}, backend {jax.default_backend()}")'
+# csa_jax first: on a machine without an accelerator it keeps jax from probing the installed
+# libtpu (csa_jax/platforms.py), whose start-up errors would otherwise follow this line.
+.venv/bin/python -c 'import csa_jax, jax, flax, optax; print(f"setup: ok: jax {jax.__version__}, flax {flax.__version__}, optax {optax.__version__}, backend {jax.default_backend()}")'
