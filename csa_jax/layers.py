@@ -271,7 +271,7 @@ class CSAAttention(nnx.Module):
     def __call__(self, x):
         cfg = self.cfg
         B, T, _ = x.shape
-        H, D, m = cfg.num_heads, cfg.head_dim, cfg.ratio
+        H, D = cfg.num_heads, cfg.head_dim
         dt = self.dtype or x.dtype
         x = x.astype(dt)
         pos = jnp.arange(T)

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from csa_jax.kernels.gluon.adapter import missing as _missing_triton
-from csa_jax.kernels.gluon.config import LAYOUTS, SMEM_BUDGET, Config  # noqa: F401
+from csa_jax.kernels.gluon.config import SMEM_BUDGET, Config
 from csa_jax.kernels.gluon.dims import (AMD_DEFAULTS, AMD_DQ_DEFAULTS, amd_arch, dq_tiles,
                                         fwd_shared_bytes)
 

@@ -36,6 +36,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait)
 
+from csa_jax.kernels.gluon.config import WINDOW_KERNEL
 from csa_jax.kernels.gluon.dims import HB, SMEM_LIMIT, padded_dims
 from csa_jax.kernels.gluon.fwd import _opaque
 from csa_jax.kernels.gluon.ring import LOG2E, NEG, PRODUCER_WARPS, _finish, _pad, _release
@@ -46,7 +47,6 @@ HBC = gl.constexpr(HB)         # heads per program (wgmma M)
 WG_WARPS = gl.constexpr(4)
 NUM_WARPS = 4                  # the default partition (the producer); 12 warps in all
 CONSUMER_REGS = 216            # registers per consumer thread (setmaxnreg)
-WINDOWS = (128,)               # the windows the kernel runs for (checked and measured: 128)
 SMS = 132                      # streaming multiprocessors of the H200
 
 
@@ -140,7 +140,6 @@ def _issue(bufs, q_ready, it, W: gl.constexpr, D: gl.constexpr, WG: gl.constexpr
     q_smem, win_a, win_b = bufs[0], bufs[1], bufs[2]
     s_layout: gl.constexpr = _s_layout(W)
     c_layout: gl.constexpr = _c_layout()
-    o_layout: gl.constexpr = _o_layout(D)
     HALF: gl.constexpr = W // 2
     mbarrier.wait(q_ready, it & 1)
     fence_async_shared()
@@ -369,8 +368,8 @@ def forward(q, kv, sink, bad, *, scale, window):
     N = kv.shape[1]
     Hp, Dp, _ = padded_dims(H, D, 1, 1)
     need = shared_bytes(Dp, window)
-    if window not in WINDOWS or need > SMEM_LIMIT:
-        raise NotImplementedError(f"the cr0 window kernel runs window in {WINDOWS} within "
+    if window != WINDOW_KERNEL or need > SMEM_LIMIT:
+        raise NotImplementedError(f"the cr0 window kernel runs window {WINDOW_KERNEL} within "
                                   f"{SMEM_LIMIT} B of shared memory; got {window=}, {D=} "
                                   f"({need} B)")
     q_p = _pad(_pad(q, 3, Dp), 2, Hp).reshape(B * T * Hp, Dp)
