@@ -128,11 +128,13 @@ class _OrbaxNoise(logging.Filter):
     def __init__(self):
         super().__init__()
         self.held: list[logging.LogRecord] = []
+        self.drop = False      # after a reported failure: drop orbax's records, hold none
 
     def filter(self, record):
         if _ORBAX_DIR in record.pathname or (
                 record.name == "asyncio" and record.exc_info and _from_orbax(record.exc_info[2])):
-            self.held.append(record)
+            if not self.drop:
+                self.held.append(record)
             return False
         return True
 
@@ -348,11 +350,18 @@ class Checkpointer:
 
     def _unhook(self) -> None:
         gc.collect()  # what a failed write left to be collected, still under the filter
+        if self._reported:
+            # A failed save was reported (one `error:` line): its orbax tasks can still be
+            # collected later (asyncio's "exception was never retrieved" at the next collection
+            # or at exit), so the filter and the hook stay installed, dropping only orbax's
+            # records of that failure, as while the checkpointer was open.
+            self._noise.held.clear()
+            self._noise.drop = True
+            return
         if sys.unraisablehook is self._hook:
             sys.unraisablehook = self._hook.previous
         for name in ("absl", "asyncio"):
             logging.getLogger(name).removeFilter(self._noise)
-        if not self._reported:  # orbax errors that no exception of ours reported
-            for record in self._noise.held:
-                logging.getLogger(record.name).handle(record)
+        for record in self._noise.held:  # orbax errors that no exception of ours reported
+            logging.getLogger(record.name).handle(record)
         self._noise.held.clear()
