@@ -266,6 +266,7 @@ class Checkpointer:
         return meta
 
     def _error(self, step, reason):
+        self._reported = True  # a failed read is reported too: orbax's own logs of it are redundant
         return CheckpointError(f"checkpoint {str(self.path(step))!r} cannot be restored "
                                f"({reason})")
 
