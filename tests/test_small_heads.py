@@ -2,7 +2,9 @@
 small-H backward pathology (docs/small_heads.md).
 
 - default_config for H >= 32 is pinned to its values at 14a1614 (the fix changes only H <= 16
-  above D = 128): NVIDIA and AMD, bf16 and f32, the V4 layer types and the `small` preset's D;
+  above D = 128), except the NVIDIA forward's 4 warps at H = 32 (measured 2026-12-02: Pro cr4
+  T = 16384 5.53 ms against 8.68 with 8): NVIDIA and AMD, bf16 and f32, the V4 layer types and
+  the `small` preset's D;
 - at D = 512, H <= 16 keeps the 4-warp forward and takes the H = 32 backward tiling; at D = 128
   (the `small` preset, where it was measured) the narrow-heads backward stays;
 - the H = 16, D = 512 kernels compile on the CPU for sm_90a, gfx942 and gfx950 without spills
@@ -65,6 +67,8 @@ def test_default_config_unchanged_at_wide_heads(H):
                 exp["reduce_split"] = 128
             if H == 32:
                 exp["block_h"] = 32
+                if kind == NVIDIA:
+                    exp["num_warps"] = 4
             got = _diff(_config(kind, H, shape, jnp.dtype(dt)))
             assert got == exp, (kind, H, shape, dt)
 

@@ -162,9 +162,10 @@ def default_config(q_shape, kv_shape, idx_shape, dtype) -> Config:
     was available. f32 inputs halve the tile rows (twice the bytes per row). Tiles never exceed
     the padded slot count, head blocks never the padded heads.
 
-    Narrow heads (H <= 16: the `small` training preset's 16 x 128, V4 under tensor parallelism
-    of 8 or 16; NVIDIA): the forward with 4 warps (a cr4 layer at T = 8192, D = 128: 0.465 ms
-    against 0.629 ms with 8; Pro cr4 T = 16384, D = 512, H = 16: 3.83 ms). The backward keeps
+    Narrow heads (H <= 32: the `small` training preset's 16 x 128, V4 under tensor parallelism
+    of 4, 8 or 16; NVIDIA): the forward with 4 warps (a cr4 layer at T = 8192, D = 128, H = 16:
+    0.465 ms against 0.629 ms with 8; Pro cr4 T = 16384, D = 512: H = 16 3.83 ms, H = 32 5.53
+    ms against 8.68 ms with 8, docs/perf/heads_h200.md). At H <= 16 the backward keeps
     the H = 32 tiling (the defaults) above D = NARROW_BWD_MAX_D = 128: the settings below made
     the D = 512 dq kernel spill 1,984 B per thread on sm_90a (0 with the H = 32 tiling) and its
     step 2.3x the H = 32 one (docs/small_heads.md). Up to D = 128: 64-slot dq tiles (the
@@ -186,9 +187,9 @@ def default_config(q_shape, kv_shape, idx_shape, dtype) -> Config:
     if amd:
         cfg = dataclasses.replace(cfg, block_k=16, block_h_dq=32, block_k_dq=16,
                                   num_stages_dq=2, num_stages=2, slot_major_dq=False)
-    elif max(16, _next_pow2(H)) <= 16:
+    elif max(16, _next_pow2(H)) <= 32:
         cfg = dataclasses.replace(cfg, num_warps=4)
-        if D <= NARROW_BWD_MAX_D:
+        if max(16, _next_pow2(H)) <= 16 and D <= NARROW_BWD_MAX_D:
             cfg = dataclasses.replace(cfg, block_k_dq=64, interm="dq", block_r=64)
     if 0 < pool <= K and D <= 128:
         cfg = dataclasses.replace(cfg, reduce_split=128)
