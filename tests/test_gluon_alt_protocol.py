@@ -1,8 +1,9 @@
 """A model of fwd.py's barrier protocol, run under random interleavings (CPU only).
 
 The Gluon kernel cannot run here; this checks the protocol it implements, transcribed from
-fwd.py (the alternating consumer warpgroups, "pv_first" step order) step by step (which barrier each partition waits on with which parity, what it reads
-and writes): no deadlock, no ring stage / P tile / stats row overwritten before its last reader
+fwd.py (the alternating consumer warpgroups, "pv_first" step order; one program walking
+several rows, as a persistent program does) step by step (which barrier each partition waits on
+with which parity, what it reads and writes): no deadlock, no ring stage / P tile / stats row overwritten before its last reader
 is done, every read sees the tile it expects. mbarrier semantics: a barrier completes a phase
 after `count` arrivals; wait(parity) returns once the phase of that parity has completed (a
 fresh barrier's "previous phase", parity 1, counts as completed). Each stage is one unit,
@@ -55,62 +56,93 @@ class Buffers:
         self.reads[(key, tile)] = self.reads.get((key, tile), 0) + 1
 
 
-def producer(n, st):
-    for i in range(n):
-        s = i % st
-        if i >= st:
-            yield ("wait", ("consumed", s), ((i // st) - 1) & 1)
-        yield ("write", ("ring", s), i, 3)        # S by its owner + one PV per warpgroup
-        yield ("arrive", ("full", s))
+def producer(rows, st):
+    """fwd._producer: per row, q once both consumers released the previous row's (q_free),
+    then the row's tiles; stages and phases count the program's whole tile stream."""
+    base = 0
+    for n, nt in enumerate(rows):
+        if n >= 1:
+            yield ("wait", ("q_free",), (n - 1) & 1)
+        yield ("write", ("q",), n, rows[n - 1] if n else 0)    # the last row's every S
+        yield ("arrive", ("q_bar",))
+        for i in range(nt):
+            g = base + i
+            s = g % st
+            if g >= st:
+                yield ("wait", ("consumed", s), ((g // st) - 1) & 1)
+            yield ("write", ("ring", s), g, 3)    # S by its owner + one PV per warpgroup
+            yield ("arrive", ("full", s))
+        base += nt
 
 
-def _pv_prev_issue(o, i, st):
-    yield ("wait", ("ex", o), ((i - 1) // 2) & 1)
-    yield ("wait", ("full", (i - 1) % st), ((i - 1) // st) & 1)
-    yield ("begin", ("p", o), i - 1)
-    yield ("begin", ("ring", (i - 1) % st), i - 1)             # PV_{i-1} issued
+def _pv_prev_issue(o, g, st):
+    yield ("wait", ("ex", o), ((g - 1) // 2) & 1)
+    yield ("wait", ("full", (g - 1) % st), ((g - 1) // st) & 1)
+    yield ("begin", ("p", o), g - 1)
+    yield ("begin", ("ring", (g - 1) % st), g - 1)             # PV_{g-1} issued
 
 
-def _pv_prev_done(w, o, i, st):
-    yield ("end", ("p", o), i - 1)
-    yield ("end", ("ring", (i - 1) % st), i - 1)
-    yield ("arrive", ("consumed", (i - 1) % st))
+def _pv_prev_done(o, g, st):
+    yield ("end", ("p", o), g - 1)
+    yield ("end", ("ring", (g - 1) % st), g - 1)
+    yield ("arrive", ("consumed", (g - 1) % st))
     yield ("arrive", ("exfree", o))
 
 
-def consumer(w, n, st):
-    """Warpgroup w's steps, transcribed from fwd._own_tile and fwd._consumer."""
+def consumer(w, rows, st, early_q=True):
+    """Warpgroup w's steps, transcribed from fwd._own_tile and fwd._consumer: it owns the
+    tiles g of the program's tile stream with g % 2 == w. It releases q (q_free) after its last
+    S of a row (early_q, EARLY_Q in the kernel) or at the row's end."""
     o = 1 - w
-    for i in range(w, n, 2):
-        s = i % st
-        if i >= 1:                                                 # the other's PV_{i-1} first
-            yield from _pv_prev_issue(o, i, st)
-            yield ("read", ("st", o), i - 1)
-        yield ("wait", ("full", s), (i // st) & 1)
-        yield ("begin", ("ring", s), i)                            # S_i issued
-        yield ("end", ("ring", s), i)                              # both waited
-        if i >= 1:
-            yield from _pv_prev_done(w, o, i, st)
-        if i >= 2:
-            yield ("wait", ("exfree", w), ((i // 2) - 1) & 1)
-        yield ("write", ("p", w), i, 1)
-        yield ("write", ("st", w), i, 1)
-        yield ("arrive", ("ex", w))
-        yield ("begin", ("ring", s), i)                            # PV_i (synchronous)
-        yield ("end", ("ring", s), i)
-        yield ("arrive", ("consumed", s))
-    last = n - 1
-    if last >= 0 and last % 2 == o:
-        yield ("wait", ("ex", o), (last // 2) & 1)
-        yield ("read", ("st", o), last)
-        yield ("wait", ("full", last % st), (last // st) & 1)
-        yield ("begin", ("ring", last % st), last)
-        yield ("end", ("ring", last % st), last)
-        yield ("arrive", ("consumed", last % st))
+    base = 0
+    for n, nt in enumerate(rows):
+        yield ("wait", ("q_bar",), n & 1)
+        first = (w + base) % 2
+        if early_q and first >= nt:
+            yield ("arrive", ("q_free",))
+        for i in range(first, nt, 2):
+            g = base + i
+            s = g % st
+            if i >= 1:                                             # the other's PV_{g-1} first
+                yield from _pv_prev_issue(o, g, st)
+                yield ("read", ("st", o), g - 1)
+            yield ("wait", ("full", s), (g // st) & 1)
+            yield ("begin", ("ring", s), g)                        # S_g issued (reads q)
+            yield ("begin", ("q",), n)
+            yield ("end", ("ring", s), g)                          # both waited
+            yield ("end", ("q",), n)
+            if early_q and i + 2 >= nt:
+                yield ("arrive", ("q_free",))
+            if i >= 1:
+                yield from _pv_prev_done(o, g, st)
+            if g >= 2:
+                yield ("wait", ("exfree", w), ((g // 2) - 1) & 1)
+            yield ("write", ("p", w), g, 1)
+            yield ("write", ("st", w), g, 1)
+            yield ("arrive", ("ex", w))
+            yield ("begin", ("ring", s), g)                        # PV_g (synchronous)
+            yield ("end", ("ring", s), g)
+            yield ("arrive", ("consumed", s))
+        last = base + nt - 1
+        if nt > 0 and last % 2 == o:
+            yield ("wait", ("ex", o), (last // 2) & 1)
+            yield ("read", ("st", o), last)
+            yield ("wait", ("full", last % st), (last // st) & 1)
+            yield ("begin", ("p", o), last)
+            yield ("begin", ("ring", last % st), last)
+            yield ("end", ("p", o), last)
+            yield ("end", ("ring", last % st), last)
+            yield ("arrive", ("consumed", last % st))
+            yield ("arrive", ("exfree", o))
+        if not early_q:
+            yield ("arrive", ("q_free",))
+        base += nt
 
 
-def run(n, st, rng, cons=consumer):
-    bars = {}
+def run(rows, st, rng, cons=consumer, prod=producer):
+    if isinstance(rows, int):
+        rows = [rows]
+    bars = {("q_bar",): Barrier(1), ("q_free",): Barrier(2)}
     for s in range(st):
         bars[("full", s)] = Barrier(1)
         bars[("consumed", s)] = Barrier(2)
@@ -118,12 +150,12 @@ def run(n, st, rng, cons=consumer):
         for name in ("ex", "exfree"):
             bars[(name, w)] = Barrier(1)
     buf = Buffers()
-    threads = [producer(n, st), cons(0, n, st), cons(1, n, st)]
+    threads = [prod(rows, st), cons(0, rows, st), cons(1, rows, st)]
     nxt = [next(t, None) for t in threads]
     while any(op is not None for op in nxt):
         ready = [k for k, op in enumerate(nxt) if op is not None and
                  (op[0] != "wait" or bars[op[1]].done(op[2]))]
-        assert ready, f"deadlock at n={n}, stages={st}: {nxt}"
+        assert ready, f"deadlock at rows={rows}, stages={st}: {nxt}"
         k = rng.choice(ready)
         op = nxt[k]
         if op[0] == "arrive":
@@ -138,9 +170,11 @@ def run(n, st, rng, cons=consumer):
             buf.begin(op[1], op[2])
             buf.end(op[1], op[2])
         nxt[k] = next(threads[k], None)
-    # every tile was read by its S and both PV halves
-    for i in range(n):
-        assert buf.reads.get((("ring", i % st), i), 0) == 3, (i, buf.reads)
+    # every tile was read by its S and both PV halves, every P tile by the other warpgroup
+    total = sum(rows)
+    for g in range(total):
+        assert buf.reads.get((("ring", g % st), g), 0) == 3, (g, buf.reads)
+        assert buf.reads.get((("p", g % 2), g), 0) == 1, (g, buf.reads)
 
 
 @pytest.mark.parametrize("st", [2, 4])
@@ -149,6 +183,31 @@ def test_alt_protocol_random_interleavings(st):
     for n in range(0, 13):
         for _ in range(30):
             run(n, st, rng)
+
+
+@pytest.mark.parametrize("early_q", [True, False])
+@pytest.mark.parametrize("st", [2, 4])
+def test_persistent_rows_random_interleavings(st, early_q):
+    """A persistent program: several rows (head blocks) in one tile stream, odd and even tile
+    counts and empty rows, so rows start on either warpgroup and the producer runs ahead into
+    the next row's q and tiles."""
+    rng = random.Random(99 + st)
+    for _ in range(300):
+        rows = [rng.choice([0, 1, 2, 3, 4, 5, 7]) for _ in range(rng.randint(1, 5))]
+        run(rows, st, rng, cons=lambda w, r, s: consumer(w, r, s, early_q))
+
+
+def test_model_catches_a_missing_q_free():
+    """The model can fail: a producer that loads the next row's q without waiting on q_free
+    overwrites q while a consumer's S still reads it."""
+    rng = random.Random(0)
+
+    def eager(rows, st):
+        return (op for op in producer(rows, st) if op[:2] != ("wait", ("q_free",)))
+
+    with pytest.raises(AssertionError):
+        for _ in range(200):
+            run([3, 3, 3], 2, rng, prod=eager)
 
 
 def test_model_catches_a_wrong_parity():

@@ -34,9 +34,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait)
 
-from csa_jax.kernels.gluon.ring import (LOG2E, NEG, PRODUCER_WARPS, _finish, _producer,
-                                        _program, _release, _softmax_step, out_shapes, prepare,
-                                        unpad)
+from csa_jax.kernels.gluon.ring import (LOG2E, NEG, PRODUCER_WARPS, _finish, _gather_tiles,
+                                        _load_q, _release, _row_info, _softmax_step,
+                                        out_shapes, prepare, unpad)
 
 WG_WARPS = gl.constexpr(4)   # each consumer partition is one warpgroup
 NUM_WARPS = 4                # the default partition (the producer); 12 warps in all
@@ -53,7 +53,7 @@ def _opaque(x):
 
 
 @gluon.jit
-def _row(stats, k):
+def _stat(stats, k):
     n: gl.constexpr = stats.shape[0] // 8
     return stats.slice(k * n, n)
 
@@ -62,9 +62,9 @@ def _row(stats, k):
 def _publish(stats, W: gl.constexpr, p_smem, p, m, l, alpha, bar):
     """Owner -> other warpgroup: the bf16 P tile and (max, sum, rescale) of a tile."""
     p_smem.store(p.to(p_smem.dtype))
-    _row(stats, 4 * W).store(m)
-    _row(stats, 4 * W + 1).store(l)
-    _row(stats, 4 * W + 2).store(alpha)
+    _stat(stats, 4 * W).store(m)
+    _stat(stats, 4 * W + 1).store(l)
+    _stat(stats, 4 * W + 2).store(alpha)
     fence_async_shared()         # P is read by the other warpgroup's wgmma (async proxy)
     gl.thread_barrier()
     mbarrier.arrive(bar)
@@ -81,42 +81,47 @@ def _other_pv_issue(stats, p_smem, ring, full, acc, ex, j, srow: gl.constexpr,
     mbarrier.wait(full.index(j % STAGES), (j // STAGES) & 1)
     fence_async_shared()
     acc = warpgroup_mma_wait(1, deps=[acc])       # (nothing of acc's is in flight)
-    m = _row(stats, 4 * (1 - W)).load(srow)
-    l = _row(stats, 4 * (1 - W) + 1).load(srow)
-    alpha = _row(stats, 4 * (1 - W) + 2).load(srow)
+    m = _stat(stats, 4 * (1 - W)).load(srow)
+    l = _stat(stats, 4 * (1 - W) + 1).load(srow)
+    alpha = _stat(stats, 4 * (1 - W) + 2).load(srow)
     acc = acc * gl.convert_layout(alpha, orow)[:, None]
     v = ring.index(j % STAGES).slice(W * DH, DH, dim=1)
     return warpgroup_mma(p_smem, v, acc, is_async=True), m, l
 
 
 @gluon.jit
-def _own_tile(idx_ptr, i, acc, m, l, bufs, W: gl.constexpr, BK: gl.constexpr,
+def _own_tile(idx_ptr, i, g, ntiles, acc, m, l, bufs, W: gl.constexpr, BK: gl.constexpr,
               STAGES: gl.constexpr, DH: gl.constexpr, QK_SCALE: gl.constexpr,
-              srow: gl.constexpr, orow: gl.constexpr, p_layout: gl.constexpr):
-    """This warpgroup's tile i, and before it (i >= 1) the PV of the other's tile i-1
-    ("pv_first"): returns (acc, m, l) after both."""
-    ring, q_smem, full, consumed, ex, exfree, own_p, oth_p, st_bufs, s_zero, kcols = bufs
+              srow: gl.constexpr, orow: gl.constexpr, p_layout: gl.constexpr,
+              EARLY_Q: gl.constexpr):
+    """This warpgroup's tile i of its row (g = its number in the program's tile stream: ring
+    stage, barrier phases), and before it (i >= 1) the PV of the other's tile i-1 ("pv_first"):
+    returns (acc, m, l) after both. After its last S of the row it releases q (q_free)."""
+    ring, q_smem, full, consumed, ex, exfree, own_p, oth_p, st_bufs, s_zero, kcols, q_free = bufs
     OTHER: gl.constexpr = 1 - W
-    # Tile i's stage, row ids for the mask, ring view and q view; the views come from opaque
+    # Tile g's stage, row ids for the mask, ring view and q view; the views come from opaque
     # indices (see _opaque).
-    s = _opaque(i % STAGES)
+    s = _opaque(g % STAGES)
     ids = gl.load(idx_ptr + i * BK + kcols)
     tile = ring.index(s)
     q = q_smem.index(_opaque(i * 0))
     acc = warpgroup_mma_init(acc)
     if i >= 1:
-        acc, m, l = _other_pv_issue(st_bufs, oth_p, ring, full, acc, ex.index(OTHER), i - 1,
+        acc, m, l = _other_pv_issue(st_bufs, oth_p, ring, full, acc, ex.index(OTHER), g - 1,
                                     srow, orow, W, STAGES, DH)
-    mbarrier.wait(full.index(s), (i // STAGES) & 1)
+    mbarrier.wait(full.index(s), (g // STAGES) & 1)
     fence_async_shared()
     sc = warpgroup_mma(q, tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
     sc, acc = warpgroup_mma_wait(0, deps=[sc, acc])
+    if EARLY_Q:
+        if i + 2 >= ntiles:
+            _release(q_free)      # this warpgroup's last S of the row: q may be replaced
     if i >= 1:
-        _release(consumed.index((i - 1) % STAGES))
+        _release(consumed.index((g - 1) % STAGES))
         _release(exfree.index(OTHER))
     p, alpha, m_new, l = _softmax_step(sc, ids, m, l, QK_SCALE)
-    if i >= 2:
-        mbarrier.wait(exfree.index(W), ((i // 2) - 1) & 1)   # the other has read tile i-2's P
+    if g >= 2:
+        mbarrier.wait(exfree.index(W), ((g // 2) - 1) & 1)   # the other has read tile g-2's P
     _publish(st_bufs, W, own_p, p, m_new, l, alpha, ex.index(W))
     # Rescale, PV_i on this warpgroup's half with P from registers, release stage i.
     acc = acc * gl.convert_layout(alpha, orow)[:, None]
@@ -127,10 +132,11 @@ def _own_tile(idx_ptr, i, acc, m, l, bufs, W: gl.constexpr, BK: gl.constexpr,
 
 
 @gluon.jit
-def _consumer(idx_ptr, sink_ptr, o_ptr, lse_ptr, q_smem, ring, full, consumed, q_bar,
-              p_bufs, st_bufs, ex, exfree, row, h0, ntiles, W: gl.constexpr,
-              D: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, HBC: gl.constexpr,
-              QK_SCALE: gl.constexpr):
+def _consumer(idx_ptr, ntiles_ptr, sink_ptr, o_ptr, lse_ptr, q_smem, ring, full, consumed,
+              q_bar, q_free, p_bufs, st_bufs, ex, exfree, T: gl.constexpr, NHB: gl.constexpr,
+              K: gl.constexpr, ROWS: gl.constexpr, W: gl.constexpr, D: gl.constexpr,
+              BK: gl.constexpr, STAGES: gl.constexpr, HBC: gl.constexpr,
+              QK_SCALE: gl.constexpr, EARLY_Q: gl.constexpr):
     DH: gl.constexpr = D // 2
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BK, 16])
@@ -144,44 +150,82 @@ def _consumer(idx_ptr, sink_ptr, o_ptr, lse_ptr, q_smem, ring, full, consumed, q
     OTHER: gl.constexpr = 1 - W
     own_p = p_bufs.index(W)
     oth_p = p_bufs.index(OTHER)
-
-    m = gl.full([HBC], NEG, gl.float32, srow)
-    l = gl.zeros([HBC], gl.float32, srow)
-    acc = gl.zeros([HBC, DH], gl.float32, o_layout)
     s_zero = gl.zeros([HBC, BK], gl.float32, s_layout)
     kcols = gl.arange(0, BK, layout=scol)
-    mbarrier.wait(q_bar, 0)
-    bufs = (ring, q_smem, full, consumed, ex, exfree, own_p, oth_p, st_bufs, s_zero, kcols)
-    for i in range(W, ntiles, 2):
-        acc, m, l = _own_tile(idx_ptr, i, acc, m, l, bufs, W, BK, STAGES, DH, QK_SCALE, srow,
-                              orow, p_layout)
-    # The other's last tile, if the list ends on one.
-    last = ntiles - 1
-    if last >= 0:
-        if last % 2 == OTHER:
-            acc, m, l = _other_pv_issue(st_bufs, oth_p, ring, full, acc, ex.index(OTHER),
-                                        last, srow, orow, W, STAGES, DH)
-            acc = warpgroup_mma_wait(0, deps=[acc])
-            _release(consumed.index(last % STAGES))
-
-    # The epilogue: the sink joined (_finish), lse stored by warpgroup 0, this half of o.
     hrows = gl.arange(0, HBC, layout=srow)
-    lse, o_scale = _finish(m, l, sink_ptr + h0 + hrows)
-    if W == 0:
-        gl.store(lse_ptr + row * HBC + hrows, lse)
-    o = (acc * gl.convert_layout(o_scale, orow)[:, None]).to(o_ptr.dtype.element_ty)
     orows = gl.arange(0, HBC, layout=orow)
     ocols = W * DH + gl.arange(0, DH, layout=ocol)
-    o_ptrs = o_ptr + (row * HBC + orows).to(gl.int64)[:, None] * D + ocols[None, :]
-    gl.store(o_ptrs, o)
+    bufs = (ring, q_smem, full, consumed, ex, exfree, own_p, oth_p, st_bufs, s_zero, kcols,
+            q_free)
+    base = 0          # the row's first tile in this program's tile stream
+    n = 0             # rows done by this program
+    for row in range(gl.program_id(0), ROWS, gl.num_programs(0)):
+        _, hb, _, ntiles, idx_tok = _row_info(ntiles_ptr, idx_ptr, row, T, NHB, K)
+        m = gl.full([HBC], NEG, gl.float32, srow)
+        l = gl.zeros([HBC], gl.float32, srow)
+        acc = gl.zeros([HBC, DH], gl.float32, o_layout)
+        mbarrier.wait(q_bar, n & 1)
+        # Warpgroup W owns the tiles g = base + i with g % 2 == W.
+        first = (W + base) % 2
+        if EARLY_Q:
+            if first >= ntiles:
+                _release(q_free)      # no tile of this row is this warpgroup's
+        for i in range(first, ntiles, 2):
+            acc, m, l = _own_tile(idx_tok, i, base + i, ntiles, acc, m, l, bufs, W, BK, STAGES,
+                                  DH, QK_SCALE, srow, orow, p_layout, EARLY_Q)
+        # The other's last tile, if the row ends on one.
+        last = base + ntiles - 1
+        if ntiles > 0:
+            if last % 2 == OTHER:
+                acc, m, l = _other_pv_issue(st_bufs, oth_p, ring, full, acc, ex.index(OTHER),
+                                            last, srow, orow, W, STAGES, DH)
+                acc = warpgroup_mma_wait(0, deps=[acc])
+                _release(consumed.index(last % STAGES))
+                _release(exfree.index(OTHER))
+        if not EARLY_Q:
+            _release(q_free)          # every S of this row that reads q is done
+        # The epilogue: the sink joined (_finish), lse stored by warpgroup 0, this half of o.
+        lse, o_scale = _finish(m, l, sink_ptr + hb * HBC + hrows)
+        if W == 0:
+            gl.store(lse_ptr + row * HBC + hrows, lse)
+        o = (acc * gl.convert_layout(o_scale, orow)[:, None]).to(o_ptr.dtype.element_ty)
+        o_ptrs = o_ptr + (row * HBC + orows).to(gl.int64)[:, None] * D + ocols[None, :]
+        gl.store(o_ptrs, o)
+        base += ntiles
+        n += 1
+
+
+@gluon.jit
+def _producer(q_ptr, kv_ptr, idx_ptr, ntiles_ptr, q_smem, ring, full, consumed, q_bar, q_free,
+              T: gl.constexpr, N: gl.constexpr, NHB: gl.constexpr, D: gl.constexpr,
+              K: gl.constexpr, ROWS: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
+              HBC: gl.constexpr):
+    """The program's rows in turn: q once both consumers are done with the previous row's q
+    (q_free), then the row's tiles (ring._gather_tiles), the ring's stages and phases counted
+    over the program's whole tile stream, so the next row's first tiles and its q are in
+    flight while the consumers finish this one."""
+    base = 0
+    n = 0
+    for row in range(gl.program_id(0), ROWS, gl.num_programs(0)):
+        _, _, b, ntiles, idx_tok = _row_info(ntiles_ptr, idx_ptr, row, T, NHB, K)
+        if n >= 1:
+            mbarrier.wait(q_free, (n - 1) & 1)
+        _load_q(q_ptr, q_smem, q_bar, row, D, HBC)
+        _gather_tiles(kv_ptr, idx_tok, ring, full, consumed, base, b, ntiles, N, D, K, BK,
+                      STAGES)
+        base += ntiles
+        n += 1
 
 
 @gluon.jit
 def csa_fwd_kernel(q_ptr, kv_ptr, idx_ptr, ntiles_ptr, sink_ptr, o_ptr, lse_ptr,
                    T: gl.constexpr, N: gl.constexpr, NHB: gl.constexpr, D: gl.constexpr,
-                   K: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-                   QK_SCALE: gl.constexpr, CONSUMER_REGS: gl.constexpr):
-    row, _, hb, b, ntiles, idx_tok = _program(ntiles_ptr, idx_ptr, T, NHB, K)
+                   K: gl.constexpr, ROWS: gl.constexpr, BK: gl.constexpr,
+                   STAGES: gl.constexpr, QK_SCALE: gl.constexpr,
+                   CONSUMER_REGS: gl.constexpr, EARLY_Q: gl.constexpr):
+    """Each program walks rows program_id, program_id + num_programs, ... (ROWS = B * T * NHB
+    head blocks of 64): one row per program with a grid of ROWS, one program per SM looping
+    (persistent) with a grid of the SM count."""
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     HBC: gl.constexpr = 64
     q_smem = gl.allocate_shared_memory(dtype, [1, HBC, D],
@@ -198,7 +242,9 @@ def csa_fwd_kernel(q_ptr, kv_ptr, idx_ptr, ntiles_ptr, sink_ptr, o_ptr, lse_ptr,
     ex = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     exfree = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=PRODUCER_WARPS * 32)
+    mbarrier.init(q_free, count=2)               # one arrival per consumer warpgroup
     for s in gl.static_range(STAGES):
         mbarrier.init(full.index(s), count=PRODUCER_WARPS * 32)
         mbarrier.init(consumed.index(s), count=2)   # one arrival per consumer warpgroup
@@ -208,14 +254,14 @@ def csa_fwd_kernel(q_ptr, kv_ptr, idx_ptr, ntiles_ptr, sink_ptr, o_ptr, lse_ptr,
     # The producer is the default partition (it gets what the two consumers leave of the
     # register file: 72 per thread at 216 each); the consumers are the two workers.
     gl.warp_specialize([
-        (_producer, (q_ptr, kv_ptr, idx_tok, q_smem.index(0), ring, full, consumed, q_bar,
-                     row, b, ntiles, N, D, K, BK, STAGES, HBC)),
-        (_consumer, (idx_tok, sink_ptr, o_ptr, lse_ptr, q_smem, ring, full, consumed, q_bar,
-                     p_bufs, st_bufs, ex, exfree, row, hb * HBC, ntiles, 0, D, BK,
-                     STAGES, HBC, QK_SCALE)),
-        (_consumer, (idx_tok, sink_ptr, o_ptr, lse_ptr, q_smem, ring, full, consumed, q_bar,
-                     p_bufs, st_bufs, ex, exfree, row, hb * HBC, ntiles, 1, D, BK,
-                     STAGES, HBC, QK_SCALE)),
+        (_producer, (q_ptr, kv_ptr, idx_ptr, ntiles_ptr, q_smem.index(0), ring, full,
+                     consumed, q_bar, q_free, T, N, NHB, D, K, ROWS, BK, STAGES, HBC)),
+        (_consumer, (idx_ptr, ntiles_ptr, sink_ptr, o_ptr, lse_ptr, q_smem, ring, full,
+                     consumed, q_bar, q_free, p_bufs, st_bufs, ex, exfree, T, NHB, K, ROWS, 0,
+                     D, BK, STAGES, HBC, QK_SCALE, EARLY_Q)),
+        (_consumer, (idx_ptr, ntiles_ptr, sink_ptr, o_ptr, lse_ptr, q_smem, ring, full,
+                     consumed, q_bar, q_free, p_bufs, st_bufs, ex, exfree, T, NHB, K, ROWS, 1,
+                     D, BK, STAGES, HBC, QK_SCALE, EARLY_Q)),
     ], [WG_WARPS, WG_WARPS], [CONSUMER_REGS, CONSUMER_REGS])
 
 
@@ -229,12 +275,30 @@ def producer_regs(consumer_regs=CONSUMER_REGS):
     return (REG_FILE - 256 * int(consumer_regs)) // 128
 
 
-def constexprs(*, T, N, NHB, D, K, BK, stages, scale):
+def constexprs(*, T, N, NHB, D, K, BK, stages, scale, B=1, early_q=True):
     """The kernel's compile-time parameters (also used by the CPU compile checks)."""
     if stages % 2:
         raise ValueError(f"the alternating forward needs an even ring depth, got {stages=}")
-    return dict(T=T, N=N, NHB=NHB, D=D, K=K, BK=BK, STAGES=stages,
-                QK_SCALE=float(scale) * LOG2E, CONSUMER_REGS=CONSUMER_REGS)
+    return dict(T=T, N=N, NHB=NHB, D=D, K=K, ROWS=B * T * NHB, BK=BK, STAGES=stages,
+                QK_SCALE=float(scale) * LOG2E, CONSUMER_REGS=CONSUMER_REGS,
+                EARLY_Q=bool(early_q))
+
+
+def sm_count():
+    """Streaming multiprocessors of the first GPU (jax's `core_count`; 132, an H100 / H200 SXM,
+    where it does not say)."""
+    import jax
+    for d in jax.devices():
+        n = getattr(d, "core_count", None)
+        if isinstance(n, int) and n > 0:
+            return n
+    return 132
+
+
+def grid(rows, persistent):
+    """Programs of a launch over `rows` head blocks: one per SM, looping over rows, when
+    persistent; else one per row."""
+    return (min(rows, sm_count()),) if persistent else (rows,)
 
 
 def forward(q, kv, idx, sink, *, scale, config):
@@ -244,8 +308,9 @@ def forward(q, kv, idx, sink, *, scale, config):
     q_p, kv_p, idx_p, ntiles, sink_p, dims = prepare(q, kv, idx, sink, bk)
     B, T, H, D, N, Hp, Dp, Kp, nhb = dims
     consts = constexprs(T=T, N=N, NHB=nhb, D=Dp, K=Kp, BK=bk, stages=config.stages,
-                        scale=scale)
+                        scale=scale, B=B, early_q=config.early_q)
     o, lse = gluon_call(q_p, kv_p, idx_p, ntiles, sink_p, kernel=csa_fwd_kernel,
-                        out_shape=out_shapes(q, dims), grid=(B * T * nhb,), num_warps=NUM_WARPS,
+                        out_shape=out_shapes(q, dims),
+                        grid=grid(consts["ROWS"], config.persistent), num_warps=NUM_WARPS,
                         name="csa_gluon_fwd", **consts)
     return unpad(o, lse, dims)

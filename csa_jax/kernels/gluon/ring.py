@@ -43,28 +43,37 @@ PRODUCER_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [PRODUCER_WARPS.
 
 
 @gluon.jit
-def _producer(q_ptr, kv_ptr, idx_ptr, q_smem, ring, full, consumed, q_bar, row, b, ntiles,
-              N: gl.constexpr, D: gl.constexpr, K: gl.constexpr, BK: gl.constexpr,
-              STAGES: gl.constexpr, HBC: gl.constexpr):
-    """A forward producer: q [HBC, D] of this program (rows row*HBC .. of the [B*T*Hp, D] view)
-    into q_smem, arriving on q_bar; then the token's tiles into the ring, the next tile's row
-    ids loaded while this stage's copies fly and the next stage drains."""
+def _load_q(q_ptr, q_smem, q_bar, row, D: gl.constexpr, HBC: gl.constexpr):
+    """q [HBC, D] of head block `row` (rows row*HBC .. of the [B*T*Hp, D] view) into q_smem
+    with cp.async, each producer thread arriving on q_bar when its copies land."""
     layout: gl.constexpr = PRODUCER_LAYOUT
     cols = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
     hrows = gl.arange(0, HBC, layout=gl.SliceLayout(1, layout))
     q_ptrs = q_ptr + (row * HBC + hrows).to(gl.int64)[:, None] * D + cols[None, :]
     async_copy.async_copy_global_to_shared(q_smem, q_ptrs)
     async_copy.mbarrier_arrive(q_bar, increment_count=False)
+
+
+@gluon.jit
+def _gather_tiles(kv_ptr, idx_ptr, ring, full, consumed, base, b, ntiles, N: gl.constexpr,
+                  D: gl.constexpr, K: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr):
+    """A row's ntiles tiles into the ring: tile i is number base + i of the program's tile
+    stream (its stage and barrier phases); each stage is refilled once its "consumed" barrier
+    completed for the stream's previous use of it. The next tile's row ids are loaded while
+    this stage's copies fly."""
+    layout: gl.constexpr = PRODUCER_LAYOUT
+    cols = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
     krows = gl.arange(0, BK, layout=gl.SliceLayout(1, layout))
     kv_base = kv_ptr + b.to(gl.int64) * (N * D)
     ids = gl.load(idx_ptr + krows)                     # K >= BK: always in bounds
     for i in range(ntiles):
-        s = i % STAGES
+        g = base + i
+        s = g % STAGES
         valid = ids >= 0
         safe = gl.where(valid, ids, 0)
         ptrs = kv_base + safe.to(gl.int64)[:, None] * D + cols[None, :]
-        if i >= STAGES:
-            mbarrier.wait(consumed.index(s), ((i // STAGES) - 1) & 1)
+        if g >= STAGES:
+            mbarrier.wait(consumed.index(s), ((g // STAGES) - 1) & 1)
         # (Triton 3.6 drops eviction_policy on cp.async: the PTX carries no L2 cache hint.)
         async_copy.async_copy_global_to_shared(ring.index(s), ptrs, mask=valid[:, None])
         async_copy.mbarrier_arrive(full.index(s), increment_count=False)
@@ -83,14 +92,21 @@ def _softmax_step(sc, ids, m, l, QK_SCALE: gl.constexpr):
 
 
 @gluon.jit
-def _program(ntiles_ptr, idx_ptr, T: gl.constexpr, NHB: gl.constexpr, K: gl.constexpr):
-    """(row, tok, hb, b, ntiles, idx_tok) of this program: program = (b, t, head block), head
-    block fastest; `row` indexes the [B*T*NHB] head blocks (rows row*64.. of q / o), idx_tok
-    the token's K slots. Shared by every Gluon CSA kernel (fwd, bwd, amd_fwd, amd_bwd)."""
-    row = gl.program_id(0)
+def _row_info(ntiles_ptr, idx_ptr, row, T: gl.constexpr, NHB: gl.constexpr, K: gl.constexpr):
+    """(tok, hb, b, ntiles, idx_tok) of head block `row` of the [B*T*NHB] head blocks (head
+    block fastest: rows row*64.. of q / o): its token, head block, batch, tiles up to the
+    last non-empty slot and the token's K slots."""
     tok = row // NHB
-    hb = row % NHB
-    return row, tok, hb, tok // T, gl.load(ntiles_ptr + tok), idx_ptr + tok.to(gl.int64) * K
+    return tok, row % NHB, tok // T, gl.load(ntiles_ptr + tok), idx_ptr + tok.to(gl.int64) * K
+
+
+@gluon.jit
+def _program(ntiles_ptr, idx_ptr, T: gl.constexpr, NHB: gl.constexpr, K: gl.constexpr):
+    """(row, tok, hb, b, ntiles, idx_tok) of a program that runs one head block, row =
+    program_id (_row_info). Used by the dq kernel (bwd.py) and the AMD kernels."""
+    row = gl.program_id(0)
+    tok, hb, b, ntiles, idx_tok = _row_info(ntiles_ptr, idx_ptr, row, T, NHB, K)
+    return row, tok, hb, b, ntiles, idx_tok
 
 
 @gluon.jit
