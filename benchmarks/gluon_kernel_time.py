@@ -62,9 +62,10 @@ def _kernel_fn(q, kv, idx, sink, scale, config):
     q_p, kv_p, idx_p, ntiles, sink_p, dims = ring.prepare(q, kv, idx, sink, config.block_k)
     B, T, H, D, N, Hp, Dp, Kp, nhb = dims
     consts = fwd.constexprs(T=T, N=N, NHB=nhb, D=Dp, K=Kp, BK=config.block_k,
-                            stages=config.stages, scale=scale)
+                            stages=config.stages, scale=scale, B=B)
     fn = jax.jit(lambda *a: gluon_call(*a, kernel=fwd.csa_fwd_kernel,
-                                       out_shape=ring.out_shapes(q, dims), grid=(B * T * nhb,),
+                                       out_shape=ring.out_shapes(q, dims),
+                                       grid=fwd.grid(consts["ROWS"]),
                                        num_warps=fwd.NUM_WARPS, name="csa_gluon_fwd", **consts))
     return fn, jax.block_until_ready((q_p, kv_p, idx_p, ntiles, sink_p))
 

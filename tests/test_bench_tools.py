@@ -304,3 +304,22 @@ def test_bench_csa_anchor_refuses_clearly_and_tabulates(tmp_path, capsys):
     assert "| pro-cr4-T4096 | random | gluon | default | 3.00 | 2.00 | 1.50x | 1.0e-03 / 2.0e-07 |" in out
     assert "| pro-cr0-T4096 | random | gluon | default | 1.00 | 2.00 | 0.50x | - |" in out
     assert "gluon default: 0.87x over 2 configs" in out          # sqrt(1.5 * 0.5)
+
+
+@pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
+def test_gather_floor_sums_the_valid_rows_and_names_bad_variants():
+    """benchmarks/gather_floor.py (issue 28's floor): its kernel's per-token sums equal jnp's
+    with -1 slots anywhere (interpret mode), and a malformed variant is refused by name."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from benchmarks import gather_floor
+    k1, k2 = jax.random.split(jax.random.PRNGKey(3))
+    kv = jax.random.normal(k1, (50, 64), jnp.float32).astype(jnp.bfloat16)
+    idx = jax.random.randint(k2, (6, 40), -1, 50)             # -1 slots anywhere, K % 32 != 0
+    out = gather_floor.gather_sum(kv, idx, bk=32, interpret=True)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(gather_floor.reference(kv, idx)),
+                               rtol=1e-5, atol=1e-5)
+    assert out.shape == (6, 64)
+    with pytest.raises(ValueError, match="bk64w4"):
+        gather_floor.parse_variant("bk64w4")

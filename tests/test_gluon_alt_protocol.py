@@ -89,18 +89,15 @@ def _pv_prev_done(o, g, st):
     yield ("arrive", ("exfree", o))
 
 
-def consumer(w, rows, st, early_q=True):
+def consumer(w, rows, st):
     """Warpgroup w's steps, transcribed from fwd._own_tile and fwd._consumer: it owns the
-    tiles g of the program's tile stream with g % 2 == w. It releases q (q_free) after its last
-    S of a row (early_q, EARLY_Q in the kernel) or at the row's end."""
+    tiles g of the program's tile stream with g % 2 == w and releases q (q_free) at the end of
+    each row."""
     o = 1 - w
     base = 0
     for n, nt in enumerate(rows):
         yield ("wait", ("q_bar",), n & 1)
-        first = (w + base) % 2
-        if early_q and first >= nt:
-            yield ("arrive", ("q_free",))
-        for i in range(first, nt, 2):
+        for i in range((w + base) % 2, nt, 2):
             g = base + i
             s = g % st
             if i >= 1:                                             # the other's PV_{g-1} first
@@ -111,8 +108,6 @@ def consumer(w, rows, st, early_q=True):
             yield ("begin", ("q",), n)
             yield ("end", ("ring", s), g)                          # both waited
             yield ("end", ("q",), n)
-            if early_q and i + 2 >= nt:
-                yield ("arrive", ("q_free",))
             if i >= 1:
                 yield from _pv_prev_done(o, g, st)
             if g >= 2:
@@ -134,8 +129,7 @@ def consumer(w, rows, st, early_q=True):
             yield ("end", ("ring", last % st), last)
             yield ("arrive", ("consumed", last % st))
             yield ("arrive", ("exfree", o))
-        if not early_q:
-            yield ("arrive", ("q_free",))
+        yield ("arrive", ("q_free",))
         base += nt
 
 
@@ -185,16 +179,15 @@ def test_alt_protocol_random_interleavings(st):
             run(n, st, rng)
 
 
-@pytest.mark.parametrize("early_q", [True, False])
 @pytest.mark.parametrize("st", [2, 4])
-def test_persistent_rows_random_interleavings(st, early_q):
+def test_persistent_rows_random_interleavings(st):
     """A persistent program: several rows (head blocks) in one tile stream, odd and even tile
     counts and empty rows, so rows start on either warpgroup and the producer runs ahead into
     the next row's q and tiles."""
     rng = random.Random(99 + st)
     for _ in range(300):
         rows = [rng.choice([0, 1, 2, 3, 4, 5, 7]) for _ in range(rng.randint(1, 5))]
-        run(rows, st, rng, cons=lambda w, r, s: consumer(w, r, s, early_q))
+        run(rows, st, rng)
 
 
 def test_model_catches_a_missing_q_free():

@@ -37,11 +37,6 @@ class Config:
         (o, lse): the escape hatch).
     bwd_block_k, bwd_stages: the dq kernel's ring tile rows (16, 32, 64) and depth (1..4):
         32 x 2 at D = 512.
-    persistent: the NVIDIA gather forward (fwd.py) as one program per SM walking head blocks
-        in turn, its producer running ahead into the next head block's q and tiles while the
-        consumers finish this one (False: one program per head block).
-    early_q: each consumer warpgroup releases q after its last S of a head block (else after
-        its last PV), so the producer loads the next q while the row's last PV and epilogue run.
     """
 
     block_k: int = 64
@@ -52,8 +47,6 @@ class Config:
     bwd: str = "gluon"
     bwd_block_k: int = 32
     bwd_stages: int = 2
-    persistent: bool = False
-    early_q: bool = True
 
     def __post_init__(self):
         _int_in("block_k", self.block_k, (32, 64))
@@ -70,9 +63,6 @@ class Config:
             raise ValueError(f"bwd={self.bwd!r} must be 'gluon' or 'pallas_triton'")
         _int_in("bwd_block_k", self.bwd_block_k, (16, 32, 64))
         _int_in("bwd_stages", self.bwd_stages, (1, 2, 3, 4))
-        for name in ("persistent", "early_q"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
 
     @property
     def window_kernel(self) -> bool:

@@ -1,14 +1,19 @@
 """The CSA forward in Gluon (NVIDIA Hopper): alternating consumer warpgroups, and its wrapper.
 
 FlashMLA's SM90 schedule (../shared/gpu_kernels.md), written for Gluon: three partitions of
-4 warps each (384 threads), one program = 64 heads of one token (ring.py):
+4 warps each (384 threads), one program per SM (persistent) walking head blocks ("rows": 64
+heads of one token, ring.py) in turn:
 
-- producer = the default partition (ring._producer): q once, then every BK-row tile of the
-  token's slots gathered with cp.async into the ring ("full" barriers); it refills a stage once
-  its "consumed" barrier has had one arrival from EACH consumer. It keeps what the consumers
-  leave of the register file (`producer_regs(CONSUMER_REGS)`: 72 at 216).
+- producer = the default partition (_producer): per row, q once both consumers are done with
+  the previous row's q (q_free), then every BK-row tile of the token's slots gathered with
+  cp.async into the ring ("full" barriers); it refills a stage once its "consumed" barrier has
+  had one arrival from EACH consumer. Stages and barrier phases count the program's whole tile
+  stream, so the next row's q and first tiles are in flight while the consumers finish this
+  row. It keeps what the consumers leave of the register file (`producer_regs(CONSUMER_REGS)`:
+  72 at 216).
 - consumer warpgroup W = 0, 1: two worker partitions of CONSUMER_REGS = 216 registers per
-  thread (setmaxnreg, FlashMLA's split). Warpgroup W owns the tiles i with i % 2 == W and
+  thread (setmaxnreg, FlashMLA's split). Warpgroup W owns the tiles g of the program's tile
+  stream with g % 2 == W (a row may start on either warpgroup) and
   output columns [W*D/2, (W+1)*D/2). For its own tile it computes the whole S = q kv^T (m64n64,
   q and the tile from shared memory) and the online softmax from the running (max, sum) left by
   the other warpgroup's previous tile, publishes (max, sum, rescale factor) and the bf16 P tile
@@ -90,14 +95,13 @@ def _other_pv_issue(stats, p_smem, ring, full, acc, ex, j, srow: gl.constexpr,
 
 
 @gluon.jit
-def _own_tile(idx_ptr, i, g, ntiles, acc, m, l, bufs, W: gl.constexpr, BK: gl.constexpr,
+def _own_tile(idx_ptr, i, g, acc, m, l, bufs, W: gl.constexpr, BK: gl.constexpr,
               STAGES: gl.constexpr, DH: gl.constexpr, QK_SCALE: gl.constexpr,
-              srow: gl.constexpr, orow: gl.constexpr, p_layout: gl.constexpr,
-              EARLY_Q: gl.constexpr):
+              srow: gl.constexpr, orow: gl.constexpr, p_layout: gl.constexpr):
     """This warpgroup's tile i of its row (g = its number in the program's tile stream: ring
     stage, barrier phases), and before it (i >= 1) the PV of the other's tile i-1 ("pv_first"):
-    returns (acc, m, l) after both. After its last S of the row it releases q (q_free)."""
-    ring, q_smem, full, consumed, ex, exfree, own_p, oth_p, st_bufs, s_zero, kcols, q_free = bufs
+    returns (acc, m, l) after both."""
+    ring, q_smem, full, consumed, ex, exfree, own_p, oth_p, st_bufs, s_zero, kcols = bufs
     OTHER: gl.constexpr = 1 - W
     # Tile g's stage, row ids for the mask, ring view and q view; the views come from opaque
     # indices (see _opaque).
@@ -113,9 +117,6 @@ def _own_tile(idx_ptr, i, g, ntiles, acc, m, l, bufs, W: gl.constexpr, BK: gl.co
     fence_async_shared()
     sc = warpgroup_mma(q, tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
     sc, acc = warpgroup_mma_wait(0, deps=[sc, acc])
-    if EARLY_Q:
-        if i + 2 >= ntiles:
-            _release(q_free)      # this warpgroup's last S of the row: q may be replaced
     if i >= 1:
         _release(consumed.index((g - 1) % STAGES))
         _release(exfree.index(OTHER))
@@ -136,7 +137,7 @@ def _consumer(idx_ptr, ntiles_ptr, sink_ptr, o_ptr, lse_ptr, q_smem, ring, full,
               q_bar, q_free, p_bufs, st_bufs, ex, exfree, T: gl.constexpr, NHB: gl.constexpr,
               K: gl.constexpr, ROWS: gl.constexpr, W: gl.constexpr, D: gl.constexpr,
               BK: gl.constexpr, STAGES: gl.constexpr, HBC: gl.constexpr,
-              QK_SCALE: gl.constexpr, EARLY_Q: gl.constexpr):
+              QK_SCALE: gl.constexpr):
     DH: gl.constexpr = D // 2
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BK, 16])
@@ -155,8 +156,7 @@ def _consumer(idx_ptr, ntiles_ptr, sink_ptr, o_ptr, lse_ptr, q_smem, ring, full,
     hrows = gl.arange(0, HBC, layout=srow)
     orows = gl.arange(0, HBC, layout=orow)
     ocols = W * DH + gl.arange(0, DH, layout=ocol)
-    bufs = (ring, q_smem, full, consumed, ex, exfree, own_p, oth_p, st_bufs, s_zero, kcols,
-            q_free)
+    bufs = (ring, q_smem, full, consumed, ex, exfree, own_p, oth_p, st_bufs, s_zero, kcols)
     base = 0          # the row's first tile in this program's tile stream
     n = 0             # rows done by this program
     for row in range(gl.program_id(0), ROWS, gl.num_programs(0)):
@@ -166,13 +166,9 @@ def _consumer(idx_ptr, ntiles_ptr, sink_ptr, o_ptr, lse_ptr, q_smem, ring, full,
         acc = gl.zeros([HBC, DH], gl.float32, o_layout)
         mbarrier.wait(q_bar, n & 1)
         # Warpgroup W owns the tiles g = base + i with g % 2 == W.
-        first = (W + base) % 2
-        if EARLY_Q:
-            if first >= ntiles:
-                _release(q_free)      # no tile of this row is this warpgroup's
-        for i in range(first, ntiles, 2):
-            acc, m, l = _own_tile(idx_tok, i, base + i, ntiles, acc, m, l, bufs, W, BK, STAGES,
-                                  DH, QK_SCALE, srow, orow, p_layout, EARLY_Q)
+        for i in range((W + base) % 2, ntiles, 2):
+            acc, m, l = _own_tile(idx_tok, i, base + i, acc, m, l, bufs, W, BK, STAGES, DH,
+                                  QK_SCALE, srow, orow, p_layout)
         # The other's last tile, if the row ends on one.
         last = base + ntiles - 1
         if ntiles > 0:
@@ -182,8 +178,11 @@ def _consumer(idx_ptr, ntiles_ptr, sink_ptr, o_ptr, lse_ptr, q_smem, ring, full,
                 acc = warpgroup_mma_wait(0, deps=[acc])
                 _release(consumed.index(last % STAGES))
                 _release(exfree.index(OTHER))
-        if not EARLY_Q:
-            _release(q_free)          # every S of this row that reads q is done
+        # Every S of this row (q's readers) is done: the producer may load the next row's q
+        # while this epilogue runs. (Releasing it right after each warpgroup's last S instead,
+        # a branch and a barrier in the tile loop, made the forward 1.2-1.5x slower on the
+        # H200: docs/perf/gluon_persistent_h200.md.)
+        _release(q_free)
         # The epilogue: the sink joined (_finish), lse stored by warpgroup 0, this half of o.
         lse, o_scale = _finish(m, l, sink_ptr + hb * HBC + hrows)
         if W == 0:
@@ -222,10 +221,10 @@ def csa_fwd_kernel(q_ptr, kv_ptr, idx_ptr, ntiles_ptr, sink_ptr, o_ptr, lse_ptr,
                    T: gl.constexpr, N: gl.constexpr, NHB: gl.constexpr, D: gl.constexpr,
                    K: gl.constexpr, ROWS: gl.constexpr, BK: gl.constexpr,
                    STAGES: gl.constexpr, QK_SCALE: gl.constexpr,
-                   CONSUMER_REGS: gl.constexpr, EARLY_Q: gl.constexpr):
-    """Each program walks rows program_id, program_id + num_programs, ... (ROWS = B * T * NHB
-    head blocks of 64): one row per program with a grid of ROWS, one program per SM looping
-    (persistent) with a grid of the SM count."""
+                   CONSUMER_REGS: gl.constexpr):
+    """Each program walks rows program_id, program_id + num_programs, ... of the ROWS = B * T *
+    NHB head blocks of 64 (forward() launches one program per SM; a grid of ROWS would run
+    one row per program)."""
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     HBC: gl.constexpr = 64
     q_smem = gl.allocate_shared_memory(dtype, [1, HBC, D],
@@ -258,10 +257,10 @@ def csa_fwd_kernel(q_ptr, kv_ptr, idx_ptr, ntiles_ptr, sink_ptr, o_ptr, lse_ptr,
                      consumed, q_bar, q_free, T, N, NHB, D, K, ROWS, BK, STAGES, HBC)),
         (_consumer, (idx_ptr, ntiles_ptr, sink_ptr, o_ptr, lse_ptr, q_smem, ring, full,
                      consumed, q_bar, q_free, p_bufs, st_bufs, ex, exfree, T, NHB, K, ROWS, 0,
-                     D, BK, STAGES, HBC, QK_SCALE, EARLY_Q)),
+                     D, BK, STAGES, HBC, QK_SCALE)),
         (_consumer, (idx_ptr, ntiles_ptr, sink_ptr, o_ptr, lse_ptr, q_smem, ring, full,
                      consumed, q_bar, q_free, p_bufs, st_bufs, ex, exfree, T, NHB, K, ROWS, 1,
-                     D, BK, STAGES, HBC, QK_SCALE, EARLY_Q)),
+                     D, BK, STAGES, HBC, QK_SCALE)),
     ], [WG_WARPS, WG_WARPS], [CONSUMER_REGS, CONSUMER_REGS])
 
 
@@ -275,13 +274,12 @@ def producer_regs(consumer_regs=CONSUMER_REGS):
     return (REG_FILE - 256 * int(consumer_regs)) // 128
 
 
-def constexprs(*, T, N, NHB, D, K, BK, stages, scale, B=1, early_q=True):
+def constexprs(*, T, N, NHB, D, K, BK, stages, scale, B=1):
     """The kernel's compile-time parameters (also used by the CPU compile checks)."""
     if stages % 2:
         raise ValueError(f"the alternating forward needs an even ring depth, got {stages=}")
     return dict(T=T, N=N, NHB=NHB, D=D, K=K, ROWS=B * T * NHB, BK=BK, STAGES=stages,
-                QK_SCALE=float(scale) * LOG2E, CONSUMER_REGS=CONSUMER_REGS,
-                EARLY_Q=bool(early_q))
+                QK_SCALE=float(scale) * LOG2E, CONSUMER_REGS=CONSUMER_REGS)
 
 
 def sm_count():
@@ -295,10 +293,12 @@ def sm_count():
     return 132
 
 
-def grid(rows, persistent):
-    """Programs of a launch over `rows` head blocks: one per SM, looping over rows, when
-    persistent; else one per row."""
-    return (min(rows, sm_count()),) if persistent else (rows,)
+def grid(rows):
+    """Programs of a launch over `rows` head blocks: one per SM (persistent), each walking
+    rows program_id, program_id + num_programs, ... (measured against one program per row
+    on the H200, same call: 0-9% faster on the six V4 layer types,
+    docs/perf/gluon_persistent_h200.md)."""
+    return (min(rows, sm_count()),)
 
 
 def forward(q, kv, idx, sink, *, scale, config):
@@ -308,9 +308,9 @@ def forward(q, kv, idx, sink, *, scale, config):
     q_p, kv_p, idx_p, ntiles, sink_p, dims = prepare(q, kv, idx, sink, bk)
     B, T, H, D, N, Hp, Dp, Kp, nhb = dims
     consts = constexprs(T=T, N=N, NHB=nhb, D=Dp, K=Kp, BK=bk, stages=config.stages,
-                        scale=scale, B=B, early_q=config.early_q)
+                        scale=scale, B=B)
     o, lse = gluon_call(q_p, kv_p, idx_p, ntiles, sink_p, kernel=csa_fwd_kernel,
                         out_shape=out_shapes(q, dims),
-                        grid=grid(consts["ROWS"], config.persistent), num_warps=NUM_WARPS,
+                        grid=grid(consts["ROWS"]), num_warps=NUM_WARPS,
                         name="csa_gluon_fwd", **consts)
     return unpad(o, lse, dims)
