@@ -230,7 +230,10 @@ AUTO_GPU = {
     # before).
     (16, 512): ("pallas_triton", "gluon"),
     # H = 32: Pro cr4 29.09 / 29.79, Flash cr4 17.76 / 19.52, Pro cr0 5.98 / 8.91, Pro cr128
-    # 9.06 / 11.35 (gluon's forward is the faster one at cr4: 6.40 vs 8.77 ms at Pro).
+    # 9.06 / 11.35. Since pallas_triton's H = 32 forward runs 4 warps (5478940) its forward
+    # is the faster one too: Pro cr4 5.62 (8 warps 8.81) against gluon's 6.40 ms, and its Pro
+    # cr4 step 26.12 ms, 2026-12-02 at 469bf9f (gluon's 6.40 ms is from fc52ca9's call;
+    # docs/perf/heads_h200.md).
     (32, 512): ("pallas_triton", "gluon"),
     # H >= 64: Pro cr4 H = 64 39.93 / 28.14, H = 128 69.10 / 46.75: gluon.
     (64, 512): ("gluon", "pallas_triton"),
