@@ -180,7 +180,7 @@ def _consumer(idx_ptr, ntiles_ptr, sink_ptr, o_ptr, lse_ptr, q_smem, ring, full,
                 _release(exfree.index(OTHER))
         # Every S of this row (q's readers) is done: the producer may load the next row's q
         # while this epilogue runs. (Releasing it right after each warpgroup's last S instead,
-        # a branch and a barrier in the tile loop, made the forward 1.2-1.5x slower on the
+        # a branch and a barrier in the tile loop, made the forward 1.1-1.5x slower on the
         # H200: docs/perf/gluon_persistent_h200.md.)
         _release(q_free)
         # The epilogue: the sink joined (_finish), lse stored by warpgroup 0, this half of o.
