@@ -250,7 +250,7 @@ def _program_setup(ntiles_ptr, idx_ptr, kv_ptr, dtype: gl.constexpr, T: gl.const
                    NHB: gl.constexpr, N: gl.constexpr, D: gl.constexpr, K: gl.constexpr,
                    BK: gl.constexpr, STAGES: gl.constexpr, WARP: gl.constexpr,
                    LOADER: gl.constexpr):
-    """Both kernels' start: fwd._program's (row, tok, hb, ntiles, idx_tok), then the LDS ring
+    """Both kernels' start: ring._program's (row, tok, hb, ntiles, idx_tok), then the LDS ring
     [STAGES, BK, D], the gathers' source for the program's batch and the gather layout's column
     and row indices."""
     row, tok, hb, b, ntiles, idx_tok = _program(ntiles_ptr, idx_ptr, T, NHB, K)

@@ -8,8 +8,8 @@ heads of one token, ring.py) in turn:
   the previous row's q (q_free), then every BK-row tile of the token's slots gathered with
   cp.async into the ring ("full" barriers); it refills a stage once its "consumed" barrier has
   had one arrival from EACH consumer. Stages and barrier phases count the program's whole tile
-  stream, so the next row's q and first tiles are in flight while the consumers finish this
-  row. It keeps what the consumers leave of the register file (`producer_regs(CONSUMER_REGS)`:
+  stream, so the next row's q and first tiles are in flight while the consumers run this
+  row's epilogue (q_free comes after the row's last PV). It keeps what the consumers leave of the register file (`producer_regs(CONSUMER_REGS)`:
   72 at 216).
 - consumer warpgroup W = 0, 1: two worker partitions of CONSUMER_REGS = 216 registers per
   thread (setmaxnreg, FlashMLA's split). Warpgroup W owns the tiles g of the program's tile
@@ -200,9 +200,9 @@ def _producer(q_ptr, kv_ptr, idx_ptr, ntiles_ptr, q_smem, ring, full, consumed, 
               K: gl.constexpr, ROWS: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
               HBC: gl.constexpr):
     """The program's rows in turn: q once both consumers are done with the previous row's q
-    (q_free), then the row's tiles (ring._gather_tiles), the ring's stages and phases counted
-    over the program's whole tile stream, so the next row's first tiles and its q are in
-    flight while the consumers finish this one."""
+    (q_free, after the row's last PV), then the row's tiles (ring._gather_tiles), the ring's
+    stages and phases counted over the program's whole tile stream, so the next row's q and
+    first tiles are in flight while the consumers run this row's epilogue."""
     base = 0
     n = 0
     for row in range(gl.program_id(0), ROWS, gl.num_programs(0)):
@@ -296,7 +296,7 @@ def sm_count():
 def grid(rows):
     """Programs of a launch over `rows` head blocks: one per SM (persistent), each walking
     rows program_id, program_id + num_programs, ... (measured against one program per row
-    on the H200, same call: 0-9% faster on the six V4 layer types,
+    on the H200, same call: 0-9% faster on five V4 layer types (Flash cr128 not in that call),
     docs/perf/gluon_persistent_h200.md)."""
     return (min(rows, sm_count()),)
 

@@ -2,10 +2,11 @@
 ring, the ring's barriers, the online-softmax step and the sink epilogue, and the host-side
 padding of a forward's operands.
 
-One program (CTA) = 64 heads of one token (H = 128: two programs per token, side by side in the
-grid so their repeated gathers hit L2), the structure of FlashMLA's SM90 sparse prefill. The
-producer (PRODUCER_WARPS = 4 warps) copies q [64, D] into shared memory once, then walks the
-token's slots in tiles of BK rows and gathers each tile's kv rows [BK, D] with 16-byte cp.async
+A row = 64 heads of one token (H = 128: two rows per token, side by side in the grid so their
+repeated gathers hit L2), the structure of FlashMLA's SM90 sparse prefill; the dq kernel and the
+AMD kernels run one row per program (_program), the NVIDIA forward one program per SM walking
+rows (fwd.py, _row_info). For a row the producer (PRODUCER_WARPS = 4 warps) copies q [64, D]
+into shared memory once (_load_q), then walks the token's slots in tiles of BK rows and gathers each tile's kv rows [BK, D] with 16-byte cp.async
 (`async_copy_global_to_shared` from a pointer tensor, 8 threads per 128-byte row segment) into a
 STAGES-deep shared-memory ring. Empty slots (-1) are masked: zero-filled, never read from global
 memory. Each producer thread arrives on the stage's "full" mbarrier when its copies land

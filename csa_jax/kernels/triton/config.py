@@ -165,7 +165,8 @@ def default_config(q_shape, kv_shape, idx_shape, dtype) -> Config:
     Narrow heads (H <= 32: the `small` training preset's 16 x 128, V4 under tensor parallelism
     of 4, 8 or 16; NVIDIA): the forward with 4 warps (a cr4 layer at T = 8192, D = 128, H = 16:
     0.465 ms against 0.629 ms with 8; Pro cr4 T = 16384, D = 512: H = 16 3.83 ms, H = 32 5.53
-    ms against 8.68 ms with 8, docs/perf/heads_h200.md). At H <= 16 the backward keeps
+    ms against 8.68 ms with 8 and 1.20-1.57x on all six layer types at H = 32, measured in bf16
+    at D = 512, docs/perf/heads_h200.md). At H <= 16 the backward keeps
     the H = 32 tiling (the defaults) above D = NARROW_BWD_MAX_D = 128: the settings below made
     the D = 512 dq kernel spill 1,984 B per thread on sm_90a (0 with the H = 32 tiling) and its
     step 2.3x the H = 32 one (docs/small_heads.md). Up to D = 128: 64-slot dq tiles (the
