@@ -258,6 +258,18 @@ def test_forward_refuses_an_odd_ring():
         fwd.constexprs(T=64, N=256, NHB=1, D=512, K=128, BK=64, stages=3, scale=0.1)
 
 
+def test_forward_grid_is_one_program_per_sm(monkeypatch):
+    """The forward is persistent: min(rows, SMs) programs, each walking rows; the SM count is
+    the GPU's core_count (132 where jax gives none, e.g. on a CPU)."""
+    from csa_jax.kernels.gluon import fwd
+    if jax.devices()[0].platform == "cpu":
+        assert fwd.sm_count() == 132                 # no GPU backend: the H200's count
+    monkeypatch.setattr(fwd, "sm_count", lambda: 78)
+    assert fwd.grid(32768) == (78,) and fwd.grid(5) == (5,)
+    assert fwd.constexprs(T=64, N=256, NHB=2, D=512, K=128, BK=64, stages=2, scale=0.1,
+                          B=3)["ROWS"] == 3 * 64 * 2
+
+
 @pytest.mark.parametrize("target", ["gfx942", "gfx950", "gfx1250"])
 def test_forward_is_nvidia_only(target):
     """The kernel uses NVIDIA-only ops (wgmma, NVMMA layouts, cp.async): the AMD targets refuse

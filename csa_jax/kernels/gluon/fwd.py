@@ -286,7 +286,11 @@ def sm_count():
     """Streaming multiprocessors of the first GPU (jax's `core_count`; 132, an H100 / H200 SXM,
     where it does not say)."""
     import jax
-    for d in jax.devices():
+    try:
+        devices = jax.devices("gpu")
+    except RuntimeError:          # no GPU backend: only compile checks get here
+        devices = []
+    for d in devices:
         n = getattr(d, "core_count", None)
         if isinstance(n, int) and n > 0:
             return n
