@@ -220,29 +220,18 @@ def _git(*args):
 
 
 def compare(a_path, b_path, only=None):
-    with open(a_path) as f:
-        a = json.load(f)
-    with open(b_path) as f:
-        b = json.load(f)
+    from benchmarks import dump_diff
+    a, b = dump_diff.load_pair(a_path, b_path)
     fields = ["ptx", "sass", "amdgcn"]
     extra = a["meta"]["no_line_info"] and b["meta"]["no_line_info"]
-    bad = 0
-    keys = sorted(k for k in set(a["kernels"]) | set(b["kernels"])
-                  if not only or re.search(only, k))
-    for key in keys:
-        ra, rb = a["kernels"].get(key), b["kernels"].get(key)
-        if ra is None or rb is None:
-            bad += 1
-            print(f"{key}: only in {a_path if rb is None else b_path}")
-            continue
+
+    def compared(ra, rb):
         # raw / bin carry the kernel's name: compared only where it is the same
         same = fields + (["raw", "bin"] if extra and ra.get("kernel") == rb.get("kernel") else [])
-        diff = [k for k in same + ["error"] if ra.get(k) != rb.get(k)]
-        if diff:
-            bad += 1
-            print(f"{key}: differs in {', '.join(diff)}")
-    n = len(set(a["kernels"]) & set(b["kernels"]) & set(keys))
-    print(f"{n} kernel/target rows in both ({a['meta']['commit']} vs {b['meta']['commit']}), "
+        return same + ["error"]
+
+    _, bad, both = dump_diff.row_diffs(a, b, a_path, b_path, compared, only)
+    print(f"{len(both)} kernel/target rows in both ({a['meta']['commit']} vs {b['meta']['commit']}), "
           f"compared on {', '.join(fields)}{' (+ raw, bin where the name is the same)' if extra else ''}: {bad} differ")
     return 1 if bad else 0
 

@@ -101,30 +101,11 @@ def _git(*args):
 
 
 def compare(a_path, b_path):
-    with open(a_path) as f:
-        a = json.load(f)
-    with open(b_path) as f:
-        b = json.load(f)
-    bad, counts = 0, {}
-    keys = sorted(set(a["kernels"]) | set(b["kernels"]))
-    for key in keys:
-        ra, rb = a["kernels"].get(key), b["kernels"].get(key)
-        if ra is None or rb is None:
-            bad += 1
-            print(f"{key}: only in {a_path if rb is None else b_path}")
-            continue
-        diff = [k for k in ("mosaic", "program", "kernels") if ra.get(k) != rb.get(k)]
-        if diff:
-            bad += 1
-            print(f"{key}: differs in {', '.join(diff)}")
-        c = counts.setdefault((key.rsplit("@", 1)[1], key.split("[")[0]), [0, 0])
-        c[0] += 1
-        c[1] += not diff
-    print("| generation | kernel | rows | identical (mosaic and program) |\n|---|---|---|---|")
-    for (gen, kernel), (n, same) in sorted(counts.items()):
-        print(f"| {gen} | {kernel} | {n} | {same} |")
-    print(f"{a['meta']['commit']} vs {b['meta']['commit']}: {len(keys)} rows, {bad} differ")
-    return 1 if bad else 0
+    from benchmarks import dump_diff
+    return dump_diff.compare_tally(
+        a_path, b_path, ("mosaic", "program", "kernels"),
+        lambda key, row: (key.rsplit("@", 1)[1], key.split("[")[0]),
+        ("generation", "kernel", "identical (mosaic and program)"))
 
 
 def main(argv=None):

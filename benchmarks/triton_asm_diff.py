@@ -168,36 +168,17 @@ def _git(*args):
     return r.stdout.strip()
 
 
+def _kind(key, row):
+    return "program" if key.startswith("program") else ("ptx" if "ptx" in row else
+                                                         "amdgcn" if "amdgcn" in row else "ttir")
+
+
 def compare(a_path, b_path):
-    with open(a_path) as f:
-        a = json.load(f)
-    with open(b_path) as f:
-        b = json.load(f)
-    bad = 0
-    keys = sorted(set(a["kernels"]) | set(b["kernels"]))
-    counts = {}
-    for key in keys:
-        ra, rb = a["kernels"].get(key), b["kernels"].get(key)
-        if ra is None or rb is None:
-            bad += 1
-            print(f"{key}: only in {a_path if rb is None else b_path}")
-            continue
-        diff = [k for k in ("program", "ttir", "ptx", "amdgcn", "warps", "stages", "error")
-                if ra.get(k) != rb.get(k)]
-        if diff:
-            bad += 1
-            print(f"{key}: differs in {', '.join(diff)}")
-        kind = "program" if key.startswith("program") else ("ptx" if "ptx" in ra else
-                                                            "amdgcn" if "amdgcn" in ra else "ttir")
-        target = key.rsplit("@", 1)[1]
-        c = counts.setdefault((target, kind), [0, 0])
-        c[0] += 1
-        c[1] += not diff
-    print("| target | what | rows | identical |\n|---|---|---|---|")
-    for (target, kind), (n, same) in sorted(counts.items()):
-        print(f"| {target} | {kind} | {n} | {same} |")
-    print(f"{a['meta']['commit']} vs {b['meta']['commit']}: {len(keys)} rows, {bad} differ")
-    return 1 if bad else 0
+    from benchmarks import dump_diff
+    return dump_diff.compare_tally(
+        a_path, b_path, ("program", "ttir", "ptx", "amdgcn", "warps", "stages", "error"),
+        lambda key, row: (key.rsplit("@", 1)[1], _kind(key, row)),
+        ("target", "what", "identical"))
 
 
 def main(argv=None):

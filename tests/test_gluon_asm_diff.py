@@ -99,3 +99,27 @@ def test_renamed_kernel_is_the_same_code(tmp_path):
         return str(p)
     assert ad.compare(dump("a", "k1", "r1"), dump("b", "k2", "r2")) == 0     # renamed
     assert ad.compare(dump("c", "k1", "r1"), dump("d", "k1", "r2")) == 1     # same name
+
+
+def test_triton_and_tpu_dump_compare(tmp_path, capsys):
+    """triton_asm_diff / tpu_mlir_diff's compare (benchmarks/dump_diff.compare_tally): 0 for
+    equal dumps, 1 for a changed or missing row, and the per-group table of identical rows."""
+    from benchmarks import tpu_mlir_diff, triton_asm_diff
+
+    def dump(name, kernels):
+        p = tmp_path / f"{name}.json"
+        p.write_text(json.dumps(dict(meta=dict(commit=name), kernels=kernels)))
+        return str(p)
+
+    tri = {"program[H16]@sm_90a": dict(program="p"), "fwd[H16]@sm_90a": dict(ptx="x"),
+           "fwd[H16]@gfx942": dict(amdgcn="y")}
+    assert triton_asm_diff.compare(dump("a", tri), dump("b", tri)) == 0
+    assert "| sm_90a | ptx | 1 | 1 |" in capsys.readouterr().out
+    assert triton_asm_diff.compare(dump("a", tri), dump("c", dict(tri, **{
+        "fwd[H16]@gfx942": dict(amdgcn="z")}))) == 1
+    out = capsys.readouterr().out
+    assert "fwd[H16]@gfx942: differs in amdgcn" in out and "| gfx942 | amdgcn | 1 | 0 |" in out
+    tpu = {"fwd[pro,cr4]@v5e": dict(mosaic="m", program="p", kernels=1)}
+    assert tpu_mlir_diff.compare(dump("d", tpu), dump("e", tpu)) == 0
+    assert tpu_mlir_diff.compare(dump("d", tpu), dump("f", {})) == 1
+    assert "fwd[pro,cr4]@v5e: only in" in capsys.readouterr().out
