@@ -43,12 +43,17 @@ class Layout:
     def __post_init__(self):
         if self.kind not in KINDS:
             raise ValueError(f"layout kind={self.kind!r} must be one of {KINDS}")
-        for name in ("window", "pool_ratio"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"layout {name}={v!r} must be a positive int")
-        if self.pool_ratio < 2:
-            raise ValueError(f"layout pool_ratio={self.pool_ratio} must be >= 2")
+        check_window_pool(self.window, self.pool_ratio, "layout ")
+
+
+def check_window_pool(window, pool_ratio, prefix=""):
+    """A layout promise's window and pool ratio: positive ints, the ratio >= 2; ValueError
+    naming the bad value (field names after `prefix`). Layout's and gluon Config's check."""
+    for name, v in (("window", window), ("pool_ratio", pool_ratio)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{prefix}{name}={v!r} must be a positive int")
+    if pool_ratio < 2:
+        raise ValueError(f"{prefix}pool_ratio={pool_ratio} must be >= 2")
 
 
 def as_layout(layout) -> Layout:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from csa_jax.kernels.gluon.dims import SMEM_LIMIT
+from csa_jax.layouts import check_window_pool
 
 LAYOUTS = ("generic", "cr0", "cr4", "cr128")
 WINDOW_KERNEL = 128          # the window the cr0 window kernel runs for (window.py)
@@ -53,12 +54,7 @@ class Config:
         _int_in("stages", self.stages, (1, 2, 3, 4))
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout={self.layout!r} must be one of {LAYOUTS}")
-        for name in ("window", "pool_ratio"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name}={v!r} must be a positive int")
-        if self.pool_ratio < 2:
-            raise ValueError(f"pool_ratio={self.pool_ratio} must be >= 2")
+        check_window_pool(self.window, self.pool_ratio)
         if self.bwd not in ("gluon", "pallas_triton"):
             raise ValueError(f"bwd={self.bwd!r} must be 'gluon' or 'pallas_triton'")
         _int_in("bwd_block_k", self.bwd_block_k, (16, 32, 64))
