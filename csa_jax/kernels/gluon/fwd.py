@@ -4,13 +4,13 @@ FlashMLA's SM90 schedule (../shared/gpu_kernels.md), written for Gluon: three pa
 4 warps each (384 threads), one program per SM (persistent) walking head blocks ("rows": 64
 heads of one token, ring.py) in turn:
 
-- producer = the default partition (_producer): per row, q once both consumers are done with
-  the previous row's q (q_free), then every BK-row tile of the token's slots gathered with
-  cp.async into the ring ("full" barriers); it refills a stage once its "consumed" barrier has
-  had one arrival from EACH consumer. Stages and barrier phases count the program's whole tile
-  stream, so the next row's q and first tiles are in flight while the consumers run this
-  row's epilogue (q_free comes after the row's last PV). It keeps what the consumers leave of the register file (`producer_regs(CONSUMER_REGS)`:
-  72 at 216).
+- producer = the default partition (_producer, ring._produce_row): per row, the row's first
+  STAGES tiles gathered with cp.async into the ring ("full" barriers), then q once both
+  consumers are done with the previous row's q (q_free, after that row's last PV), then the
+  other tiles; it refills a stage once its "consumed" barrier has had one arrival from EACH
+  consumer. Stages and barrier phases count the program's whole tile stream, so the next row's
+  first tiles and q are in flight while the consumers finish this row. It keeps what the
+  consumers leave of the register file (`producer_regs(CONSUMER_REGS)`: 72 at 216).
 - consumer warpgroup W = 0, 1: two worker partitions of CONSUMER_REGS = 216 registers per
   thread (setmaxnreg, FlashMLA's split). Warpgroup W owns the tiles g of the program's tile
   stream with g % 2 == W (a row may start on either warpgroup) and
@@ -39,9 +39,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait)
 
-from csa_jax.kernels.gluon.ring import (LOG2E, NEG, PRODUCER_WARPS, _finish, _gather_tiles,
-                                        _load_q, _release, _row_info, _softmax_step,
-                                        out_shapes, prepare, unpad)
+from csa_jax.kernels.gluon.ring import (LOG2E, NEG, PRODUCER_WARPS, _finish, _produce_row,
+                                        _release, _row_info, _softmax_step, out_shapes, prepare,
+                                        unpad)
 
 WG_WARPS = gl.constexpr(4)   # each consumer partition is one warpgroup
 NUM_WARPS = 4                # the default partition (the producer); 12 warps in all
@@ -199,19 +199,16 @@ def _producer(q_ptr, kv_ptr, idx_ptr, ntiles_ptr, q_smem, ring, full, consumed, 
               T: gl.constexpr, N: gl.constexpr, NHB: gl.constexpr, D: gl.constexpr,
               K: gl.constexpr, ROWS: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
               HBC: gl.constexpr):
-    """The program's rows in turn: q once both consumers are done with the previous row's q
-    (q_free, after the row's last PV), then the row's tiles (ring._gather_tiles), the ring's
-    stages and phases counted over the program's whole tile stream, so the next row's q and
-    first tiles are in flight while the consumers run this row's epilogue."""
+    """The program's rows in turn (ring._produce_row): each row's first STAGES tiles, then its
+    q once both consumers are done with the previous row's (q_free, after the row's last PV),
+    then the other tiles; the ring's stages and phases count the program's whole tile stream,
+    so the next row's first tiles and q are in flight while the consumers finish this row."""
     base = 0
     n = 0
     for row in range(gl.program_id(0), ROWS, gl.num_programs(0)):
         _, _, b, ntiles, idx_tok = _row_info(ntiles_ptr, idx_ptr, row, T, NHB, K)
-        if n >= 1:
-            mbarrier.wait(q_free, (n - 1) & 1)
-        _load_q(q_ptr, q_smem, q_bar, row, D, HBC)
-        _gather_tiles(kv_ptr, idx_tok, ring, full, consumed, base, b, ntiles, N, D, K, BK,
-                      STAGES)
+        _produce_row(q_ptr, kv_ptr, idx_tok, q_smem, ring, full, consumed, q_bar, q_free, row,
+                     n, base, b, ntiles, N, D, K, BK, STAGES, HBC)
         base += ntiles
         n += 1
 

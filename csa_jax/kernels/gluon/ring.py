@@ -56,18 +56,19 @@ def _load_q(q_ptr, q_smem, q_bar, row, D: gl.constexpr, HBC: gl.constexpr):
 
 
 @gluon.jit
-def _gather_tiles(kv_ptr, idx_ptr, ring, full, consumed, base, b, ntiles, N: gl.constexpr,
+def _gather_tiles(kv_ptr, idx_ptr, ring, full, consumed, base, b, start, stop, N: gl.constexpr,
                   D: gl.constexpr, K: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr):
-    """A row's ntiles tiles into the ring: tile i is number base + i of the program's tile
-    stream (its stage and barrier phases); each stage is refilled once its "consumed" barrier
-    completed for the stream's previous use of it. The next tile's row ids are loaded while
-    this stage's copies fly."""
+    """Tiles start .. stop-1 of a row into the ring: tile i is number base + i of the program's
+    tile stream (its stage and barrier phases); each stage is refilled once its "consumed"
+    barrier completed for the stream's previous use of it. The next tile's row ids are loaded
+    while this stage's copies fly."""
     layout: gl.constexpr = PRODUCER_LAYOUT
     cols = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
     krows = gl.arange(0, BK, layout=gl.SliceLayout(1, layout))
     kv_base = kv_ptr + b.to(gl.int64) * (N * D)
-    ids = gl.load(idx_ptr + krows)                     # K >= BK: always in bounds
-    for i in range(ntiles):
+    first = start * BK + krows
+    ids = gl.load(idx_ptr + first, mask=first < K, other=-1)
+    for i in range(start, stop):
         g = base + i
         s = g % STAGES
         valid = ids >= 0
@@ -80,6 +81,24 @@ def _gather_tiles(kv_ptr, idx_ptr, ring, full, consumed, base, b, ntiles, N: gl.
         async_copy.mbarrier_arrive(full.index(s), increment_count=False)
         nxt = (i + 1) * BK + krows
         ids = gl.load(idx_ptr + nxt, mask=nxt < K, other=-1)
+
+
+@gluon.jit
+def _produce_row(q_ptr, kv_ptr, idx_tok, q_smem, ring, full, consumed, q_bar, q_free, row, n,
+                 base, b, ntiles, N: gl.constexpr, D: gl.constexpr, K: gl.constexpr,
+                 BK: gl.constexpr, STAGES: gl.constexpr, HBC: gl.constexpr):
+    """A persistent producer's row n (head block `row`): the row's first STAGES tiles (their
+    stages free up as the previous row's last tiles are consumed), then q once the consumers
+    released the previous row's (q_free, after their last read of it), then the other tiles.
+    So the next row's first tiles are in flight while the consumers finish this one; no
+    deadlock: every wait is for a release the consumers make with what they already have."""
+    pre = gl.minimum(ntiles, STAGES)
+    _gather_tiles(kv_ptr, idx_tok, ring, full, consumed, base, b, 0, pre, N, D, K, BK, STAGES)
+    if n >= 1:
+        mbarrier.wait(q_free, (n - 1) & 1)
+    _load_q(q_ptr, q_smem, q_bar, row, D, HBC)
+    _gather_tiles(kv_ptr, idx_tok, ring, full, consumed, base, b, pre, ntiles, N, D, K, BK,
+                  STAGES)
 
 
 @gluon.jit
@@ -159,14 +178,16 @@ def _pad(x, axis, size, v=0):
                    constant_values=v)
 
 
-def prepare(q, kv, idx, sink, bk):
-    """The padded operands of a forward kernel (fwd.py's and amd_fwd.py's) and its dims:
-    (q [B*T*Hp, Dp], kv [B*N, Dp], idx [B*T, Kp] (-1 padding), ntiles [B*T], sink [Hp] (-inf
-    padding), (B, T, H, D, N, Hp, Dp, Kp, NHB)). ntiles = tiles up to the last non-empty slot."""
+def prepare(q, kv, idx, sink, bk, hp=None):
+    """The padded operands of a forward kernel (fwd.py's, small_heads.py's and amd_fwd.py's) and
+    its dims: (q [B*T*Hp, Dp], kv [B*N, Dp], idx [B*T, Kp] (-1 padding), ntiles [B*T], sink [Hp]
+    (-inf padding), (B, T, H, D, N, Hp, Dp, Kp, NHB)). ntiles = tiles up to the last non-empty
+    slot. Hp = hp, or H to a multiple of 64 (NHB = Hp // 64, 1 if Hp < 64)."""
     import jax.numpy as jnp
     B, T, H, D = q.shape
     N, K = kv.shape[1], idx.shape[2]
     Hp, Dp, Kp = padded_dims(H, D, K, bk)
+    Hp = hp or Hp
     idx_p = _pad(idx, 2, Kp, -1)
     j = jnp.arange(Kp, dtype=jnp.int32)
     used = jnp.max(jnp.where(idx_p >= 0, j, -1), axis=2) + 1
@@ -175,7 +196,7 @@ def prepare(q, kv, idx, sink, bk):
     kv_p = _pad(kv, 2, Dp).reshape(B * N, Dp)
     sink_p = _pad(sink.astype(jnp.float32), 0, Hp, -jnp.inf)
     return (q_p, kv_p, idx_p.reshape(B * T, Kp), ntiles, sink_p,
-            (B, T, H, D, N, Hp, Dp, Kp, Hp // HB))
+            (B, T, H, D, N, Hp, Dp, Kp, max(1, Hp // HB)))
 
 
 def out_shapes(q, dims):
