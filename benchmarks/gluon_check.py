@@ -160,6 +160,12 @@ def part_random(seed):
         ("h128_d512_bf16_nosink_k130", 2, 96, 128, 512, 200, 130, jnp.bfloat16, False),
         ("h16_d64_bf16_sink_pad", 1, 64, 16, 64, 100, 40, jnp.bfloat16, True),
         ("h64_d512_f16_sink", 1, 64, 64, 512, 150, 100, jnp.float16, True),
+        # the few-heads forward (small_heads.py): 16 / 32 padded heads, 64-row tiles
+        ("h16_d512_bf16_k1152", 1, 64, 16, 512, 2000, 1152, jnp.bfloat16, True),
+        ("h32_d512_bf16_nosink_k130", 2, 96, 32, 512, 200, 130, jnp.bfloat16, False),
+        ("h8_d512_f16_sink", 1, 64, 8, 512, 150, 100, jnp.float16, True),
+        ("h24_d128_bf16_sink_pad", 1, 80, 24, 128, 300, 200, jnp.bfloat16, True),
+        ("h1_d512_bf16_sink", 1, 32, 1, 512, 100, 70, jnp.bfloat16, True),
     ]
     unknown = CASES - {c[0] for c in cases}
     if unknown:
@@ -183,21 +189,26 @@ def part_golden(golden_dir):
 
 
 def part_grad(seed):
+    """H = 64 (the 64-head forward, Config.bwd's backward) and H = 16 (the few-heads forward
+    and its default backward)."""
     import csa_jax
     from csa_jax import problems
     key = jax.random.PRNGKey(seed + 2)
-    q, kv, idx, sink = random_case(key, 1, 128, 64, 512, 256, 160, jnp.bfloat16, True)
-    kd, kl = jax.random.split(key)
-    do = jax.random.normal(kd, q.shape, q.dtype)
-    dlse = jax.random.normal(kl, q.shape[:3], jnp.float32) * 0.1
-    grads = {}
-    for impl in ("gluon", "xla"):
-        cfg = gluon_config(q, kv, idx) if impl == "gluon" else None
-        loss = problems.loss_fn(lambda q, kv, idx, s, impl=impl, cfg=cfg:
-                                csa_jax.sparse_attention(q, kv, idx, s, impl=impl, config=cfg))
-        grads[impl] = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, kv, sink, idx, do, dlse)
-    errs = {n: rel(a, b) for n, a, b in zip(("dq", "dkv", "dsink"), grads["gluon"], grads["xla"])}
-    report(part="grad", errs=errs, ok=all(e <= 2e-2 for e in errs.values()))
+    for H in (64, 16):
+        key, k = jax.random.split(key)
+        q, kv, idx, sink = random_case(k, 1, 128, H, 512, 256, 160, jnp.bfloat16, True)
+        kd, kl = jax.random.split(k)
+        do = jax.random.normal(kd, q.shape, q.dtype)
+        dlse = jax.random.normal(kl, q.shape[:3], jnp.float32) * 0.1
+        grads = {}
+        cfg = gluon_config(q, kv, idx)
+        for impl, c in (("gluon", cfg), ("xla", None)):
+            loss = problems.loss_fn(lambda q, kv, idx, s, impl=impl, c=c:
+                                    csa_jax.sparse_attention(q, kv, idx, s, impl=impl, config=c))
+            grads[impl] = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, kv, sink, idx, do, dlse)
+        errs = {n: rel(a, b)
+                for n, a, b in zip(("dq", "dkv", "dsink"), grads["gluon"], grads["xla"])}
+        report(part="grad", H=H, bwd=cfg.bwd, errs=errs, ok=all(e <= 2e-2 for e in errs.values()))
 
 
 # ----------------------------------------------------------------------------- timing

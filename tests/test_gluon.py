@@ -58,11 +58,11 @@ def test_config_defaults_fit_shared_memory():
 
 
 def test_config_has_only_real_choices():
-    """Eight fields (docs/gluon.md): no ablation or never-timed switch reaches the public op."""
+    """Nine fields (docs/gluon.md): no ablation or never-timed switch reaches the public op."""
     import dataclasses
     assert [f.name for f in dataclasses.fields(impl.Config)] == [
-        "block_k", "stages", "layout", "window", "pool_ratio", "bwd", "bwd_block_k",
-        "bwd_stages"]
+        "block_k", "stages", "layout", "window", "pool_ratio", "head_block", "bwd",
+        "bwd_block_k", "bwd_stages"]
 
 
 @pytest.mark.parametrize("kw, match", [

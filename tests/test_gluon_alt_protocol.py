@@ -1,4 +1,5 @@
-"""A model of fwd.py's barrier protocol, run under random interleavings (CPU only).
+"""A model of fwd.py's (and small_heads.py's) barrier protocol, run under random interleavings
+(CPU only).
 
 The Gluon kernel cannot run here; this checks the protocol it implements, transcribed from
 fwd.py (the alternating consumer warpgroups, "pv_first" step order; one program walking
@@ -56,22 +57,30 @@ class Buffers:
         self.reads[(key, tile)] = self.reads.get((key, tile), 0) + 1
 
 
-def producer(rows, st):
-    """fwd._producer: per row, q once both consumers released the previous row's (q_free),
-    then the row's tiles; stages and phases count the program's whole tile stream."""
+def producer(rows, st, reads=3):
+    """ring._produce_row (fwd.py's and small_heads.py's producer): per row, the row's first
+    `st` tiles, then q once the consumers released the previous row's (q_free), then the other
+    tiles; stages and phases count the program's whole tile stream. `reads`: the reads a tile
+    has before its stage may be refilled (here S by its owner + one PV per warpgroup)."""
     base = 0
     for n, nt in enumerate(rows):
+        pre = min(nt, st)
+
+        def tiles(lo, hi):
+            for i in range(lo, hi):
+                g = base + i
+                s = g % st
+                if g >= st:
+                    yield ("wait", ("consumed", s), ((g // st) - 1) & 1)
+                yield ("write", ("ring", s), g, reads)
+                yield ("arrive", ("full", s))
+
+        yield from tiles(0, pre)
         if n >= 1:
             yield ("wait", ("q_free",), (n - 1) & 1)
         yield ("write", ("q",), n, rows[n - 1] if n else 0)    # the last row's every S
         yield ("arrive", ("q_bar",))
-        for i in range(nt):
-            g = base + i
-            s = g % st
-            if g >= st:
-                yield ("wait", ("consumed", s), ((g // st) - 1) & 1)
-            yield ("write", ("ring", s), g, 3)    # S by its owner + one PV per warpgroup
-            yield ("arrive", ("full", s))
+        yield from tiles(pre, nt)
         base += nt
 
 
@@ -133,18 +142,44 @@ def consumer(w, rows, st):
         base += nt
 
 
-def run(rows, st, rng, cons=consumer, prod=producer):
+def small_heads_consumer(rows, st):
+    """small_heads._consumer: one warpgroup; per tile S^T (reads the tile and q), then P^T (its
+    own buffer) and O^T (reads the tile), then the stage's release; q_free after each row."""
+    base = 0
+    for n, nt in enumerate(rows):
+        yield ("wait", ("q_bar",), n & 1)
+        for i in range(nt):
+            g = base + i
+            s = g % st
+            yield ("wait", ("full", s), (g // st) & 1)
+            yield ("begin", ("ring", s), g)
+            yield ("begin", ("q",), n)
+            yield ("end", ("ring", s), g)
+            yield ("end", ("q",), n)
+            yield ("read", ("ring", s), g)                         # O^T (synchronous)
+            yield ("arrive", ("consumed", s))
+        yield ("arrive", ("q_free",))
+        base += nt
+
+
+def run(rows, st, rng, cons=consumer, prod=producer, small=False):
+    """small: the few-heads kernel (one consumer: q_free and consumed count 1, each tile read
+    twice) instead of fwd.py's two alternating warpgroups."""
     if isinstance(rows, int):
         rows = [rows]
-    bars = {("q_bar",): Barrier(1), ("q_free",): Barrier(2)}
+    nc = 1 if small else 2
+    bars = {("q_bar",): Barrier(1), ("q_free",): Barrier(nc)}
     for s in range(st):
         bars[("full", s)] = Barrier(1)
-        bars[("consumed", s)] = Barrier(2)
+        bars[("consumed", s)] = Barrier(nc)
     for w in range(2):
         for name in ("ex", "exfree"):
             bars[(name, w)] = Barrier(1)
     buf = Buffers()
-    threads = [prod(rows, st), cons(0, rows, st), cons(1, rows, st)]
+    if small:
+        threads = [prod(rows, st, 2), small_heads_consumer(rows, st)]
+    else:
+        threads = [prod(rows, st), cons(0, rows, st), cons(1, rows, st)]
     nxt = [next(t, None) for t in threads]
     while any(op is not None for op in nxt):
         ready = [k for k, op in enumerate(nxt) if op is not None and
@@ -164,11 +199,13 @@ def run(rows, st, rng, cons=consumer, prod=producer):
             buf.begin(op[1], op[2])
             buf.end(op[1], op[2])
         nxt[k] = next(threads[k], None)
-    # every tile was read by its S and both PV halves, every P tile by the other warpgroup
+    # every tile was read by its S and both PV halves (small: S^T and O^T), every P tile by
+    # the other warpgroup
     total = sum(rows)
     for g in range(total):
-        assert buf.reads.get((("ring", g % st), g), 0) == 3, (g, buf.reads)
-        assert buf.reads.get((("p", g % 2), g), 0) == 1, (g, buf.reads)
+        assert buf.reads.get((("ring", g % st), g), 0) == (2 if small else 3), (g, buf.reads)
+        if not small:
+            assert buf.reads.get((("p", g % 2), g), 0) == 1, (g, buf.reads)
 
 
 @pytest.mark.parametrize("st", [2, 4])
@@ -190,17 +227,42 @@ def test_persistent_rows_random_interleavings(st):
         run(rows, st, rng)
 
 
+@pytest.mark.parametrize("st", [2, 3, 4])
+def test_small_heads_rows_random_interleavings(st):
+    """small_heads.py: one consumer warpgroup, any ring depth, several rows (tokens) per
+    program with empty rows; the producer runs ahead into the next row's first tiles and q."""
+    rng = random.Random(7 + st)
+    for _ in range(300):
+        rows = [rng.choice([0, 1, 2, 3, 5, 18]) for _ in range(rng.randint(1, 5))]
+        run(rows, st, rng, small=True)
+
+
 def test_model_catches_a_missing_q_free():
     """The model can fail: a producer that loads the next row's q without waiting on q_free
-    overwrites q while a consumer's S still reads it."""
+    overwrites q while a consumer's S still reads it (rows shorter than the ring: with longer
+    rows the stage waits of the first tiles already imply q_free)."""
     rng = random.Random(0)
 
-    def eager(rows, st):
-        return (op for op in producer(rows, st) if op[:2] != ("wait", ("q_free",)))
+    def eager(rows, st, reads=3):
+        return (op for op in producer(rows, st, reads) if op[:2] != ("wait", ("q_free",)))
+
+    for small in (False, True):
+        with pytest.raises(AssertionError):
+            for _ in range(200):
+                run([1, 1, 1, 1], 2, rng, prod=eager, small=small)
+
+
+def test_model_catches_a_stage_refilled_early():
+    """The model can fail: a producer that refills a stage without waiting for its release
+    overwrites a tile the consumer still reads (the few-heads kernel, 3 stages)."""
+    rng = random.Random(0)
+
+    def eager(rows, st, reads=2):
+        return (op for op in producer(rows, st, reads) if op[1][0] != "consumed")
 
     with pytest.raises(AssertionError):
         for _ in range(200):
-            run([3, 3, 3], 2, rng, prod=eager)
+            run([5, 4], 3, rng, prod=eager, small=True)
 
 
 def test_model_catches_a_wrong_parity():

@@ -5,7 +5,8 @@ forward, backward, unsupported, check_layout. One kernel per job (the explicit d
 producer partition gathers kv rows with cp.async into an mbarrier ring, consumer warpgroups
 run wgmma; ring.py holds what they share):
 
-- forward, NVIDIA Hopper: fwd.py (FlashMLA's alternating consumer warpgroups); under the cr0
+- forward, NVIDIA Hopper: fwd.py (FlashMLA's alternating consumer warpgroups, 64 heads a
+  program); at H <= 32 small_heads.py (the kv rows as wgmma's M, the heads as N); under the cr0
   promise with window 128, window.py (a block of 16 tokens copies its window once);
 - backward: bwd.py's dq kernel (it also writes scale*dS, P and [q; dO]), then dkv by a per-slot
   GEMM in XLA and dkv.py's deterministic inverse-map gather-reduce; Config.bwd="pallas_triton"
@@ -26,7 +27,8 @@ import jax.numpy as jnp
 from csa_jax.kernels.gluon.adapter import missing as _missing_triton
 from csa_jax.kernels.gluon.config import SMEM_BUDGET, Config
 from csa_jax.kernels.gluon.dims import (AMD_DEFAULTS, AMD_DQ_DEFAULTS, amd_arch, dq_tiles,
-                                        fwd_shared_bytes)
+                                        fwd_shared_bytes, small_heads_block,
+                                        small_heads_shared_bytes)
 
 _GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 
@@ -50,7 +52,9 @@ def _amd():
 
 def default_config(q_shape, kv_shape, idx_shape, dtype, *, layout="generic", window=128,
                    pool_ratio=128) -> Config:
-    """NVIDIA: block_k 64 and the deepest even ring that fits (4 for D <= 256, 2 at D = 512;
+    """NVIDIA, H <= 32: the few-heads forward (small_heads.py) with the deepest ring of 64-row
+    tiles that fits (3 at H <= 16, 2 at H <= 32 for D = 512), and bwd="pallas_triton".
+    NVIDIA, H > 32: block_k 64 and the deepest even ring that fits (4 for D <= 256, 2 at D = 512;
     block_k 32 if even 2 stages of 64 rows would not fit); the dq kernel's tiles from
     dims.dq_tiles (32 x 2 at D = 512). AMD: the per-target tiles of dims.AMD_DEFAULTS /
     AMD_DQ_DEFAULTS. layout / window / pool_ratio: the caller's promise, passed through."""
@@ -63,6 +67,15 @@ def default_config(q_shape, kv_shape, idx_shape, dtype, *, layout="generic", win
         return Config(block_k=d["block_k"], stages=d["stages"], bwd_block_k=b["block_k"],
                       bwd_stages=b["stages"], **promise)
     bk, bs = dq_tiles(D) or (32, 2)
+    hn = small_heads_block(q_shape[2])
+    if hn:
+        # the few-heads forward (small_heads.py): the deepest ring that fits; the pallas_triton
+        # backward (faster than the dq kernel's 64-head padding at H <= 32: docs/small_heads.md)
+        stages = max((s for s in (4, 3, 2)
+                      if small_heads_shared_bytes(D, hn, s) <= SMEM_BUDGET), default=0)
+        if stages:
+            return Config(block_k=64, stages=stages, bwd="pallas_triton", bwd_block_k=bk,
+                          bwd_stages=bs, **promise)
     for stages in (4, 2):
         if fwd_shared_bytes(D, 64, stages) <= SMEM_BUDGET:
             return Config(block_k=64, stages=stages, bwd_block_k=bk, bwd_stages=bs, **promise)
@@ -89,7 +102,9 @@ def _cannot_run(q_shape, dtype):
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         return f"dtype {jnp.dtype(dtype).name}: the Gluon kernel takes bf16/f16 (wgmma)"
     cfg = default_config(q_shape, None, None, dtype)
-    need = fwd_shared_bytes(q_shape[3], cfg.block_k, cfg.stages)
+    hn = small_heads_block(q_shape[2])
+    need = (small_heads_shared_bytes(q_shape[3], hn, cfg.stages) if hn else
+            fwd_shared_bytes(q_shape[3], cfg.block_k, cfg.stages))
     if need > SMEM_BUDGET:
         return f"D={q_shape[3]} needs {need} B of shared memory"
     return None
@@ -178,11 +193,31 @@ def forward(q, kv, idx, sink, *, scale, interpret, config):
             check_layout(idx, kv.shape[1], config)
             bad = jnp.zeros(idx.shape[:2], jnp.int32)
         return _win.forward(q, kv, sink, bad, scale=float(scale), window=config.window)
+    hn = config.head_block or small_heads_block(q.shape[2]) or 64
+    if hn < 64:
+        from csa_jax.kernels.gluon import small_heads as _small
+        _check_small_heads(q.shape, hn, config)
+        return _small.forward(q, kv, idx, sink, scale=float(scale), HN=hn,
+                              stages=config.stages)
     if config.stages % 2:
         raise ValueError(f"stages={config.stages}: the NVIDIA forward (alternating consumer "
                          f"warpgroups) needs an even ring depth (2 or 4)")
     from csa_jax.kernels.gluon import fwd as _fwd
     return _fwd.forward(q, kv, idx, sink, scale=float(scale), config=config)
+
+
+def _check_small_heads(q_shape, hn, config):
+    H, D = q_shape[2], q_shape[3]
+    if H > hn:
+        raise ValueError(f"head_block={hn}: the few-heads forward runs H <= {hn} heads a "
+                         f"program, got H={H} (head_block 64 or 0 runs any H)")
+    if config.block_k != 64:
+        raise ValueError(f"block_k={config.block_k}: the few-heads forward (H={H}, head_block "
+                         f"{hn}) takes 64-row tiles (the wgmma M dimension)")
+    need = small_heads_shared_bytes(D, hn, config.stages)
+    if need > SMEM_BUDGET:
+        raise ValueError(f"stages={config.stages}: the few-heads forward at D={D}, {hn} heads "
+                         f"needs {need} B of shared memory, over {SMEM_BUDGET}")
 
 
 def backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, interpret, config):

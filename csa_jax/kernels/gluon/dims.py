@@ -22,6 +22,19 @@ def fwd_shared_bytes(D, block_k, stages, itemsize=2):
     return (HB + stages * block_k) * Dp * itemsize + 2 * HB * block_k * itemsize + 8 * HB * 4
 
 
+def small_heads_block(H):
+    """The padded head count of the few-heads forward (small_heads.py): 16 at H <= 16, 32 at
+    H <= 32, None above (the 64-head kernel)."""
+    return 16 if H <= 16 else 32 if H <= 32 else None
+
+
+def small_heads_shared_bytes(D, HN, stages, block_k=64, itemsize=2):
+    """Shared memory of the few-heads forward's buffers (small_heads.py): q [HN, D], the ring,
+    P^T [block_k, HN]; the compiler adds under 1 KiB (its cross-warp max)."""
+    Dp = padded_dims(HB, D, block_k, block_k)[1]
+    return (HN + stages * block_k) * Dp * itemsize + block_k * HN * itemsize
+
+
 def dq_shared_bytes(D, block_k, stages, itemsize=2):
     """Shared memory of the dq kernel's buffers (bwd.py): [q; dO], the ring, dS, the barriers."""
     Dp = padded_dims(HB, D, block_k, block_k)[1]

@@ -1,0 +1,171 @@
+"""The CSA forward in Gluon for few heads (H <= 32, NVIDIA Hopper): kv rows as the wgmma M.
+
+Under tensor parallelism a device runs the op with H = 8..32 heads. The 64-head kernel (fwd.py)
+puts the heads on wgmma's M dimension, which is 64 per warpgroup: at H = 16 three quarters of
+its products are padding. This kernel turns both products around so the token's gathered kv
+rows are M and the heads are N (wgmma's N may be 16 or 32):
+
+    S^T [BK, HN]  = tile [BK, D] q^T [D, HN]         (A = the ring tile, B = q, both in shared memory)
+    O^T [D, HN]  += tile^T [D, BK] P^T [BK, HN]     (A = the same tile read MN-major, B = P^T)
+
+with HN = the heads padded to 16 or 32 (padded heads have zero q and no sink; they are computed
+and dropped). Nothing is padded on M, and each wgmma reads its A operand from shared memory
+once per tile, so a tile costs about the same at HN = 16 or 32 (~1,000 clocks of shared-memory
+reads at D = 512), under the ~2,200 clocks of L2 bandwidth an SM's share of the gather takes:
+the kernel is meant to run at the gather's rate (benchmarks/gather_floor.py), not the matrix
+units'. The softmax runs down the columns (one per head): the max over a tile's BK rows is a
+reduction across the warpgroup's 4 warps; the row sums are kept per thread and reduced once per
+token.
+
+Partitions (384 threads would waste registers: 8 warps here): the producer = the default
+partition, 4 warps, gathers with cp.async into a STAGES-deep ring of BK-row tiles exactly as
+the 64-head forward (ring._produce_row: a row = one token, all its heads); the consumer = one
+worker warpgroup that runs S^T, the softmax, P^T into shared memory and O^T per tile, then
+releases the stage. One program per SM, walking tokens. Smaller q leaves room for a deeper
+ring: 3 stages of 64 rows at HN = 16, 2 at HN = 32 (shared memory, dims.small_heads_stages).
+"""
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait)
+
+from csa_jax.kernels.gluon.ring import (LOG2E, NEG, PRODUCER_WARPS, _finish, _produce_row,
+                                        _release, _row_info)
+
+NUM_WARPS = 4                 # the default partition (the producer); 8 warps in all
+WG_WARPS = gl.constexpr(4)    # the consumer partition: one warpgroup
+CONSUMER_REGS = 232           # registers per consumer thread (setmaxnreg; 65,536 / 256 = 256)
+BLOCK_K = 64                  # tile rows = wgmma M
+
+
+@gluon.jit
+def _consumer(idx_ptr, ntiles_ptr, sink_ptr, o_ptr, lse_ptr, q_smem, ring, pt_smem, full,
+              consumed, q_bar, q_free, T: gl.constexpr, K: gl.constexpr, ROWS: gl.constexpr,
+              D: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, HN: gl.constexpr,
+              QK_SCALE: gl.constexpr):
+    # One layout for S^T [BK, HN] and O^T [D, HN] (M repeats in 64-row blocks): a head's
+    # statistics (SliceLayout 0) are the same tensors for both.
+    layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HN, 16])
+    mrow: gl.constexpr = gl.SliceLayout(1, layout)
+    hcol: gl.constexpr = gl.SliceLayout(0, layout)
+    krows = gl.arange(0, BK, layout=mrow)
+    drows = gl.arange(0, D, layout=mrow)
+    hcols = gl.arange(0, HN, layout=hcol)
+    s_zero = gl.zeros([BK, HN], gl.float32, layout)
+    q_t = q_smem.permute((1, 0))                  # [D, HN]: K-major B of S^T
+    base = 0          # the row's first tile in this program's tile stream
+    n = 0             # rows done by this program
+    for row in range(gl.program_id(0), ROWS, gl.num_programs(0)):
+        _, _, _, ntiles, idx_tok = _row_info(ntiles_ptr, idx_ptr, row, T, 1, K)
+        m = gl.full([HN], NEG, gl.float32, hcol)
+        lpart = gl.zeros([BK, HN], gl.float32, layout)     # row sums, per thread until the end
+        acc = gl.zeros([D, HN], gl.float32, layout)
+        mbarrier.wait(q_bar, n & 1)
+        for i in range(ntiles):
+            g = base + i
+            s = g % STAGES
+            ids = gl.load(idx_tok + i * BK + krows)
+            tile = ring.index(s)
+            mbarrier.wait(full.index(s), (g // STAGES) & 1)
+            fence_async_shared()                  # cp.async (generic proxy) -> wgmma
+            sc = warpgroup_mma(tile, q_t, s_zero, use_acc=False, is_async=True)
+            sc = warpgroup_mma_wait(0, deps=[sc])
+            sc = gl.where((ids >= 0)[:, None], sc * QK_SCALE, float("-inf"))
+            m_new = gl.maximum(m, gl.max(sc, axis=0))
+            p = gl.exp2(sc - m_new[None, :])
+            alpha = gl.exp2(m - m_new)
+            m = m_new
+            lpart = lpart * alpha[None, :] + p
+            acc = acc * alpha[None, :]
+            pt_smem.store(p.to(pt_smem.dtype))
+            fence_async_shared()                  # P^T is read by wgmma (async proxy)
+            gl.thread_barrier()
+            acc = warpgroup_mma(tile.permute((1, 0)), pt_smem, acc)
+            _release(consumed.index(s))
+        _release(q_free)
+        lse, o_scale = _finish(m, gl.sum(lpart, axis=0), sink_ptr + hcols)
+        gl.store(lse_ptr + row * HN + hcols, lse)
+        o = (acc * o_scale[None, :]).to(o_ptr.dtype.element_ty)
+        gl.store(o_ptr + (row * HN + hcols).to(gl.int64)[None, :] * D + drows[:, None], o)
+        base += ntiles
+        n += 1
+
+
+@gluon.jit
+def _producer(q_ptr, kv_ptr, idx_ptr, ntiles_ptr, q_smem, ring, full, consumed, q_bar, q_free,
+              T: gl.constexpr, N: gl.constexpr, D: gl.constexpr, K: gl.constexpr,
+              ROWS: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, HN: gl.constexpr):
+    base = 0
+    n = 0
+    for row in range(gl.program_id(0), ROWS, gl.num_programs(0)):
+        _, _, b, ntiles, idx_tok = _row_info(ntiles_ptr, idx_ptr, row, T, 1, K)
+        _produce_row(q_ptr, kv_ptr, idx_tok, q_smem, ring, full, consumed, q_bar, q_free, row,
+                     n, base, b, ntiles, N, D, K, BK, STAGES, HN)
+        base += ntiles
+        n += 1
+
+
+@gluon.jit
+def csa_fwd_small_heads_kernel(q_ptr, kv_ptr, idx_ptr, ntiles_ptr, sink_ptr, o_ptr, lse_ptr,
+                               T: gl.constexpr, N: gl.constexpr, D: gl.constexpr,
+                               K: gl.constexpr, ROWS: gl.constexpr, HN: gl.constexpr,
+                               BK: gl.constexpr, STAGES: gl.constexpr,
+                               QK_SCALE: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+    """Each program walks rows (tokens) program_id, program_id + num_programs, ... of the
+    ROWS = B * T tokens; q / o rows row * HN .. of the [B*T*HN, D] views."""
+    dtype: gl.constexpr = q_ptr.dtype.element_ty
+    q_smem = gl.allocate_shared_memory(dtype, [HN, D],
+                                       gl.NVMMASharedLayout.get_default_for([HN, D], dtype))
+    ring = gl.allocate_shared_memory(dtype, [STAGES, BK, D],
+                                     gl.NVMMASharedLayout.get_default_for([BK, D], dtype))
+    pt_smem = gl.allocate_shared_memory(dtype, [BK, HN],
+                                        gl.NVMMASharedLayout.get_default_for([BK, HN], dtype))
+    full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    consumed = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=PRODUCER_WARPS * 32)
+    mbarrier.init(q_free, count=1)
+    for s in gl.static_range(STAGES):
+        mbarrier.init(full.index(s), count=PRODUCER_WARPS * 32)
+        mbarrier.init(consumed.index(s), count=1)
+    gl.warp_specialize([
+        (_producer, (q_ptr, kv_ptr, idx_ptr, ntiles_ptr, q_smem, ring, full, consumed, q_bar,
+                     q_free, T, N, D, K, ROWS, BK, STAGES, HN)),
+        (_consumer, (idx_ptr, ntiles_ptr, sink_ptr, o_ptr, lse_ptr, q_smem, ring, pt_smem,
+                     full, consumed, q_bar, q_free, T, K, ROWS, D, BK, STAGES, HN, QK_SCALE)),
+    ], [WG_WARPS], [CONSUMER_REGS])
+
+
+# ----------------------------------------------------------------------------- host side
+
+
+def constexprs(*, T, N, HN, D, K, BK, stages, scale, B=1):
+    """The kernel's compile-time parameters (also used by the CPU compile checks)."""
+    if HN not in (16, 32):
+        raise ValueError(f"the few-heads forward takes 16 or 32 padded heads, got HN={HN}")
+    if BK != BLOCK_K:
+        raise ValueError(f"the few-heads forward needs {BLOCK_K}-row tiles (wgmma M), got {BK=}")
+    return dict(T=T, N=N, D=D, K=K, ROWS=B * T, HN=HN, BK=BK, STAGES=stages,
+                QK_SCALE=float(scale) * LOG2E, CONSUMER_REGS=CONSUMER_REGS)
+
+
+def forward(q, kv, idx, sink, *, scale, HN, stages):
+    """o [B, T, H, D] (q.dtype), lse [B, T, H] f32 through csa_fwd_small_heads_kernel (CUDA
+    only, H <= HN, HN = 16 or 32)."""
+    from csa_jax.kernels.gluon.adapter import gluon_call
+    from csa_jax.kernels.gluon.fwd import grid
+    from csa_jax.kernels.gluon.ring import out_shapes, prepare, unpad
+    if q.shape[2] > HN:
+        raise ValueError(f"the few-heads forward takes H <= HN={HN}, got H={q.shape[2]}")
+    q_p, kv_p, idx_p, ntiles, sink_p, dims = prepare(q, kv, idx, sink, BLOCK_K, hp=HN)
+    B, T, _, _, N, _, Dp, Kp, _ = dims
+    consts = constexprs(T=T, N=N, HN=HN, D=Dp, K=Kp, BK=BLOCK_K, stages=stages, scale=scale,
+                        B=B)
+    o, lse = gluon_call(q_p, kv_p, idx_p, ntiles, sink_p, kernel=csa_fwd_small_heads_kernel,
+                        out_shape=out_shapes(q, dims), grid=grid(consts["ROWS"]),
+                        num_warps=NUM_WARPS, name="csa_gluon_fwd_small_heads", **consts)
+    return unpad(o, lse, dims)
