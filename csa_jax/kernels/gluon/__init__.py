@@ -28,7 +28,7 @@ from csa_jax.kernels.gluon.adapter import missing as _missing_triton
 from csa_jax.kernels.gluon.config import SMEM_BUDGET, Config
 from csa_jax.kernels.gluon.dims import (AMD_DEFAULTS, AMD_DQ_DEFAULTS, amd_arch, dq_tiles,
                                         fwd_shared_bytes, small_heads_block,
-                                        small_heads_shared_bytes)
+                                        small_heads_shared_bytes, SMALL_HEADS_BUDGET)
 
 _GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 
@@ -72,7 +72,7 @@ def default_config(q_shape, kv_shape, idx_shape, dtype, *, layout="generic", win
         # the few-heads forward (small_heads.py): the deepest ring that fits; the pallas_triton
         # backward (faster than the dq kernel's 64-head padding at H <= 32: docs/small_heads.md)
         stages = max((s for s in (4, 3, 2)
-                      if small_heads_shared_bytes(D, hn, s) <= SMEM_BUDGET), default=0)
+                      if small_heads_shared_bytes(D, hn, s) <= SMALL_HEADS_BUDGET), default=0)
         if stages:
             return Config(block_k=64, stages=stages, bwd="pallas_triton", bwd_block_k=bk,
                           bwd_stages=bs, **promise)
@@ -103,9 +103,10 @@ def _cannot_run(q_shape, dtype):
         return f"dtype {jnp.dtype(dtype).name}: the Gluon kernel takes bf16/f16 (wgmma)"
     cfg = default_config(q_shape, None, None, dtype)
     hn = small_heads_block(q_shape[2])
-    need = (small_heads_shared_bytes(q_shape[3], hn, cfg.stages) if hn else
-            fwd_shared_bytes(q_shape[3], cfg.block_k, cfg.stages))
-    if need > SMEM_BUDGET:
+    need, budget = ((small_heads_shared_bytes(q_shape[3], hn, cfg.stages), SMALL_HEADS_BUDGET)
+                    if hn else (fwd_shared_bytes(q_shape[3], cfg.block_k, cfg.stages),
+                                SMEM_BUDGET))
+    if need > budget:
         return f"D={q_shape[3]} needs {need} B of shared memory"
     return None
 
@@ -215,9 +216,9 @@ def _check_small_heads(q_shape, hn, config):
         raise ValueError(f"block_k={config.block_k}: the few-heads forward (H={H}, head_block "
                          f"{hn}) takes 64-row tiles (the wgmma M dimension)")
     need = small_heads_shared_bytes(D, hn, config.stages)
-    if need > SMEM_BUDGET:
+    if need > SMALL_HEADS_BUDGET:
         raise ValueError(f"stages={config.stages}: the few-heads forward at D={D}, {hn} heads "
-                         f"needs {need} B of shared memory, over {SMEM_BUDGET}")
+                         f"needs {need} B of shared memory, over {SMALL_HEADS_BUDGET}")
 
 
 def backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, interpret, config):

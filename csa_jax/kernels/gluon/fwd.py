@@ -39,13 +39,14 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait)
 
-from csa_jax.kernels.gluon.ring import (LOG2E, NEG, PRODUCER_WARPS, _finish, _produce_row,
-                                        _release, _row_info, _softmax_step, out_shapes, prepare,
-                                        unpad)
+from csa_jax.kernels.gluon.ring import (LOG2E, NEG, PRODUCER_WARPS, _finish_sink, _ntiles_of,
+                                        _produce_row, _release, _softmax_step, out_shapes,
+                                        prepare, unpad)
 
 WG_WARPS = gl.constexpr(4)   # each consumer partition is one warpgroup
 NUM_WARPS = 4                # the default partition (the producer); 12 warps in all
 CONSUMER_REGS = 216          # registers per consumer thread (setmaxnreg)
+PRE_TILES = 1                # tiles of a row gathered before its q (ring._produce_row)
 
 
 @gluon.jit
@@ -159,8 +160,17 @@ def _consumer(idx_ptr, ntiles_ptr, sink_ptr, o_ptr, lse_ptr, q_smem, ring, full,
     bufs = (ring, q_smem, full, consumed, ex, exfree, own_p, oth_p, st_bufs, s_zero, kcols)
     base = 0          # the row's first tile in this program's tile stream
     n = 0             # rows done by this program
+    # The next row's tile count and sink logits are loaded while this row runs (a row never
+    # starts on a global load's latency).
+    nt = _ntiles_of(ntiles_ptr, gl.program_id(0), ROWS, NHB)
+    snk = gl.load(sink_ptr + (gl.program_id(0) % NHB) * HBC + hrows)
     for row in range(gl.program_id(0), ROWS, gl.num_programs(0)):
-        _, hb, _, ntiles, idx_tok = _row_info(ntiles_ptr, idx_ptr, row, T, NHB, K)
+        ntiles = nt
+        sink = snk
+        nxt = row + gl.num_programs(0)
+        nt = _ntiles_of(ntiles_ptr, nxt, ROWS, NHB)
+        snk = gl.load(sink_ptr + (nxt % NHB) * HBC + hrows)
+        idx_tok = idx_ptr + (row // NHB).to(gl.int64) * K
         m = gl.full([HBC], NEG, gl.float32, srow)
         l = gl.zeros([HBC], gl.float32, srow)
         acc = gl.zeros([HBC, DH], gl.float32, o_layout)
@@ -184,7 +194,7 @@ def _consumer(idx_ptr, ntiles_ptr, sink_ptr, o_ptr, lse_ptr, q_smem, ring, full,
         # H200: docs/perf/gluon_persistent_h200.md.)
         _release(q_free)
         # The epilogue: the sink joined (_finish), lse stored by warpgroup 0, this half of o.
-        lse, o_scale = _finish(m, l, sink_ptr + hb * HBC + hrows)
+        lse, o_scale = _finish_sink(m, l, sink)
         if W == 0:
             gl.store(lse_ptr + row * HBC + hrows, lse)
         o = (acc * gl.convert_layout(o_scale, orow)[:, None]).to(o_ptr.dtype.element_ty)
@@ -198,17 +208,21 @@ def _consumer(idx_ptr, ntiles_ptr, sink_ptr, o_ptr, lse_ptr, q_smem, ring, full,
 def _producer(q_ptr, kv_ptr, idx_ptr, ntiles_ptr, q_smem, ring, full, consumed, q_bar, q_free,
               T: gl.constexpr, N: gl.constexpr, NHB: gl.constexpr, D: gl.constexpr,
               K: gl.constexpr, ROWS: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-              HBC: gl.constexpr):
+              HBC: gl.constexpr, PRE: gl.constexpr):
     """The program's rows in turn (ring._produce_row): each row's first STAGES tiles, then its
     q once both consumers are done with the previous row's (q_free, after the row's last PV),
     then the other tiles; the ring's stages and phases count the program's whole tile stream,
     so the next row's first tiles and q are in flight while the consumers finish this row."""
     base = 0
     n = 0
+    nt = _ntiles_of(ntiles_ptr, gl.program_id(0), ROWS, NHB)
     for row in range(gl.program_id(0), ROWS, gl.num_programs(0)):
-        _, _, b, ntiles, idx_tok = _row_info(ntiles_ptr, idx_ptr, row, T, NHB, K)
-        _produce_row(q_ptr, kv_ptr, idx_tok, q_smem, ring, full, consumed, q_bar, q_free, row,
-                     n, base, b, ntiles, N, D, K, BK, STAGES, HBC)
+        ntiles = nt
+        nt = _ntiles_of(ntiles_ptr, row + gl.num_programs(0), ROWS, NHB)
+        tok = row // NHB
+        _produce_row(q_ptr, kv_ptr, idx_ptr + tok.to(gl.int64) * K, q_smem, ring, full,
+                     consumed, q_bar, q_free, row, n, base, tok // T, ntiles, N, D, K, BK,
+                     STAGES, HBC, PRE)
         base += ntiles
         n += 1
 
@@ -218,7 +232,7 @@ def csa_fwd_kernel(q_ptr, kv_ptr, idx_ptr, ntiles_ptr, sink_ptr, o_ptr, lse_ptr,
                    T: gl.constexpr, N: gl.constexpr, NHB: gl.constexpr, D: gl.constexpr,
                    K: gl.constexpr, ROWS: gl.constexpr, BK: gl.constexpr,
                    STAGES: gl.constexpr, QK_SCALE: gl.constexpr,
-                   CONSUMER_REGS: gl.constexpr):
+                   CONSUMER_REGS: gl.constexpr, PRE: gl.constexpr):
     """Each program walks rows program_id, program_id + num_programs, ... of the ROWS = B * T *
     NHB head blocks of 64 (forward() launches one program per SM; a grid of ROWS would run
     one row per program)."""
@@ -251,7 +265,7 @@ def csa_fwd_kernel(q_ptr, kv_ptr, idx_ptr, ntiles_ptr, sink_ptr, o_ptr, lse_ptr,
     # register file: 72 per thread at 216 each); the consumers are the two workers.
     gl.warp_specialize([
         (_producer, (q_ptr, kv_ptr, idx_ptr, ntiles_ptr, q_smem.index(0), ring, full,
-                     consumed, q_bar, q_free, T, N, NHB, D, K, ROWS, BK, STAGES, HBC)),
+                     consumed, q_bar, q_free, T, N, NHB, D, K, ROWS, BK, STAGES, HBC, PRE)),
         (_consumer, (idx_ptr, ntiles_ptr, sink_ptr, o_ptr, lse_ptr, q_smem, ring, full,
                      consumed, q_bar, q_free, p_bufs, st_bufs, ex, exfree, T, NHB, K, ROWS, 0,
                      D, BK, STAGES, HBC, QK_SCALE)),
@@ -276,7 +290,8 @@ def constexprs(*, T, N, NHB, D, K, BK, stages, scale, B=1):
     if stages % 2:
         raise ValueError(f"the alternating forward needs an even ring depth, got {stages=}")
     return dict(T=T, N=N, NHB=NHB, D=D, K=K, ROWS=B * T * NHB, BK=BK, STAGES=stages,
-                QK_SCALE=float(scale) * LOG2E, CONSUMER_REGS=CONSUMER_REGS)
+                QK_SCALE=float(scale) * LOG2E, CONSUMER_REGS=CONSUMER_REGS,
+                PRE=min(PRE_TILES, stages))
 
 
 def sm_count():

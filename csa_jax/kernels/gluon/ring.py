@@ -86,13 +86,15 @@ def _gather_tiles(kv_ptr, idx_ptr, ring, full, consumed, base, b, start, stop, N
 @gluon.jit
 def _produce_row(q_ptr, kv_ptr, idx_tok, q_smem, ring, full, consumed, q_bar, q_free, row, n,
                  base, b, ntiles, N: gl.constexpr, D: gl.constexpr, K: gl.constexpr,
-                 BK: gl.constexpr, STAGES: gl.constexpr, HBC: gl.constexpr):
-    """A persistent producer's row n (head block `row`): the row's first STAGES tiles (their
-    stages free up as the previous row's last tiles are consumed), then q once the consumers
-    released the previous row's (q_free, after their last read of it), then the other tiles.
-    So the next row's first tiles are in flight while the consumers finish this one; no
-    deadlock: every wait is for a release the consumers make with what they already have."""
-    pre = gl.minimum(ntiles, STAGES)
+                 BK: gl.constexpr, STAGES: gl.constexpr, HBC: gl.constexpr,
+                 PRE: gl.constexpr):
+    """A persistent producer's row n (head block `row`): the row's first PRE (<= STAGES) tiles
+    (their stages free up as the previous row's last tiles are consumed), then q once the
+    consumers released the previous row's (q_free, after their last read of it), then the
+    other tiles. So the next row's first tiles are in flight while the consumers finish this
+    one, and q is not queued behind more than PRE tiles; no deadlock: every wait is for a
+    release the consumers make with what they already have."""
+    pre = gl.minimum(ntiles, PRE)
     _gather_tiles(kv_ptr, idx_tok, ring, full, consumed, base, b, 0, pre, N, D, K, BK, STAGES)
     if n >= 1:
         mbarrier.wait(q_free, (n - 1) & 1)
@@ -121,6 +123,13 @@ def _row_info(ntiles_ptr, idx_ptr, row, T: gl.constexpr, NHB: gl.constexpr, K: g
 
 
 @gluon.jit
+def _ntiles_of(ntiles_ptr, row, ROWS: gl.constexpr, NHB: gl.constexpr):
+    """ntiles of head block `row` (0 past the last row): a persistent program loads the next
+    row's count while it runs this one, so no row starts on a global load's latency."""
+    return gl.load(ntiles_ptr + row // NHB, mask=row < ROWS, other=0)
+
+
+@gluon.jit
 def _program(ntiles_ptr, idx_ptr, T: gl.constexpr, NHB: gl.constexpr, K: gl.constexpr):
     """(row, tok, hb, b, ntiles, idx_tok) of a program that runs one head block, row =
     program_id (_row_info). Used by the dq kernel (bwd.py) and the AMD kernels."""
@@ -134,7 +143,13 @@ def _finish(m, l, sink_ptrs):
     """Join the sink (natural-log logits, converted to the exp2 domain) to the running (m, l):
     (lse, o_scale) per csa_spec.md section 3: natural-log lse, EMPTY_LSE (NEG) and o = 0 for an
     empty row without sink. Shared by the NVIDIA and AMD forwards (amd_fwd.py)."""
-    sink2 = gl.load(sink_ptrs) * 1.4426950408889634
+    return _finish_sink(m, l, gl.load(sink_ptrs))
+
+
+@gluon.jit
+def _finish_sink(m, l, sink):
+    """_finish with the sink logits already loaded (a persistent program loads them once)."""
+    sink2 = sink * 1.4426950408889634
     m_tot = gl.maximum(m, sink2)
     l_tot = l * gl.exp2(m - m_tot) + gl.exp2(sink2 - m_tot)
     nonempty = l_tot > 0
