@@ -29,7 +29,7 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait)
+    fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait)
 
 from csa_jax.kernels.gluon.fwd import _opaque
 from csa_jax.kernels.gluon.ring import (LOG2E, NEG, PRODUCER_WARPS, _finish_sink,
@@ -73,20 +73,21 @@ def _consumer(idx_ptr, ntiles_ptr, sink_ptr, o_ptr, lse_ptr, q_smem, ring, pt_sm
         # every tile (the per-thread partials made the consumer spill at 255 registers)
         lpart = gl.zeros([BK, HN], gl.float32, layout)
         lsum = gl.zeros([HN], gl.float32, hcol)
-        acc = warpgroup_mma_init(gl.zeros([D, HN], gl.float32, layout))
+        acc = gl.zeros([D, HN], gl.float32, layout)
         mbarrier.wait(q_bar.index(n % 2), (n // 2) & 1)
-        # Software pipelined: S^T of tile i+1 is issued right behind O^T of tile i, so the
-        # matrix units run them back to back; the softmax of tile i+1 follows.
-        pend = warpgroup_mma_init(s_zero)         # the S^T in flight
-        if ntiles > 0:
-            pend = _issue_s(ring, full, q_t, s_zero, base, STAGES)
+        # Tile by tile, each product waited for: the stage goes back to the producer right
+        # after O^T, so the producer has STAGES - 1 tiles in flight. (Issuing S^T of tile i+1
+        # behind O^T of tile i held two stages and took 1.6-1.9x the time on the H200:
+        # docs/perf/heads_h200.md.)
         for i in range(ntiles):
             g = base + i
-            s = g % STAGES
+            s = _opaque(g % STAGES)
             ids = gl.load(idx_tok + i * BK + krows)
-            sc, acc = warpgroup_mma_wait(0, deps=[pend, acc])   # S^T_i and O^T_{i-1}
-            if i >= 1:
-                _release(consumed.index((g - 1) % STAGES))
+            tile = ring.index(s)
+            mbarrier.wait(full.index(s), (g // STAGES) & 1)
+            fence_async_shared()                  # cp.async (generic proxy) -> wgmma
+            sc = warpgroup_mma(tile, q_t, s_zero, use_acc=False, is_async=True)
+            sc = warpgroup_mma_wait(0, deps=[sc])
             sc = gl.where((ids >= 0)[:, None], sc * QK_SCALE, float("-inf"))
             m_new = gl.maximum(m, gl.max(sc, axis=0))
             p = gl.exp2(sc - m_new[None, :])
@@ -100,13 +101,8 @@ def _consumer(idx_ptr, ntiles_ptr, sink_ptr, o_ptr, lse_ptr, q_smem, ring, pt_sm
             pt_smem.store(p.to(pt_smem.dtype))
             fence_async_shared()                  # P^T is read by wgmma (async proxy)
             gl.thread_barrier()
-            acc = warpgroup_mma(ring.index(_opaque(s)).permute((1, 0)), pt_smem, acc,
-                                is_async=True)
-            if i + 1 < ntiles:
-                pend = _issue_s(ring, full, q_t, s_zero, g + 1, STAGES)
-        acc = warpgroup_mma_wait(0, deps=[acc])
-        if ntiles > 0:
-            _release(consumed.index((base + ntiles - 1) % STAGES))
+            acc = warpgroup_mma(tile.permute((1, 0)), pt_smem, acc)
+            _release(consumed.index(s))
         if ROW_SUMS_PER_THREAD:
             lsum = gl.sum(lpart, axis=0)
         lse, o_scale = _finish_sink(m, lsum, sink)
@@ -123,15 +119,6 @@ def _consumer(idx_ptr, ntiles_ptr, sink_ptr, o_ptr, lse_ptr, q_smem, ring, pt_sm
         _release(q_free.index(n % 2))
         base += ntiles
         n += 1
-
-
-@gluon.jit
-def _issue_s(ring, full, q_t, s_zero, g, STAGES: gl.constexpr):
-    """Wait for tile g's copies, issue S^T = tile q^T (async)."""
-    s = g % STAGES
-    mbarrier.wait(full.index(s), (g // STAGES) & 1)
-    fence_async_shared()                          # cp.async (generic proxy) -> wgmma
-    return warpgroup_mma(ring.index(_opaque(s)), q_t, s_zero, use_acc=False, is_async=True)
 
 
 @gluon.jit
