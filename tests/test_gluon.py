@@ -304,3 +304,118 @@ def test_auto_choice_on_a_simulated_h200(monkeypatch, H, D, dtype, cc, want):
     monkeypatch.setattr(triton_config, "_device_kind", lambda: ("gpu", "NVIDIA H200"))
     got = registry.resolve("auto", (1, 8, H, D), (1, 8, D), (1, 8, 4), dtype, "gpu")
     assert got.name == want
+
+
+# ----------------------------------------------------------------------------- few heads
+
+
+@pytest.mark.parametrize("H, D, stages", [(16, 512, 3), (8, 512, 3), (32, 512, 2),
+                                          (24, 128, 4), (16, 64, 4)])
+def test_small_heads_default_config(H, D, stages):
+    """H <= 32: the few-heads forward with the deepest ring that fits beside its two q
+    buffers, and the pallas_triton backward; the buffers within SMALL_HEADS_BUDGET."""
+    from csa_jax.kernels.gluon import dims
+    c = impl.default_config((1, 8, H, D), None, None, jnp.bfloat16)
+    assert (c.block_k, c.stages, c.bwd, c.head_block) == (64, stages, "pallas_triton", 0)
+    hn = dims.small_heads_block(H)
+    assert dims.small_heads_shared_bytes(D, hn, c.stages) <= dims.SMALL_HEADS_BUDGET
+    if c.stages < 4:
+        assert dims.small_heads_shared_bytes(D, hn, c.stages + 1) > dims.SMALL_HEADS_BUDGET
+    assert impl.default_config((1, 8, 33, D), None, None, jnp.bfloat16).bwd == "gluon"
+
+
+@pytest.mark.parametrize("H, kw, match", [
+    (32, dict(head_block=16), "head_block=16.*H <= 16.*H=32"),
+    (16, dict(block_k=32, stages=3), "block_k=32.*64-row tiles"),
+    (16, dict(stages=4), "stages=4.*needs 2.*B of shared memory"),
+])
+def test_small_heads_refusals(monkeypatch, H, kw, match):
+    monkeypatch.setattr(impl, "_cannot_run", lambda *a: None)
+    monkeypatch.setattr(impl, "_amd", lambda: None)
+    q = jnp.zeros((1, 4, H, 512), jnp.bfloat16)
+    with pytest.raises(ValueError, match=match):
+        impl.forward(q, jnp.zeros((1, 4, 512), jnp.bfloat16), jnp.zeros((1, 4, 64), jnp.int32),
+                     jnp.zeros((H,)), scale=1.0, interpret=False, config=impl.Config(**kw))
+
+
+def _emulated_small_heads(q, kv, idx, ntiles, sink, *, kernel, out_shape, grid, num_warps,
+                          name, T, N, D, K, ROWS, HN, BK, STAGES, QK_SCALE, **_):
+    """What csa_fwd_small_heads_kernel computes (small_heads.py, csa_spec.md section 3), for
+    the wrapper's padding / unpadding: o [ROWS*HN, D], lse [ROWS*HN]."""
+    from csa_jax.common import EMPTY_LSE
+    from csa_jax.kernels.gluon import small_heads
+    assert kernel is small_heads.csa_fwd_small_heads_kernel
+    assert name == "csa_gluon_fwd_small_heads" and num_warps == small_heads.NUM_WARPS
+    assert grid == (min(ROWS, 132),) and q.shape == (ROWS * HN, D) and idx.shape == (ROWS, K)
+    assert sink.shape == (HN,) and K % BK == 0
+    f32 = jnp.float32
+    B = ROWS // T
+    rows = kv.reshape(B, N, D)[jnp.arange(ROWS)[:, None] // T, jnp.maximum(idx, 0)].astype(f32)
+    valid = ((idx >= 0) & (jnp.arange(K)[None, :] < (ntiles * BK)[:, None]))[:, None, :]
+    s = jnp.einsum("thd,tkd->thk", q.reshape(ROWS, HN, D).astype(f32), rows)
+    s = jnp.where(valid, s * (QK_SCALE / 1.4426950408889634), -jnp.inf)
+    m = jnp.maximum(jnp.max(s, axis=2), sink[None, :])
+    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+    e = jnp.exp(s - m_safe[..., None])
+    l_tot = jnp.sum(e, axis=2) + jnp.exp(sink[None, :] - m_safe)
+    o = jnp.einsum("thk,tkd->thd", e, rows) / jnp.where(l_tot > 0, l_tot, 1.0)[..., None]
+    lse = jnp.where(l_tot > 0, m_safe + jnp.log(jnp.where(l_tot > 0, l_tot, 1.0)), EMPTY_LSE)
+    return o.reshape(ROWS * HN, D).astype(out_shape[0].dtype), lse.reshape(-1)
+
+
+@pytest.mark.parametrize("H, D, K", [(5, 40, 75), (24, 64, 130)])
+def test_small_heads_wrapper_against_oracle(rng, monkeypatch, H, D, K):
+    """The few-heads forward's host side (heads padded to 16 / 32, D to a power of two, K to
+    64 with -1, ntiles, the unpadding) around an emulation of the kernel, against the float64
+    oracle; no sink and empty rows included."""
+    from conftest import assert_close, dense_oracle, random_problem
+    from csa_jax.common import sanitize_indices
+    monkeypatch.setattr(impl, "_cannot_run", lambda *a: None)
+    monkeypatch.setattr(impl, "_amd", lambda: None)
+    monkeypatch.setattr(adapter, "gluon_call", _emulated_small_heads)
+    q, kv, idx, sink = random_problem(rng, T=10, H=H, D=D, K=K, dtype=jnp.bfloat16,
+                                      empty_rows=2)
+    idx = sanitize_indices(idx, kv.shape[1]).at[:, :, 40:].set(-1)   # empty tail tiles
+    cfg = impl.default_config(q.shape, kv.shape, idx.shape, q.dtype)
+    for s in (sink, None):
+        o, lse = csa_jax.sparse_attention(q, kv, idx, s, scale=0.2, impl="gluon", config=cfg)
+        ro, rlse = dense_oracle(q, kv, idx, s, 0.2)
+        assert o.shape == q.shape and lse.shape == q.shape[:3] and o.dtype == jnp.bfloat16
+        assert_close(o, ro, jnp.bfloat16, what="o")
+        assert_close(lse, rlse, jnp.bfloat16, what="lse")
+
+
+def _compile_small(HN, D, stages, dt="bf16"):
+    from csa_jax.kernels.gluon import ring, small_heads
+    return adapter.compile_kernel(
+        small_heads.csa_fwd_small_heads_kernel, ring.arg_types(dt),
+        small_heads.constexprs(T=64, N=256, HN=HN, D=D, K=1152, BK=64, stages=stages,
+                               scale=D ** -0.5),
+        target="sm_90a", num_warps=small_heads.NUM_WARPS)
+
+
+@pytest.mark.parametrize("HN, D, stages, spill", [(16, 512, 3, 0), (32, 512, 2, 96),
+                                                  (16, 64, 4, 0), (32, 128, 4, 0)])
+def test_small_heads_compiles_for_sm90a(HN, D, stages, spill):
+    """small_heads.py at its default rings: 8 warps (producer + one consumer warpgroup),
+    shared memory within the limit (16 heads, D = 512: 231,780 B of 232,448), m64n{HN}k16
+    wgmma for both products, cp.async gathers on mbarriers. Spills: none, except at 32 heads,
+    D = 512 (84-92 B measured; its O^T accumulator alone is 128 registers a thread)."""
+    _need_triton()
+    c = _compile_small(HN, D, stages)
+    r = adapter.resources(c, "sm_90a")
+    assert r["num_warps"] == 8 and r["launch_problem"] is None
+    assert r["shared"] <= r["shared_limit"]
+    assert r["spill_stores"] <= spill, r["ptxas"]
+    ptx = c.asm["ptx"]
+    assert f"wgmma.mma_async.sync.aligned.m64n{HN}k16.f32.bf16.bf16" in ptx
+    assert "cp.async.cg.shared.global" in ptx and "cp.async.mbarrier.arrive.noinc" in ptx
+    assert "C7514" not in r["ptxas"], r["ptxas"]
+
+
+def test_small_heads_constexprs_refuse():
+    from csa_jax.kernels.gluon import small_heads
+    with pytest.raises(ValueError, match="HN=64"):
+        small_heads.constexprs(T=8, N=8, HN=64, D=64, K=64, BK=64, stages=2, scale=1.0)
+    with pytest.raises(ValueError, match="BK=32"):
+        small_heads.constexprs(T=8, N=8, HN=16, D=64, K=64, BK=32, stages=2, scale=1.0)

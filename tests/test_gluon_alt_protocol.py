@@ -57,30 +57,45 @@ class Buffers:
         self.reads[(key, tile)] = self.reads.get((key, tile), 0) + 1
 
 
-def producer(rows, st, reads=3):
-    """ring._produce_row (fwd.py's and small_heads.py's producer): per row, the row's first
-    `st` tiles, then q once the consumers released the previous row's (q_free), then the other
-    tiles; stages and phases count the program's whole tile stream. `reads`: the reads a tile
-    has before its stage may be refilled (here S by its owner + one PV per warpgroup)."""
+def producer(rows, st, reads=3, pre=1):
+    """ring._produce_row (fwd.py's producer): per row, the row's first `pre` tiles
+    (fwd.PRE_TILES), then q once the consumers released the previous row's (q_free), then the
+    other tiles; stages and phases count the program's whole tile stream. `reads`: the reads a
+    tile has before its stage may be refilled (S by its owner + one PV per warpgroup)."""
     base = 0
     for n, nt in enumerate(rows):
-        pre = min(nt, st)
-
-        def tiles(lo, hi):
-            for i in range(lo, hi):
-                g = base + i
-                s = g % st
-                if g >= st:
-                    yield ("wait", ("consumed", s), ((g // st) - 1) & 1)
-                yield ("write", ("ring", s), g, reads)
-                yield ("arrive", ("full", s))
-
-        yield from tiles(0, pre)
+        first = min(nt, pre)
+        yield from _tiles(base, 0, first, st, reads)
         if n >= 1:
             yield ("wait", ("q_free",), (n - 1) & 1)
         yield ("write", ("q",), n, rows[n - 1] if n else 0)    # the last row's every S
         yield ("arrive", ("q_bar",))
-        yield from tiles(pre, nt)
+        yield from _tiles(base, first, nt, st, reads)
+        base += nt
+
+
+def _tiles(base, lo, hi, st, reads):
+    """ring._gather_tiles: tiles lo..hi-1 of a row whose first tile is `base` in the stream."""
+    for i in range(lo, hi):
+        g = base + i
+        s = g % st
+        if g >= st:
+            yield ("wait", ("consumed", s), ((g // st) - 1) & 1)
+        yield ("write", ("ring", s), g, reads)
+        yield ("arrive", ("full", s))
+
+
+def small_heads_producer(rows, st, reads=2):
+    """small_heads._producer: per row n, q into buffer n % 2 once row n - 2 released it
+    (q_free[n % 2]), then the row's tiles."""
+    base = 0
+    for n, nt in enumerate(rows):
+        j = n % 2
+        if n >= 2:
+            yield ("wait", ("q_free", j), ((n // 2) - 1) & 1)
+        yield ("write", ("q", j), n, 1 if n >= 2 else 0)    # row n - 2's o read back
+        yield ("arrive", ("q_bar", j))
+        yield from _tiles(base, 0, nt, st, reads)
         base += nt
 
 
@@ -144,21 +159,25 @@ def consumer(w, rows, st):
 
 def small_heads_consumer(rows, st):
     """small_heads._consumer: one warpgroup; per tile S^T (reads the tile and q), then P^T (its
-    own buffer) and O^T (reads the tile), then the stage's release; q_free after each row."""
+    own buffer) and O^T (reads the tile), then the stage's release; after the row, o leaves
+    through the row's q buffer (written, read back), then q_free of that buffer."""
     base = 0
     for n, nt in enumerate(rows):
-        yield ("wait", ("q_bar",), n & 1)
+        j = n % 2
+        yield ("wait", ("q_bar", j), (n // 2) & 1)
         for i in range(nt):
             g = base + i
             s = g % st
             yield ("wait", ("full", s), (g // st) & 1)
             yield ("begin", ("ring", s), g)
-            yield ("begin", ("q",), n)
+            yield ("begin", ("q", j), n)
             yield ("end", ("ring", s), g)
-            yield ("end", ("q",), n)
+            yield ("end", ("q", j), n)
             yield ("read", ("ring", s), g)                         # O^T (synchronous)
             yield ("arrive", ("consumed", s))
-        yield ("arrive", ("q_free",))
+        yield ("write", ("q", j), ("o", n), nt)                    # o through the q buffer
+        yield ("read", ("q", j), ("o", n))
+        yield ("arrive", ("q_free", j))
         base += nt
 
 
@@ -169,6 +188,9 @@ def run(rows, st, rng, cons=consumer, prod=producer, small=False):
         rows = [rows]
     nc = 1 if small else 2
     bars = {("q_bar",): Barrier(1), ("q_free",): Barrier(nc)}
+    for j in range(2):                        # the few-heads kernel's two q buffers
+        bars[("q_bar", j)] = Barrier(1)
+        bars[("q_free", j)] = Barrier(1)
     for s in range(st):
         bars[("full", s)] = Barrier(1)
         bars[("consumed", s)] = Barrier(nc)
@@ -177,7 +199,8 @@ def run(rows, st, rng, cons=consumer, prod=producer, small=False):
             bars[(name, w)] = Barrier(1)
     buf = Buffers()
     if small:
-        threads = [prod(rows, st, 2), small_heads_consumer(rows, st)]
+        prod = small_heads_producer if prod is producer else prod
+        threads = [prod(rows, st), small_heads_consumer(rows, st)]
     else:
         threads = [prod(rows, st), cons(0, rows, st), cons(1, rows, st)]
     nxt = [next(t, None) for t in threads]
@@ -240,16 +263,20 @@ def test_small_heads_rows_random_interleavings(st):
 def test_model_catches_a_missing_q_free():
     """The model can fail: a producer that loads the next row's q without waiting on q_free
     overwrites q while a consumer's S still reads it (rows shorter than the ring: with longer
-    rows the stage waits of the first tiles already imply q_free)."""
+    rows the stage waits of the first tiles already imply q_free); the same for the few-heads
+    kernel's two q buffers."""
     rng = random.Random(0)
 
     def eager(rows, st, reads=3):
         return (op for op in producer(rows, st, reads) if op[:2] != ("wait", ("q_free",)))
 
-    for small in (False, True):
+    def eager_small(rows, st):
+        return (op for op in small_heads_producer(rows, st) if op[1][0] != "q_free")
+
+    for prod, small in ((eager, False), (eager_small, True)):
         with pytest.raises(AssertionError):
             for _ in range(200):
-                run([1, 1, 1, 1], 2, rng, prod=eager, small=small)
+                run([1, 1, 1, 1, 1], 2, rng, prod=prod, small=small)
 
 
 def test_model_catches_a_stage_refilled_early():
@@ -257,12 +284,22 @@ def test_model_catches_a_stage_refilled_early():
     overwrites a tile the consumer still reads (the few-heads kernel, 3 stages)."""
     rng = random.Random(0)
 
-    def eager(rows, st, reads=2):
-        return (op for op in producer(rows, st, reads) if op[1][0] != "consumed")
+    def eager(rows, st):
+        return (op for op in small_heads_producer(rows, st) if op[1][0] != "consumed")
 
     with pytest.raises(AssertionError):
         for _ in range(200):
             run([5, 4], 3, rng, prod=eager, small=True)
+
+
+@pytest.mark.parametrize("pre", [0, 2])
+def test_other_pre_tile_counts_are_safe(pre):
+    """fwd.PRE_TILES 0 (q first) and 2 (= the ring depth at D = 512) keep the protocol: the
+    values timed against the default 1."""
+    rng = random.Random(pre)
+    for _ in range(200):
+        rows = [rng.choice([0, 1, 2, 3, 5]) for _ in range(rng.randint(1, 5))]
+        run(rows, 2, rng, prod=lambda r, st, reads=3: producer(r, st, reads, pre))
 
 
 def test_model_catches_a_wrong_parity():
