@@ -312,8 +312,8 @@ def test_auto_choice_on_a_simulated_h200(monkeypatch, H, D, dtype, cc, want):
 @pytest.mark.parametrize("H, D, stages", [(16, 512, 3), (8, 512, 3), (32, 512, 2),
                                           (24, 128, 4), (16, 64, 4)])
 def test_small_heads_default_config(H, D, stages):
-    """H <= 32: the few-heads forward with the deepest ring that fits beside its two q
-    buffers, and the pallas_triton backward; the buffers within SMALL_HEADS_BUDGET."""
+    """H <= 32: the few-heads forward with the deepest ring that fits beside q, and the
+    pallas_triton backward; the buffers within SMALL_HEADS_BUDGET."""
     from csa_jax.kernels.gluon import dims
     c = impl.default_config((1, 8, H, D), None, None, jnp.bfloat16)
     assert (c.block_k, c.stages, c.bwd, c.head_block) == (64, stages, "pallas_triton", 0)
@@ -394,19 +394,18 @@ def _compile_small(HN, D, stages, dt="bf16"):
         target="sm_90a", num_warps=small_heads.NUM_WARPS)
 
 
-@pytest.mark.parametrize("HN, D, stages, spill", [(16, 512, 3, 0), (32, 512, 2, 96),
-                                                  (16, 64, 4, 0), (32, 128, 4, 0)])
-def test_small_heads_compiles_for_sm90a(HN, D, stages, spill):
+@pytest.mark.parametrize("HN, D, stages", [(16, 512, 3), (32, 512, 2), (16, 64, 4),
+                                           (32, 128, 4)])
+def test_small_heads_compiles_for_sm90a(HN, D, stages):
     """small_heads.py at its default rings: 8 warps (producer + one consumer warpgroup),
-    shared memory within the limit (16 heads, D = 512: 231,780 B of 232,448), m64n{HN}k16
-    wgmma for both products, cp.async gathers on mbarriers. Spills: none, except at 32 heads,
-    D = 512 (84-92 B measured; its O^T accumulator alone is 128 registers a thread)."""
+    shared memory within the limit (16 heads, D = 512: 215,388 B of 232,448), m64n{HN}k16
+    wgmma for both products, cp.async gathers on mbarriers, no spills."""
     _need_triton()
     c = _compile_small(HN, D, stages)
     r = adapter.resources(c, "sm_90a")
     assert r["num_warps"] == 8 and r["launch_problem"] is None
     assert r["shared"] <= r["shared_limit"]
-    assert r["spill_stores"] <= spill, r["ptxas"]
+    assert r["spill_stores"] == 0 and r["spill_loads"] == 0, r["ptxas"]
     ptx = c.asm["ptx"]
     assert f"wgmma.mma_async.sync.aligned.m64n{HN}k16.f32.bf16.bf16" in ptx
     assert "cp.async.cg.shared.global" in ptx and "cp.async.mbarrier.arrive.noinc" in ptx

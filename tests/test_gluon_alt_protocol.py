@@ -85,18 +85,10 @@ def _tiles(base, lo, hi, st, reads):
         yield ("arrive", ("full", s))
 
 
-def small_heads_producer(rows, st, reads=2):
-    """small_heads._producer: per row n, q into buffer n % 2 once row n - 2 released it
-    (q_free[n % 2]), then the row's tiles."""
-    base = 0
-    for n, nt in enumerate(rows):
-        j = n % 2
-        if n >= 2:
-            yield ("wait", ("q_free", j), ((n // 2) - 1) & 1)
-        yield ("write", ("q", j), n, 1 if n >= 2 else 0)    # row n - 2's o read back
-        yield ("arrive", ("q_bar", j))
-        yield from _tiles(base, 0, nt, st, reads)
-        base += nt
+def small_heads_producer(rows, st):
+    """small_heads._producer: ring._produce_row with all `st` first tiles before q, each tile
+    read twice (S^T and O^T)."""
+    return producer(rows, st, reads=2, pre=st)
 
 
 def _pv_prev_issue(o, g, st):
@@ -159,25 +151,21 @@ def consumer(w, rows, st):
 
 def small_heads_consumer(rows, st):
     """small_heads._consumer: one warpgroup; per tile S^T (reads the tile and q), then P^T (its
-    own buffer) and O^T (reads the tile), then the stage's release; after the row, o leaves
-    through the row's q buffer (written, read back), then q_free of that buffer."""
+    own buffer) and O^T (reads the tile), then the stage's release; q_free after the row."""
     base = 0
     for n, nt in enumerate(rows):
-        j = n % 2
-        yield ("wait", ("q_bar", j), (n // 2) & 1)
+        yield ("wait", ("q_bar",), n & 1)
         for i in range(nt):
             g = base + i
             s = g % st
             yield ("wait", ("full", s), (g // st) & 1)
             yield ("begin", ("ring", s), g)
-            yield ("begin", ("q", j), n)
+            yield ("begin", ("q",), n)
             yield ("end", ("ring", s), g)
-            yield ("end", ("q", j), n)
+            yield ("end", ("q",), n)
             yield ("read", ("ring", s), g)                         # O^T (synchronous)
             yield ("arrive", ("consumed", s))
-        yield ("write", ("q", j), ("o", n), nt)                    # o through the q buffer
-        yield ("read", ("q", j), ("o", n))
-        yield ("arrive", ("q_free", j))
+        yield ("arrive", ("q_free",))
         base += nt
 
 
@@ -188,9 +176,6 @@ def run(rows, st, rng, cons=consumer, prod=producer, small=False):
         rows = [rows]
     nc = 1 if small else 2
     bars = {("q_bar",): Barrier(1), ("q_free",): Barrier(nc)}
-    for j in range(2):                        # the few-heads kernel's two q buffers
-        bars[("q_bar", j)] = Barrier(1)
-        bars[("q_free", j)] = Barrier(1)
     for s in range(st):
         bars[("full", s)] = Barrier(1)
         bars[("consumed", s)] = Barrier(nc)
@@ -264,14 +249,14 @@ def test_model_catches_a_missing_q_free():
     """The model can fail: a producer that loads the next row's q without waiting on q_free
     overwrites q while a consumer's S still reads it (rows shorter than the ring: with longer
     rows the stage waits of the first tiles already imply q_free); the same for the few-heads
-    kernel's two q buffers."""
+    kernel."""
     rng = random.Random(0)
 
     def eager(rows, st, reads=3):
         return (op for op in producer(rows, st, reads) if op[:2] != ("wait", ("q_free",)))
 
     def eager_small(rows, st):
-        return (op for op in small_heads_producer(rows, st) if op[1][0] != "q_free")
+        return (op for op in small_heads_producer(rows, st) if op[:2] != ("wait", ("q_free",)))
 
     for prod, small in ((eager, False), (eager_small, True)):
         with pytest.raises(AssertionError):

@@ -29,11 +29,11 @@ def small_heads_block(H):
 
 
 def small_heads_shared_bytes(D, HN, stages, block_k=64, itemsize=2):
-    """Shared memory of the few-heads forward's buffers (small_heads.py): two q [HN, D], the
-    ring, P^T [block_k, HN]; the compiler adds under 1 KiB (its cross-warp max, measured 348 -
-    604 B: SMALL_HEADS_BUDGET)."""
+    """Shared memory of the few-heads forward's buffers (small_heads.py): q [HN, D], the ring,
+    P^T [block_k, HN]; the compiler adds under 1 KiB (its cross-warp max, measured 348 - 604 B:
+    SMALL_HEADS_BUDGET)."""
     Dp = padded_dims(HB, D, block_k, block_k)[1]
-    return (2 * HN + stages * block_k) * Dp * itemsize + block_k * HN * itemsize
+    return (HN + stages * block_k) * Dp * itemsize + block_k * HN * itemsize
 
 
 SMALL_HEADS_BUDGET = SMEM_LIMIT - 1024   # the few-heads forward's buffers (+ < 1 KiB scratch)

@@ -31,20 +31,19 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait)
 
-from csa_jax.kernels.gluon.fwd import _opaque
-from csa_jax.kernels.gluon.ring import (LOG2E, NEG, PRODUCER_WARPS, _finish_sink,
-                                        _gather_tiles, _load_q, _ntiles_of, _release)
+from csa_jax.kernels.gluon.ring import (LOG2E, NEG, PRODUCER_WARPS, _finish, _produce_row,
+                                        _release, _row_info)
 
 NUM_WARPS = 4                 # the default partition (the producer); 8 warps in all
 WG_WARPS = gl.constexpr(4)    # the consumer partition: one warpgroup
-CONSUMER_REGS = 256           # registers per consumer thread (setmaxnreg; 65,536 / 256 threads)
+CONSUMER_REGS = 232           # registers per consumer thread (setmaxnreg; 65,536 / 256 = 256)
 BLOCK_K = 64                  # tile rows = wgmma M
 
 
 @gluon.jit
 def _consumer(idx_ptr, ntiles_ptr, sink_ptr, o_ptr, lse_ptr, q_smem, ring, pt_smem, full,
-              consumed, q_bar, q_free, K: gl.constexpr, ROWS: gl.constexpr, D: gl.constexpr,
-              BK: gl.constexpr, STAGES: gl.constexpr, HN: gl.constexpr,
+              consumed, q_bar, q_free, T: gl.constexpr, K: gl.constexpr, ROWS: gl.constexpr,
+              D: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, HN: gl.constexpr,
               QK_SCALE: gl.constexpr):
     # One layout for S^T [BK, HN] and O^T [D, HN] (M repeats in 64-row blocks): a head's
     # statistics (SliceLayout 0) are the same tensors for both.
@@ -52,36 +51,22 @@ def _consumer(idx_ptr, ntiles_ptr, sink_ptr, o_ptr, lse_ptr, q_smem, ring, pt_sm
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HN, 16])
     mrow: gl.constexpr = gl.SliceLayout(1, layout)
     hcol: gl.constexpr = gl.SliceLayout(0, layout)
-    out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
     krows = gl.arange(0, BK, layout=mrow)
+    drows = gl.arange(0, D, layout=mrow)
     hcols = gl.arange(0, HN, layout=hcol)
-    orows = gl.arange(0, HN, layout=gl.SliceLayout(1, out_layout))
-    ocols = gl.arange(0, D, layout=gl.SliceLayout(0, out_layout))
     s_zero = gl.zeros([BK, HN], gl.float32, layout)
-    ROW_SUMS_PER_THREAD: gl.constexpr = HN <= 16
-    sink = gl.load(sink_ptr + hcols)              # once per program (the heads' sink logits)
+    q_t = q_smem.permute((1, 0))                  # [D, HN]: K-major B of S^T
     base = 0          # the row's first tile in this program's tile stream
     n = 0             # rows done by this program
-    nt = _ntiles_of(ntiles_ptr, gl.program_id(0), ROWS, 1)
     for row in range(gl.program_id(0), ROWS, gl.num_programs(0)):
-        ntiles = nt
-        nt = _ntiles_of(ntiles_ptr, row + gl.num_programs(0), ROWS, 1)   # the next row's
-        idx_tok = idx_ptr + row.to(gl.int64) * K
-        q_t = q_smem.index(n % 2).permute((1, 0))     # [D, HN]: K-major B of S^T
+        _, _, _, ntiles, idx_tok = _row_info(ntiles_ptr, idx_ptr, row, T, 1, K)
         m = gl.full([HN], NEG, gl.float32, hcol)
-        # the row sums: at HN = 16 kept per thread and reduced once per row; at HN = 32 reduced
-        # every tile (the per-thread partials made the consumer spill at 255 registers)
-        lpart = gl.zeros([BK, HN], gl.float32, layout)
-        lsum = gl.zeros([HN], gl.float32, hcol)
+        lpart = gl.zeros([BK, HN], gl.float32, layout)     # row sums, per thread until the end
         acc = gl.zeros([D, HN], gl.float32, layout)
-        mbarrier.wait(q_bar.index(n % 2), (n // 2) & 1)
-        # Tile by tile, each product waited for: the stage goes back to the producer right
-        # after O^T, so the producer has STAGES - 1 tiles in flight. (Issuing S^T of tile i+1
-        # behind O^T of tile i held two stages and took 1.6-1.9x the time on the H200:
-        # docs/perf/heads_h200.md.)
+        mbarrier.wait(q_bar, n & 1)
         for i in range(ntiles):
             g = base + i
-            s = _opaque(g % STAGES)
+            s = g % STAGES
             ids = gl.load(idx_tok + i * BK + krows)
             tile = ring.index(s)
             mbarrier.wait(full.index(s), (g // STAGES) & 1)
@@ -93,30 +78,18 @@ def _consumer(idx_ptr, ntiles_ptr, sink_ptr, o_ptr, lse_ptr, q_smem, ring, pt_sm
             p = gl.exp2(sc - m_new[None, :])
             alpha = gl.exp2(m - m_new)
             m = m_new
-            if ROW_SUMS_PER_THREAD:
-                lpart = lpart * alpha[None, :] + p
-            else:
-                lsum = lsum * alpha + gl.sum(p, axis=0)
+            lpart = lpart * alpha[None, :] + p
             acc = acc * alpha[None, :]
             pt_smem.store(p.to(pt_smem.dtype))
             fence_async_shared()                  # P^T is read by wgmma (async proxy)
             gl.thread_barrier()
             acc = warpgroup_mma(tile.permute((1, 0)), pt_smem, acc)
             _release(consumed.index(s))
-        if ROW_SUMS_PER_THREAD:
-            lsum = gl.sum(lpart, axis=0)
-        lse, o_scale = _finish_sink(m, lsum, sink)
+        _release(q_free)
+        lse, o_scale = _finish(m, gl.sum(lpart, axis=0), sink_ptr + hcols)
         gl.store(lse_ptr + row * HN + hcols, lse)
-        # o leaves through this row's q buffer (free: the row's every S^T is done): O^T is
-        # written transposed, read back as o [HN, D] rows of 16-byte vectors and stored
-        # coalesced (storing the accumulator layout directly takes a 64-bit pointer per element
-        # and spilled at HN = 32); then the buffer goes back to the producer.
-        ob = q_smem.index(n % 2)
-        ob.permute((1, 0)).store((acc * o_scale[None, :]).to(ob.dtype))
-        gl.thread_barrier()
-        o = ob.load(out_layout)
-        gl.store(o_ptr + (row * HN + orows).to(gl.int64)[:, None] * D + ocols[None, :], o)
-        _release(q_free.index(n % 2))
+        o = (acc * o_scale[None, :]).to(o_ptr.dtype.element_ty)
+        gl.store(o_ptr + (row * HN + hcols).to(gl.int64)[None, :] * D + drows[:, None], o)
         base += ntiles
         n += 1
 
@@ -125,21 +98,12 @@ def _consumer(idx_ptr, ntiles_ptr, sink_ptr, o_ptr, lse_ptr, q_smem, ring, pt_sm
 def _producer(q_ptr, kv_ptr, idx_ptr, ntiles_ptr, q_smem, ring, full, consumed, q_bar, q_free,
               T: gl.constexpr, N: gl.constexpr, D: gl.constexpr, K: gl.constexpr,
               ROWS: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, HN: gl.constexpr):
-    """Per row: q into its buffer (two, alternating; the buffer of row n - 2 must have been
-    released), then the row's tiles (ring._gather_tiles): the next row's q lands while this
-    row computes."""
     base = 0
     n = 0
-    nt = _ntiles_of(ntiles_ptr, gl.program_id(0), ROWS, 1)
     for row in range(gl.program_id(0), ROWS, gl.num_programs(0)):
-        ntiles = nt
-        nt = _ntiles_of(ntiles_ptr, row + gl.num_programs(0), ROWS, 1)
-        b = row // T
-        if n >= 2:
-            mbarrier.wait(q_free.index(n % 2), ((n // 2) - 1) & 1)
-        _load_q(q_ptr, q_smem.index(n % 2), q_bar.index(n % 2), row, D, HN)
-        _gather_tiles(kv_ptr, idx_ptr + row.to(gl.int64) * K, ring, full, consumed, base, b, 0,
-                      ntiles, N, D, K, BK, STAGES)
+        _, _, b, ntiles, idx_tok = _row_info(ntiles_ptr, idx_ptr, row, T, 1, K)
+        _produce_row(q_ptr, kv_ptr, idx_tok, q_smem, ring, full, consumed, q_bar, q_free, row,
+                     n, base, b, ntiles, N, D, K, BK, STAGES, HN, STAGES)
         base += ntiles
         n += 1
 
@@ -153,7 +117,7 @@ def csa_fwd_small_heads_kernel(q_ptr, kv_ptr, idx_ptr, ntiles_ptr, sink_ptr, o_p
     """Each program walks rows (tokens) program_id, program_id + num_programs, ... of the
     ROWS = B * T tokens; q / o rows row * HN .. of the [B*T*HN, D] views."""
     dtype: gl.constexpr = q_ptr.dtype.element_ty
-    q_smem = gl.allocate_shared_memory(dtype, [2, HN, D],
+    q_smem = gl.allocate_shared_memory(dtype, [HN, D],
                                        gl.NVMMASharedLayout.get_default_for([HN, D], dtype))
     ring = gl.allocate_shared_memory(dtype, [STAGES, BK, D],
                                      gl.NVMMASharedLayout.get_default_for([BK, D], dtype))
@@ -161,11 +125,10 @@ def csa_fwd_small_heads_kernel(q_ptr, kv_ptr, idx_ptr, ntiles_ptr, sink_ptr, o_p
                                         gl.NVMMASharedLayout.get_default_for([BK, HN], dtype))
     full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     consumed = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    q_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for j in gl.static_range(2):
-        mbarrier.init(q_bar.index(j), count=PRODUCER_WARPS * 32)
-        mbarrier.init(q_free.index(j), count=1)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=PRODUCER_WARPS * 32)
+    mbarrier.init(q_free, count=1)
     for s in gl.static_range(STAGES):
         mbarrier.init(full.index(s), count=PRODUCER_WARPS * 32)
         mbarrier.init(consumed.index(s), count=1)
@@ -173,7 +136,7 @@ def csa_fwd_small_heads_kernel(q_ptr, kv_ptr, idx_ptr, ntiles_ptr, sink_ptr, o_p
         (_producer, (q_ptr, kv_ptr, idx_ptr, ntiles_ptr, q_smem, ring, full, consumed, q_bar,
                      q_free, T, N, D, K, ROWS, BK, STAGES, HN)),
         (_consumer, (idx_ptr, ntiles_ptr, sink_ptr, o_ptr, lse_ptr, q_smem, ring, pt_smem,
-                     full, consumed, q_bar, q_free, K, ROWS, D, BK, STAGES, HN, QK_SCALE)),
+                     full, consumed, q_bar, q_free, T, K, ROWS, D, BK, STAGES, HN, QK_SCALE)),
     ], [WG_WARPS], [CONSUMER_REGS])
 
 
