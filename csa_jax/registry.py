@@ -25,8 +25,9 @@ install csa_jax[<extra>]" instead of failing at import time.
 
 What "auto" tries, in order (each candidate must list the platform in its `auto` and accept the
 problem in its unsupported(), the capability check; "xla" when none does): on GPUs the row of
-AUTO_GPU for the problem's head-count bucket and head dim (the measured-faster kernel first;
-auto_order()), elsewhere the registration order.
+AUTO_GPU for the problem's head-count bucket and head dim, and where the layer types disagree
+its slot count (the measured-faster kernel first; auto_order()), elsewhere the registration
+order.
 
 An `Impl` is a frozen dataclass, hashable: the op passes the resolved impl itself as the static
 argument of the custom_vjp, so the name is looked up once per call.
@@ -213,31 +214,32 @@ register(Impl("gluon", "csa_jax.kernels.gluon", platforms=("gpu",), auto=("gpu",
 register(Impl("pallas_triton", triton, platforms=triton.PLATFORMS, auto=("gpu",)))
 # ------------------------------------------------------------------------------
 
-# impl="auto" on GPUs: (head-count bucket, D) -> the impls to try, the measured-faster first.
-# The bucket is the head count the kernels run at (heads_bucket: pallas_triton pads H to a power
-# of two >= 16, above 64 to a multiple of 64; gluon to a multiple of 64), so H = 12 uses the row
-# of 16 and H = 96 that of 64. Measured on the H200 (bf16, B = 1, T = 16384, D = 512; wall
-# clock per call, median of 5-7; step = forward + backward with both cotangents; 2026-12-02 at
-# the commit that lands this table, docs/perf/heads_h200.md): at H <= 32 pallas_triton's step
-# is the faster one for every layer type measured (Pro cr4 / cr0 / cr128, Flash cr4), so the
-# table needs no layer key; at H >= 64 gluon's.
+# impl="auto" on GPUs: (head-count bucket, D) -> the impls to try, the measured-faster first,
+# or, where the layer types disagree, {slot class: impls} (slot_class: "window" for K <= 128
+# slots, a cr0 layer's list; "pool" above, cr4 / cr128). The bucket is the head count the
+# kernels run at (heads_bucket: pallas_triton pads H to a power of two >= 16, above 64 to a
+# multiple of 64; gluon to 16 / 32 up to 32 heads, above to a multiple of 64), so H = 12 uses
+# the row of 16 and H = 96 that of 64. Measured on the H200 (bf16, B = 1, T = 16384, D = 512;
+# wall clock per call, median of 5-7; step = forward + backward with both cotangents;
+# docs/perf/heads_h200.md). At H <= 32 gluon's default backward IS pallas_triton's
+# (Config.bwd), so the two differ by their forwards only: gluon's few-heads forward
+# (small_heads.py) against pallas_triton's, same call, 2026-12-02 at c1a4b0e.
 AUTO_GPU = {
-    # H = 8: step ms pallas_triton / gluon: Pro cr4 23.59 / 29.55, Flash cr4 14.03 / 19.28,
-    # Pro cr0 4.55 / 8.61, Pro cr128 7.03 / 11.33.
+    # H = 8: Pro cr4 fwd / step pallas_triton 4.06 / 23.78 against gluon 4.10 / 23.77 ms (the
+    # H = 16 kernels of both): level, pallas_triton kept.
     (8, 512): ("pallas_triton", "gluon"),
-    # H = 16: Pro cr4 23.40 / 29.65, Flash cr4 13.84 / 19.32, Pro cr0 4.06 / 8.58, Pro cr128
-    # 6.76 / 11.36 (pallas_triton's backward after its D = 512 fix, docs/small_heads.md: 67 ms
-    # before).
+    # H = 16: fwd ms pallas_triton / gluon: Pro cr4 3.87 / 3.84, Flash cr4 2.72 / 2.56, Pro
+    # cr128 1.17 / 1.12, Flash cr128 1.26 / 1.31, Pro cr0 0.83 / 1.02, Flash cr0 0.79 / 0.99;
+    # Pro cr4 step 23.47 / 23.33. Within 6% except cr0, where pallas_triton is 1.23-1.25x
+    # faster: pallas_triton kept.
     (16, 512): ("pallas_triton", "gluon"),
-    # H = 32: Pro cr4 29.09 / 29.79, Flash cr4 17.76 / 19.52, Pro cr0 5.98 / 8.91, Pro cr128
-    # 9.06 / 11.35. Since pallas_triton's H = 32 forward runs 4 warps (5478940) its forward
-    # is the faster one too: Pro cr4 5.62 (8 warps 8.81) against gluon's 6.40 ms, and its Pro
-    # cr4 step 26.12 ms, 2026-12-02 at 469bf9f (gluon's 6.40 ms is from fc52ca9's call;
-    # docs/perf/heads_h200.md).
-    (32, 512): ("pallas_triton", "gluon"),
-    # H >= 64: Pro cr4 H = 64 39.93 / 28.14, H = 128 69.10 / 46.75: gluon.
+    # H = 32: Pro cr4 5.70 / 5.00, Flash cr4 3.48 / 3.12, Pro cr128 1.64 / 1.48 (gluon
+    # 1.11-1.14x), Pro cr0 1.21 / 1.21; Pro cr4 step 26.13 / 25.20.
+    (32, 512): {"window": ("pallas_triton", "gluon"), "pool": ("gluon", "pallas_triton")},
+    # H >= 64: Pro cr4 step H = 64 39.93 / 28.14, H = 128 69.10 / 46.75: gluon.
     (64, 512): ("gluon", "pallas_triton"),
 }
+WINDOW_SLOTS = 128        # slot_class: lists this short are a window layer's (cr0)
 # A head dim without a row: pallas_triton only (gluon is measured at D = 512 only; pallas_triton
 # at the `small` preset's D = 128 too, docs/perf/train_h200.md).
 AUTO_GPU_OTHER_D = ("pallas_triton",)
@@ -251,12 +253,20 @@ def heads_bucket(H: int) -> int:
     return 64
 
 
-def auto_order(platform: str, q_shape) -> tuple[str, ...]:
-    """The impl names "auto" tries on `platform` for q [B, T, H, D], in order (xla excluded:
-    it is the fallback): AUTO_GPU's row on GPUs, the registration order elsewhere."""
+def slot_class(idx_shape) -> str:
+    """AUTO_GPU's slot class of idx [B, T, K]: "window" for K <= WINDOW_SLOTS (a cr0 layer's
+    list), else (or without a shape) "pool"."""
+    return "window" if idx_shape is not None and idx_shape[-1] <= WINDOW_SLOTS else "pool"
+
+
+def auto_order(platform: str, q_shape, idx_shape=None) -> tuple[str, ...]:
+    """The impl names "auto" tries on `platform` for q [B, T, H, D] and idx [B, T, K], in order
+    (xla excluded: it is the fallback): AUTO_GPU's row on GPUs (by slot_class where the row has
+    one per class), the registration order elsewhere."""
     if platform == "gpu":
         H, D = q_shape[2], q_shape[3]
-        return AUTO_GPU.get((heads_bucket(H), D), AUTO_GPU_OTHER_D)
+        row = AUTO_GPU.get((heads_bucket(H), D), AUTO_GPU_OTHER_D)
+        return row[slot_class(idx_shape)] if isinstance(row, dict) else row
     return tuple(n for n, impl in REGISTRY.items() if platform in impl.auto)
 
 
@@ -291,13 +301,13 @@ def get(name: str) -> Impl:
 def resolve(impl, q_shape, kv_shape, idx_shape, dtype, platform: str) -> Impl:
     """The Impl to run: the requested one (ValueError / NotImplementedError / ImplUnavailable if
     it cannot run: an explicit request never falls back), or for "auto" the first impl of
-    auto_order(platform, q_shape) whose `auto` lists `platform` and whose unsupported() accepts
+    auto_order(platform, q_shape, idx_shape) whose `auto` lists `platform` and whose unsupported() accepts
     the problem, else xla."""
     if impl != "auto":
         found = get(impl)
         found.mod                                  # ImplUnavailable if it cannot be imported
         return found
-    for name in auto_order(platform, q_shape):
+    for name in auto_order(platform, q_shape, idx_shape):
         cand = REGISTRY[name]
         if platform in cand.auto and cand.unsupported(q_shape, kv_shape, idx_shape,
                                                       dtype) is None:

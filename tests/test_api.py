@@ -80,7 +80,7 @@ def test_auto_choice(monkeypatch, platform, kind, dtype, want):
 @pytest.mark.parametrize("H, D, want", [
     (1, 512, ("pallas_triton", "gluon")), (8, 512, ("pallas_triton", "gluon")),
     (12, 512, ("pallas_triton", "gluon")), (16, 512, ("pallas_triton", "gluon")),
-    (17, 512, ("pallas_triton", "gluon")), (32, 512, ("pallas_triton", "gluon")),
+    (17, 512, ("gluon", "pallas_triton")), (32, 512, ("gluon", "pallas_triton")),
     (48, 512, ("gluon", "pallas_triton")), (64, 512, ("gluon", "pallas_triton")),
     (128, 512, ("gluon", "pallas_triton")), (16, 128, ("pallas_triton",)),
     (128, 256, ("pallas_triton",)),
@@ -89,27 +89,42 @@ def test_auto_order_table(H, D, want):
     """registry.AUTO_GPU by head-count bucket (the padded head count) and D; other platforms
     keep the registration order."""
     assert registry.auto_order("gpu", (1, 8, H, D)) == want
+    assert registry.auto_order("gpu", (1, 8, H, D), (1, 8, 1152)) == want     # a pool layer
     assert registry.auto_order("tpu", (1, 8, H, D)) == ("pallas_tpu",)
     assert registry.auto_order("cpu", (1, 8, H, D)) == ()
 
 
+def test_auto_order_by_slot_class():
+    """At H = 32 the layer types disagree (docs/perf/heads_h200.md): a window list (K <= 128,
+    cr0) keeps pallas_triton first, a pool list (cr4 / cr128) runs gluon first."""
+    assert registry.slot_class((1, 8, 128)) == "window"
+    assert registry.slot_class((1, 8, 129)) == registry.slot_class(None) == "pool"
+    assert registry.auto_order("gpu", (1, 8, 32, 512), (1, 8, 128)) == ("pallas_triton", "gluon")
+    assert registry.auto_order("gpu", (1, 8, 24, 512), (1, 8, 256)) == ("gluon", "pallas_triton")
+    assert registry.auto_order("gpu", (1, 8, 16, 512), (1, 8, 1152)) == ("pallas_triton",
+                                                                        "gluon")
+
+
 def test_auto_table_names_gpu_auto_impls():
     """Every impl the table names is registered and may be auto-picked on GPUs."""
-    for order in (*registry.AUTO_GPU.values(), registry.AUTO_GPU_OTHER_D):
+    rows = [r for v in registry.AUTO_GPU.values() for r in (v.values() if isinstance(v, dict)
+                                                             else [v])]
+    for order in (*rows, registry.AUTO_GPU_OTHER_D):
         for name in order:
             assert "gpu" in registry.get(name).auto, name
     assert {b for b, _ in registry.AUTO_GPU} == {8, 16, 32, 64}
 
 
 @pytest.mark.parametrize("H, D, dtype, refuse, want", [
-    (8, 512, jnp.bfloat16, (), "pallas_triton"),           # Pro cr4 step 23.59 vs 29.55 ms
-    (16, 512, jnp.bfloat16, (), "pallas_triton"),          # step 23.40 vs 29.65 ms
-    (32, 512, jnp.bfloat16, (), "pallas_triton"),          # step 29.09 vs 29.79 ms
+    (8, 512, jnp.bfloat16, (), "pallas_triton"),           # Pro cr4 step 23.78 vs 23.77 ms
+    (16, 512, jnp.bfloat16, (), "pallas_triton"),          # cr0 fwd 0.83 vs 1.02 ms
+    (32, 512, jnp.bfloat16, (), "pallas_triton"),          # idx (1, 8, 4): a window list
     (64, 512, jnp.bfloat16, (), "gluon"),
     (128, 512, jnp.float16, (), "gluon"),
     (16, 128, jnp.bfloat16, (), "pallas_triton"),          # no gluon row at D = 128
     (64, 512, jnp.bfloat16, ("gluon",), "pallas_triton"),  # gluon cannot run: the next one
     (32, 512, jnp.bfloat16, ("pallas_triton",), "gluon"),
+    (32, 512, jnp.bfloat16, ("gluon",), "pallas_triton"),
     (16, 512, jnp.float32, ("gluon", "pallas_triton"), "xla"),
 ])
 def test_auto_choice_per_heads_on_a_simulated_h200(monkeypatch, H, D, dtype, refuse, want):

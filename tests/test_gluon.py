@@ -58,11 +58,11 @@ def test_config_defaults_fit_shared_memory():
 
 
 def test_config_has_only_real_choices():
-    """Nine fields (docs/gluon.md): no ablation or never-timed switch reaches the public op."""
+    """Eight fields (docs/gluon.md): no ablation or never-timed switch reaches the public op."""
     import dataclasses
     assert [f.name for f in dataclasses.fields(impl.Config)] == [
-        "block_k", "stages", "layout", "window", "pool_ratio", "head_block", "bwd",
-        "bwd_block_k", "bwd_stages"]
+        "block_k", "stages", "layout", "window", "pool_ratio", "bwd", "bwd_block_k",
+        "bwd_stages"]
 
 
 @pytest.mark.parametrize("kw, match", [
@@ -289,7 +289,8 @@ def test_resource_report_sm90a():
 @pytest.mark.parametrize("H, D, dtype, cc, want", [
     (128, 512, jnp.bfloat16, "9.0", "gluon"),
     (64, 512, jnp.float16, "9.0", "gluon"),
-    (16, 512, jnp.bfloat16, "9.0", "pallas_triton"),     # registry.AUTO_GPU: H <= 32
+    (16, 512, jnp.bfloat16, "9.0", "pallas_triton"),     # registry.AUTO_GPU: H <= 16
+    (32, 512, jnp.bfloat16, "9.0", "gluon"),             # H = 32, a pool list (K = 1152)
     (128, 128, jnp.bfloat16, "9.0", "pallas_triton"),
     (128, 512, jnp.float32, "9.0", "xla"),
     (128, 512, jnp.bfloat16, "8.0", "pallas_triton"),    # not Hopper
@@ -302,7 +303,7 @@ def test_auto_choice_on_a_simulated_h200(monkeypatch, H, D, dtype, cc, want):
         pytest.skip(why)
     monkeypatch.setattr(impl, "_device", lambda: ("gpu", "NVIDIA H200", cc))
     monkeypatch.setattr(triton_config, "_device_kind", lambda: ("gpu", "NVIDIA H200"))
-    got = registry.resolve("auto", (1, 8, H, D), (1, 8, D), (1, 8, 4), dtype, "gpu")
+    got = registry.resolve("auto", (1, 8, H, D), (1, 8, D), (1, 8, 1152), dtype, "gpu")
     assert got.name == want
 
 
@@ -316,7 +317,7 @@ def test_small_heads_default_config(H, D, stages):
     pallas_triton backward; the buffers within SMALL_HEADS_BUDGET."""
     from csa_jax.kernels.gluon import dims
     c = impl.default_config((1, 8, H, D), None, None, jnp.bfloat16)
-    assert (c.block_k, c.stages, c.bwd, c.head_block) == (64, stages, "pallas_triton", 0)
+    assert (c.block_k, c.stages, c.bwd) == (64, stages, "pallas_triton")
     hn = dims.small_heads_block(H)
     assert dims.small_heads_shared_bytes(D, hn, c.stages) <= dims.SMALL_HEADS_BUDGET
     if c.stages < 4:
@@ -325,7 +326,6 @@ def test_small_heads_default_config(H, D, stages):
 
 
 @pytest.mark.parametrize("H, kw, match", [
-    (32, dict(head_block=16), "head_block=16.*H <= 16.*H=32"),
     (16, dict(block_k=32, stages=3), "block_k=32.*64-row tiles"),
     (16, dict(stages=4), "stages=4.*needs 2.*B of shared memory"),
 ])

@@ -194,8 +194,8 @@ def forward(q, kv, idx, sink, *, scale, interpret, config):
             check_layout(idx, kv.shape[1], config)
             bad = jnp.zeros(idx.shape[:2], jnp.int32)
         return _win.forward(q, kv, sink, bad, scale=float(scale), window=config.window)
-    hn = config.head_block or small_heads_block(q.shape[2]) or 64
-    if hn < 64:
+    hn = small_heads_block(q.shape[2])
+    if hn:
         from csa_jax.kernels.gluon import small_heads as _small
         _check_small_heads(q.shape, hn, config)
         return _small.forward(q, kv, idx, sink, scale=float(scale), HN=hn,
@@ -209,12 +209,9 @@ def forward(q, kv, idx, sink, *, scale, interpret, config):
 
 def _check_small_heads(q_shape, hn, config):
     H, D = q_shape[2], q_shape[3]
-    if H > hn:
-        raise ValueError(f"head_block={hn}: the few-heads forward runs H <= {hn} heads a "
-                         f"program, got H={H} (head_block 64 or 0 runs any H)")
     if config.block_k != 64:
-        raise ValueError(f"block_k={config.block_k}: the few-heads forward (H={H}, head_block "
-                         f"{hn}) takes 64-row tiles (the wgmma M dimension)")
+        raise ValueError(f"block_k={config.block_k}: the few-heads forward (H={H} <= 32) takes "
+                         f"64-row tiles (the wgmma M dimension)")
     need = small_heads_shared_bytes(D, hn, config.stages)
     if need > SMALL_HEADS_BUDGET:
         raise ValueError(f"stages={config.stages}: the few-heads forward at D={D}, {hn} heads "

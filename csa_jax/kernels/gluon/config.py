@@ -33,10 +33,6 @@ class Config:
         runs the window kernel (window.py, which does not read idx; a concrete idx is checked
         first, a traced one inside: tokens that break the promise get NaN); the others run the
         gather kernel.
-    head_block: heads per program of the NVIDIA forward: 64 (fwd.py: the heads are wgmma's M,
-        padded to a multiple of 64), 16 or 32 (small_heads.py, H <= head_block: the kv rows are
-        M, the heads padded to 16 / 32 are N, block_k 64), 0 (default) = by H: 16 at H <= 16,
-        32 at H <= 32, else 64.
     bwd: "gluon" (the dq kernel of bwd.py, dkv by the deterministic per-slot GEMM and
         inverse-map reduce) or "pallas_triton" (that impl's whole backward on this forward's
         (o, lse): the escape hatch).
@@ -49,7 +45,6 @@ class Config:
     layout: str = "generic"
     window: int = 128
     pool_ratio: int = 128
-    head_block: int = 0
     bwd: str = "gluon"
     bwd_block_k: int = 32
     bwd_stages: int = 2
@@ -60,7 +55,6 @@ class Config:
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout={self.layout!r} must be one of {LAYOUTS}")
         check_window_pool(self.window, self.pool_ratio)
-        _int_in("head_block", self.head_block, (0, 16, 32, 64))
         if self.bwd not in ("gluon", "pallas_triton"):
             raise ValueError(f"bwd={self.bwd!r} must be 'gluon' or 'pallas_triton'")
         _int_in("bwd_block_k", self.bwd_block_k, (16, 32, 64))
