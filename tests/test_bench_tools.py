@@ -199,7 +199,8 @@ def _fake_launch(monkeypatch):
 
 def test_gluon_check_plumbing_with_faked_kernels(monkeypatch, capsys):
     """benchmarks/gluon_check.py on a CPU up to the (faked) launches: the random and grad parts
-    run the gather forward and the dq / reduce kernels, the window part the cr0 window kernel
+    run the gather forwards (the few-heads one at H = 16) and the dq / reduce kernels, the
+    window part the cr0 window kernel
     through sparse_attention(layout="cr0"); the fake's wrong outputs are failed rows (not
     crashes), and the poison check sees the broken token flagged to the kernel under jit."""
     import json
@@ -210,10 +211,15 @@ def test_gluon_check_plumbing_with_faked_kernels(monkeypatch, capsys):
     assert gc.main(["--parts", "random,grad", "--cases", "h16_d64_bf16_sink_pad",
                     "--seed", "4"]) == 1
     rows = gc.RESULTS[start:]
-    assert [(r["part"], r.get("kernel"), r["ok"]) for r in rows] == [
-        ("forward", "gather", False), ("grad", None, False)], rows
+    assert [(r["part"], r.get("kernel"), r.get("H"), r["ok"]) for r in rows] == [
+        ("forward", "gather", None, False), ("grad", None, 64, False),
+        ("grad", None, None, False)], rows
     assert rows[0]["err_o"] == 1.0 and "error" not in rows[1] and rows[1]["errs"]["dq"] == 1.0
-    assert set(launched) == {"csa_fwd_kernel", "csa_dq_kernel", "csa_dkv_reduce_kernel"}
+    # H = 16: the few-heads forward, then pallas_triton's backward, which a CPU runs only
+    # interpreted: a failure row naming why, not a crash
+    assert "interpret" in rows[2]["error"]
+    assert set(launched) == {"csa_fwd_small_heads_kernel", "csa_fwd_kernel", "csa_dq_kernel",
+                             "csa_dkv_reduce_kernel"}
     launched.clear()
     start = len(gc.RESULTS)
     # (an override, even the default's value, skips the promise-check timing: a CPU test)
