@@ -104,6 +104,29 @@ def random_problem(rng, *, B=2, T=24, H=4, D=32, N=None, K=12, dtype=jnp.float32
     return cast(q), cast(kv), jnp.asarray(idx), (None if s is None else jnp.asarray(s))
 
 
+def emulated_gather_forward(q, kv, idx, ntiles, sink, *, T, N, BK, QK_SCALE):
+    """What the Gluon gather forwards compute on their padded operands (fwd.py's, amd_fwd.py's,
+    small_heads.py's; csa_spec.md section 3), for tests of their host side with the launch
+    faked: q [R*Hp, D] (R = B*T token rows of Hp heads), kv [B*N, D], idx [R, K], ntiles [R]
+    (tiles of BK slots read), sink [Hp]; QK_SCALE in the exp2 domain. (o [R*Hp, D] f32, lse
+    [R*Hp])."""
+    from csa_jax.common import EMPTY_LSE
+    f32 = jnp.float32
+    R, K = idx.shape
+    D = q.shape[-1]
+    rows = kv.reshape(R // T, N, D)[jnp.arange(R)[:, None] // T, jnp.maximum(idx, 0)].astype(f32)
+    valid = ((idx >= 0) & (jnp.arange(K)[None, :] < (ntiles * BK)[:, None]))[:, None, :]
+    s = jnp.einsum("thd,tkd->thk", q.reshape(R, -1, D).astype(f32), rows)
+    s = jnp.where(valid, s * (QK_SCALE / 1.4426950408889634), -jnp.inf)
+    m = jnp.maximum(jnp.max(s, axis=2), sink[None, :])
+    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+    e = jnp.exp(s - m_safe[..., None])
+    l_tot = jnp.sum(e, axis=2) + jnp.exp(sink[None, :] - m_safe)
+    o = jnp.einsum("thk,tkd->thd", e, rows) / jnp.where(l_tot > 0, l_tot, 1.0)[..., None]
+    lse = jnp.where(l_tot > 0, m_safe + jnp.log(jnp.where(l_tot > 0, l_tot, 1.0)), EMPTY_LSE)
+    return o.reshape(-1, D), lse.reshape(-1)
+
+
 def dense_oracle(q, kv, idx, sink, scale, do=None, dlse=None):
     """csa_spec.md section 3 in float64 numpy, straight from the formulas (no chunking, no tricks).
 

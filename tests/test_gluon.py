@@ -342,25 +342,15 @@ def _emulated_small_heads(q, kv, idx, ntiles, sink, *, kernel, out_shape, grid, 
                           name, T, N, D, K, ROWS, HN, BK, STAGES, QK_SCALE, **_):
     """What csa_fwd_small_heads_kernel computes (small_heads.py, csa_spec.md section 3), for
     the wrapper's padding / unpadding: o [ROWS*HN, D], lse [ROWS*HN]."""
-    from csa_jax.common import EMPTY_LSE
+    from conftest import emulated_gather_forward
     from csa_jax.kernels.gluon import small_heads
     assert kernel is small_heads.csa_fwd_small_heads_kernel
     assert name == "csa_gluon_fwd_small_heads" and num_warps == small_heads.NUM_WARPS
     assert grid == (min(ROWS, 132),) and q.shape == (ROWS * HN, D) and idx.shape == (ROWS, K)
     assert sink.shape == (HN,) and K % BK == 0
-    f32 = jnp.float32
-    B = ROWS // T
-    rows = kv.reshape(B, N, D)[jnp.arange(ROWS)[:, None] // T, jnp.maximum(idx, 0)].astype(f32)
-    valid = ((idx >= 0) & (jnp.arange(K)[None, :] < (ntiles * BK)[:, None]))[:, None, :]
-    s = jnp.einsum("thd,tkd->thk", q.reshape(ROWS, HN, D).astype(f32), rows)
-    s = jnp.where(valid, s * (QK_SCALE / 1.4426950408889634), -jnp.inf)
-    m = jnp.maximum(jnp.max(s, axis=2), sink[None, :])
-    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
-    e = jnp.exp(s - m_safe[..., None])
-    l_tot = jnp.sum(e, axis=2) + jnp.exp(sink[None, :] - m_safe)
-    o = jnp.einsum("thk,tkd->thd", e, rows) / jnp.where(l_tot > 0, l_tot, 1.0)[..., None]
-    lse = jnp.where(l_tot > 0, m_safe + jnp.log(jnp.where(l_tot > 0, l_tot, 1.0)), EMPTY_LSE)
-    return o.reshape(ROWS * HN, D).astype(out_shape[0].dtype), lse.reshape(-1)
+    o, lse = emulated_gather_forward(q, kv, idx, ntiles, sink, T=T, N=N, BK=BK,
+                                     QK_SCALE=QK_SCALE)
+    return o.astype(out_shape[0].dtype), lse
 
 
 @pytest.mark.parametrize("H, D, K", [(5, 40, 75), (24, 64, 130)])

@@ -164,28 +164,15 @@ def test_check_fails_on_spills_overflow_and_refusals():
 def _emulated_fwd_kernel(q, kv, idx, ntiles, sink, *, kernel, out_shape, grid, num_warps, name,
                          T, N, NHB, D, K, BK, QK_SCALE, **_):
     """What csa_fwd_amd_kernel computes (amd_fwd.py docstring, csa_spec.md section 3)."""
-    import jax.numpy as jnp
-    from csa_jax.common import EMPTY_LSE
+    from conftest import emulated_gather_forward
     assert kernel is amd_fwd.csa_fwd_amd_kernel and name == "csa_gluon_fwd_amd"
     BT = idx.shape[0]
     Hp, B = NHB * 64, BT // T
     assert grid == (BT * NHB,) and q.shape == (BT * Hp, D) and kv.shape == (B * N, D)
     assert num_warps == _emulated_fwd_kernel.warps
-    f32 = jnp.float32
-    rows = kv.reshape(B, N, D)[jnp.arange(BT)[:, None] // T, jnp.maximum(idx, 0)].astype(f32)
-    valid = ((idx >= 0) & (jnp.arange(K)[None, :] < (ntiles * BK)[:, None]))[:, None, :]
-    s = jnp.einsum("thd,tkd->thk", q.reshape(BT, Hp, D).astype(f32), rows) * (QK_SCALE / LOG2E)
-    s = jnp.where(valid, s, -jnp.inf)
-    m = jnp.maximum(jnp.max(s, axis=2), sink[None, :])
-    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
-    e = jnp.exp(s - m_safe[..., None])
-    l_tot = jnp.sum(e, axis=2) + jnp.exp(sink[None, :] - m_safe)
-    o = jnp.einsum("thk,tkd->thd", e, rows) / jnp.where(l_tot > 0, l_tot, 1.0)[..., None]
-    lse = jnp.where(l_tot > 0, m_safe + jnp.log(jnp.where(l_tot > 0, l_tot, 1.0)), EMPTY_LSE)
-    return o.reshape(BT * Hp, D).astype(out_shape[0].dtype), lse.reshape(-1)
-
-
-LOG2E = 1.4426950408889634
+    o, lse = emulated_gather_forward(q, kv, idx, ntiles, sink, T=T, N=N, BK=BK,
+                                     QK_SCALE=QK_SCALE)
+    return o.astype(out_shape[0].dtype), lse
 
 
 @pytest.mark.parametrize("cc, kind, arch", [("gfx942:sramecc+:xnack-", "AMD Instinct MI300X",
