@@ -301,8 +301,8 @@ def get(name: str) -> Impl:
 def resolve(impl, q_shape, kv_shape, idx_shape, dtype, platform: str) -> Impl:
     """The Impl to run: the requested one (ValueError / NotImplementedError / ImplUnavailable if
     it cannot run: an explicit request never falls back), or for "auto" the first impl of
-    auto_order(platform, q_shape, idx_shape) whose `auto` lists `platform` and whose unsupported() accepts
-    the problem, else xla."""
+    auto_order(platform, q_shape, idx_shape) whose `auto` lists `platform` and whose
+    unsupported() accepts the problem, else xla."""
     if impl != "auto":
         found = get(impl)
         found.mod                                  # ImplUnavailable if it cannot be imported

@@ -5,24 +5,32 @@ puts the heads on wgmma's M dimension, which is 64 per warpgroup: at H = 16 thre
 its products are padding. This kernel turns both products around so the token's gathered kv
 rows are M and the heads are N (wgmma's N may be 16 or 32):
 
-    S^T [BK, HN]  = tile [BK, D] q^T [D, HN]         (A = the ring tile, B = q, both in shared memory)
-    O^T [D, HN]  += tile^T [D, BK] P^T [BK, HN]     (A = the same tile read MN-major, B = P^T)
+    S^T [BK, HN]  = tile [BK, D] q^T [D, HN]      (A = the ring tile, B = q, in shared memory)
+    O^T [D, HN]  += tile^T [D, BK] P^T [BK, HN]  (A = the same tile read MN-major, B = P^T)
 
 with HN = the heads padded to 16 or 32 (padded heads have zero q and no sink; they are computed
 and dropped). Nothing is padded on M, and each wgmma reads its A operand from shared memory
-once per tile, so a tile costs about the same at HN = 16 or 32 (~1,000 clocks of shared-memory
-reads at D = 512), under the ~2,200 clocks of L2 bandwidth an SM's share of the gather takes:
-the kernel is meant to run at the gather's rate (benchmarks/gather_floor.py), not the matrix
-units'. The softmax runs down the columns (one per head): the max over a tile's BK rows is a
-reduction across the warpgroup's 4 warps; the row sums are kept per thread and reduced once per
-token.
+once per tile, so a tile should cost about the same at HN = 16 or 32 (by count: ~1,000 clocks
+of shared-memory reads at D = 512, under the ~2,200 clocks of L2 bandwidth an SM's share of the
+gather takes). The softmax runs down the columns (one per head): the max over a tile's BK rows
+is a reduction across the warpgroup's 4 warps; the row sums are kept per thread and reduced
+once per token.
 
-Partitions (384 threads would waste registers: 8 warps here): the producer = the default
-partition, 4 warps, gathers with cp.async into a STAGES-deep ring of BK-row tiles exactly as
-the 64-head forward (ring._produce_row: a row = one token, all its heads); the consumer = one
-worker warpgroup that runs S^T, the softmax, P^T into shared memory and O^T per tile, then
-releases the stage. One program per SM, walking tokens. Smaller q leaves room for a deeper
-ring: 3 stages of 64 rows at HN = 16, 2 at HN = 32 (shared memory, dims.small_heads_stages).
+Partitions (8 warps): the producer = the default partition, 4 warps, gathers with cp.async
+into a STAGES-deep ring of BK-row tiles as the 64-head forward does (ring._produce_row: a row =
+one token, all its heads; a row's first STAGES tiles go before its q); the consumer = one
+worker warpgroup that runs S^T, the softmax, P^T into shared memory and O^T per tile, each
+product waited for, then releases the stage. One program per SM, walking tokens. Smaller q
+leaves room for a deeper ring: 3 stages of 64 rows at HN = 16, 2 at HN = 32 (D = 512;
+dims.small_heads_shared_bytes, default_config).
+
+Measured on the H200 (docs/perf/heads_h200.md): 1.11-1.14x faster than pallas_triton's
+forward at H = 32 on cr4 / cr128 and 1.28-2.2x faster than the 64-head kernel on padded heads;
+at H = 16 level with pallas_triton except cr0. At H = 16 it moves the gathered rows at 5.0
+TB/s, as pallas_triton's and FlashMLA's forwards do, against the 7.6 TB/s of a gather into
+registers (benchmarks/gather_floor.py): bound by the ring's bytes in flight (reasoning from
+the rates), not by the matrix units. Issuing S^T of the next tile behind O^T held two stages
+and took 1.6-1.9x the time.
 """
 from __future__ import annotations
 
