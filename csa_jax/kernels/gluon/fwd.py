@@ -5,7 +5,7 @@ FlashMLA's SM90 schedule (../shared/gpu_kernels.md), written for Gluon: three pa
 heads of one token, ring.py) in turn:
 
 - producer = the default partition (_producer, ring._produce_row): per row, the row's first
-  STAGES tiles gathered with cp.async into the ring ("full" barriers), then q once both
+  PRE_TILES (1) tiles gathered with cp.async into the ring ("full" barriers), then q once both
   consumers are done with the previous row's q (q_free, after that row's last PV), then the
   other tiles; it refills a stage once its "consumed" barrier has had one arrival from EACH
   consumer. Stages and barrier phases count the program's whole tile stream, so the next row's
@@ -209,10 +209,12 @@ def _producer(q_ptr, kv_ptr, idx_ptr, ntiles_ptr, q_smem, ring, full, consumed, 
               T: gl.constexpr, N: gl.constexpr, NHB: gl.constexpr, D: gl.constexpr,
               K: gl.constexpr, ROWS: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
               HBC: gl.constexpr, PRE: gl.constexpr):
-    """The program's rows in turn (ring._produce_row): each row's first STAGES tiles, then its
-    q once both consumers are done with the previous row's (q_free, after the row's last PV),
+    """The program's rows in turn (ring._produce_row): each row's first PRE tiles, then its q
+    once both consumers are done with the previous row's (q_free, after the row's last PV),
     then the other tiles; the ring's stages and phases count the program's whole tile stream,
-    so the next row's first tiles and q are in flight while the consumers finish this row."""
+    so the next row's first tiles and q are in flight while the consumers finish this row.
+    (PRE 0, 1 and 2 timed in one process on the H200: no value wins on every layer type, 1
+    kept; docs/perf/gluon_persistent_h200.md.)"""
     base = 0
     n = 0
     nt = _ntiles_of(ntiles_ptr, gl.program_id(0), ROWS, NHB)
