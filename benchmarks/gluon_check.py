@@ -12,14 +12,15 @@ one of the given strings.
 
 Parts:
   random  the forward vs impl="xla" on fresh random inputs: -1 slots anywhere, out-of-range ids,
-          duplicate rows, all-empty rows, with and without sink, H in {16, 64, 128} (padding),
-          D in {64, 512}, K not a multiple of the tile, bf16 and f16; o by max-abs error over
+          duplicate rows, all-empty rows, with and without sink, H in {1, 8, 16, 24, 32} (the
+          few-heads forward, padded to 16 / 32) and {64, 128}, D in {64, 128, 512}, K not a
+          multiple of the tile, bf16 and f16; o by max-abs error over
           max-abs reference, lse by the same on non-empty rows, and empty rows exactly
           (o == 0, lse == sink or EMPTY_LSE);
   golden  the three golden cases (tests/golden, cast to bf16) through sparse_attention;
   grad    jax.grad through sparse_attention(impl="gluon") (forward Gluon, backward per
-          Config.bwd: the Gluon dq kernel by default, gluon_bwd_check.py) vs impl="xla", both
-          cotangents (dO and dlse);
+          Config.bwd: the Gluon dq kernel by default at H = 64, pallas_triton's at H = 16,
+          gluon_bwd_check.py) vs impl="xla", both cotangents (dO and dlse);
   time    forward ms of xla, pallas_triton, gluon at a few V4 shapes (checked vs xla);
   window  the cr0 window kernel (window.py, window 128), as the NNX layer runs it:
           sparse_attention(..., layout="cr0") vs impl="xla" on fresh random q / kv with
