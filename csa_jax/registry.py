@@ -234,7 +234,8 @@ AUTO_GPU = {
     # faster: pallas_triton kept.
     (16, 512): ("pallas_triton", "gluon"),
     # H = 32: Pro cr4 5.70 / 5.00, Flash cr4 3.48 / 3.12, Pro cr128 1.64 / 1.48 (gluon
-    # 1.11-1.14x), Pro cr0 1.21 / 1.21; Pro cr4 step 26.13 / 25.20.
+    # 1.11-1.14x), Pro cr0 1.21 / 1.21; Pro cr4 step 26.13 / 25.20 (Flash cr0 / cr128 at
+    # H = 32 were not reached in that call).
     (32, 512): {"window": ("pallas_triton", "gluon"), "pool": ("gluon", "pallas_triton")},
     # H >= 64: Pro cr4 step H = 64 39.93 / 28.14, H = 128 69.10 / 46.75: gluon.
     (64, 512): ("gluon", "pallas_triton"),
