@@ -116,6 +116,35 @@ def test_disk_too_full_for_the_next_checkpoint_one_line_before_writing(tmp_path,
         assert code == 0 and f"resuming from step {last}" in err and "done: step 8" in err, err
 
 
+def test_orbax_noise_filter_holds_tensorstore_write_errors(tmp_path):
+    """asyncio's "Future exception was never retrieved" for a TensorStore write into the
+    checkpoint directory carries no orbax frame; the filter still holds it (and drops it once
+    a failed save was reported), so a full disk stays one `error:` line whenever those futures
+    are collected. Other asyncio records pass."""
+    import logging
+
+    from train.checkpoint import _OrbaxNoise
+    ckpt = tmp_path / "checkpoints"
+    noise = _OrbaxNoise(ckpt)
+    err = ValueError(f'RESOURCE_EXHAUSTED: Error writing "params/0.0" in OCDBT database at '
+                     f'local file "{ckpt}/4.orbax-checkpoint-tmp/d/x": No space left on device')
+
+    def record(msg, exc=None):
+        return logging.LogRecord("asyncio", logging.ERROR, "/usr/lib/asyncio/base_events.py", 1,
+                                 msg, None, (type(exc), exc, None) if exc else None)
+
+    ours = record(f"Future exception was never retrieved\nfuture: <Future finished "
+                  f"exception={err!r}>", err)
+    assert noise.filter(ours) is False and noise.held == [ours]
+    assert noise.filter(record("Future exception was never retrieved", err)) is False
+    other = record("Task was destroyed but it is pending!")
+    assert noise.filter(other) is True
+    noise.held.clear()
+    noise.drop = True
+    assert noise.filter(ours) is False and noise.held == []
+    assert _OrbaxNoise().filter(ours) is True            # no directory known: not ours
+
+
 def test_disk_full_during_a_save_one_line_and_no_partial_checkpoint(tmp_path, text, capsys,
                                                                     monkeypatch):
     """The free-space check passes (it sees unlimited room) but the write fails half-way:

@@ -122,17 +122,31 @@ _ORBAX_DIR = f"{os.sep}orbax{os.sep}"
 class _OrbaxNoise(logging.Filter):
     """Holds back orbax's own error logs (a failed write logs a traceback per thread; the
     failure reaches us as an exception too: one `error:` line) and asyncio's "exception was
-    never retrieved" for orbax's gathered writes. Checkpointer.close drops them if a failed
-    save was reported, and logs them then otherwise, so nothing is lost."""
+    never retrieved" for orbax's gathered writes: those whose traceback passes through orbax,
+    and those that name the checkpoint directory (TensorStore's write errors come back with no
+    orbax frame: "Error writing ... at local file '<directory>/...'"). Checkpointer.close drops
+    them if a failed save was reported, and logs them then otherwise, so nothing is lost."""
 
-    def __init__(self):
+    def __init__(self, directory=None):
         super().__init__()
+        self.directory = str(directory) if directory is not None else None
         self.held: list[logging.LogRecord] = []
         self.drop = False      # after a reported failure: drop orbax's records, hold none
 
+    def _ours(self, record) -> bool:
+        if _ORBAX_DIR in record.pathname:
+            return True
+        if record.name != "asyncio":
+            return False
+        if record.exc_info and _from_orbax(record.exc_info[2]):
+            return True
+        if self.directory is None:
+            return False
+        exc = record.exc_info[1] if record.exc_info else None
+        return self.directory in record.getMessage() or self.directory in str(exc or "")
+
     def filter(self, record):
-        if _ORBAX_DIR in record.pathname or (
-                record.name == "asyncio" and record.exc_info and _from_orbax(record.exc_info[2])):
+        if self._ours(record):
             if not self.drop:
                 self.held.append(record)
             return False
@@ -182,7 +196,7 @@ class Checkpointer:
         # orbax logs every save at INFO/WARNING through absl; the progress bar is enough. Its
         # errors come back as exceptions (one line each, below), not as per-thread tracebacks.
         logging.getLogger("absl").setLevel(logging.ERROR)
-        self._noise = _OrbaxNoise()
+        self._noise = _OrbaxNoise(self.directory)
         for name in ("absl", "asyncio"):
             logging.getLogger(name).addFilter(self._noise)
         self._hook = _write_noise_hook(sys.unraisablehook)
