@@ -99,13 +99,19 @@ def _gluon(fn, types, consts, warps):
 PRO = dict(T=4096, N=5120, NHB=2, D=512, K=1152, scale=512 ** -0.5)
 
 
+def impl_default(H):
+    """gluon's default Config at the report's Pro shape with H heads."""
+    from csa_jax.kernels import gluon as impl
+    return impl.default_config((1, PRO["T"], H, PRO["D"]), (1, PRO["N"], PRO["D"]),
+                               (1, PRO["T"], PRO["K"]), "bfloat16")
+
+
 def nv_configs(variants):
     """[(name, gluon Config)] of --variants on top of the default at the report's shape
     (ValueError naming a field the Config lacks or a value it refuses)."""
     from benchmarks.common import apply_overrides
     from csa_jax.kernels import gluon as impl
-    base = impl.default_config((1, PRO["T"], 128, PRO["D"]), (1, PRO["N"], PRO["D"]),
-                               (1, PRO["T"], PRO["K"]), "bfloat16")
+    base = impl_default(128)
     out = []
     for name, over in variants:
         try:
@@ -113,13 +119,6 @@ def nv_configs(variants):
         except (TypeError, ValueError) as e:
             raise ValueError(f"--variants {name}: {e}") from None
     return out
-
-
-def impl_default(H):
-    """gluon's default Config at the report's Pro shape with H heads."""
-    from csa_jax.kernels import gluon as impl
-    return impl.default_config((1, PRO["T"], H, PRO["D"]), (1, PRO["N"], PRO["D"]),
-                               (1, PRO["T"], PRO["K"]), "bfloat16")
 
 
 def gluon_nv_kernels(configs):
