@@ -150,9 +150,8 @@ def consumer(w, rows, st):
 
 
 def small_heads_consumer(rows, st):
-    """small_heads._consumer (each of its 1 or 2 warpgroups, 16 heads each): per tile S^T (reads
-    the tile and its heads' q), then P^T (its own buffer) and O^T (reads the tile), then its
-    release of the stage; its q_free after the row."""
+    """small_heads._consumer: one warpgroup; per tile S^T (reads the tile and q), then P^T (its
+    own buffer) and O^T (reads the tile), then the stage's release; q_free after the row."""
     base = 0
     for n, nt in enumerate(rows):
         yield ("wait", ("q_bar",), n & 1)
@@ -170,13 +169,12 @@ def small_heads_consumer(rows, st):
         base += nt
 
 
-def run(rows, st, rng, cons=consumer, prod=producer, small=False, nwg=1, count=None):
-    """small: the few-heads kernel (nwg consumer warpgroups on every tile: q_free and consumed
-    count nwg, each tile read twice by each) instead of fwd.py's two alternating warpgroups.
-    count: another arrival count for q_free and consumed (a negative check)."""
+def run(rows, st, rng, cons=consumer, prod=producer, small=False):
+    """small: the few-heads kernel (one consumer: q_free and consumed count 1, each tile read
+    twice) instead of fwd.py's two alternating warpgroups."""
     if isinstance(rows, int):
         rows = [rows]
-    nc = count or (nwg if small else 2)
+    nc = 1 if small else 2
     bars = {("q_bar",): Barrier(1), ("q_free",): Barrier(nc)}
     for s in range(st):
         bars[("full", s)] = Barrier(1)
@@ -187,7 +185,7 @@ def run(rows, st, rng, cons=consumer, prod=producer, small=False, nwg=1, count=N
     buf = Buffers()
     if small:
         prod = small_heads_producer if prod is producer else prod
-        threads = [prod(rows, st)] + [small_heads_consumer(rows, st) for _ in range(nwg)]
+        threads = [prod(rows, st), small_heads_consumer(rows, st)]
     else:
         threads = [prod(rows, st), cons(0, rows, st), cons(1, rows, st)]
     nxt = [next(t, None) for t in threads]
@@ -213,8 +211,7 @@ def run(rows, st, rng, cons=consumer, prod=producer, small=False, nwg=1, count=N
     # the other warpgroup
     total = sum(rows)
     for g in range(total):
-        assert buf.reads.get((("ring", g % st), g), 0) == (2 * nwg if small else 3), (g,
-                                                                                   buf.reads)
+        assert buf.reads.get((("ring", g % st), g), 0) == (2 if small else 3), (g, buf.reads)
         if not small:
             assert buf.reads.get((("p", g % 2), g), 0) == 1, (g, buf.reads)
 
@@ -238,15 +235,14 @@ def test_persistent_rows_random_interleavings(st):
         run(rows, st, rng)
 
 
-@pytest.mark.parametrize("st, nwg", [(2, 1), (3, 1), (4, 1), (2, 2), (3, 2)])
-def test_small_heads_rows_random_interleavings(st, nwg):
-    """small_heads.py: one consumer warpgroup (HN = 16) or two on the same tiles (HN = 32),
-    any ring depth, several rows (tokens) per program with empty rows; the producer runs
-    ahead into the next row's first tiles and q."""
-    rng = random.Random(7 + st + 10 * nwg)
+@pytest.mark.parametrize("st", [2, 3, 4])
+def test_small_heads_rows_random_interleavings(st):
+    """small_heads.py: one consumer warpgroup, any ring depth, several rows (tokens) per
+    program with empty rows; the producer runs ahead into the next row's first tiles and q."""
+    rng = random.Random(7 + st)
     for _ in range(300):
         rows = [rng.choice([0, 1, 2, 3, 5, 18]) for _ in range(rng.randint(1, 5))]
-        run(rows, st, rng, small=True, nwg=nwg)
+        run(rows, st, rng, small=True)
 
 
 def test_model_catches_a_missing_q_free():
@@ -276,15 +272,9 @@ def test_model_catches_a_stage_refilled_early():
     def eager(rows, st):
         return (op for op in small_heads_producer(rows, st) if op[1][0] != "consumed")
 
-    for nwg in (1, 2):
-        with pytest.raises(AssertionError):
-            for _ in range(200):
-                run([5, 4], 3, rng, prod=eager, small=True, nwg=nwg)
-    # two consumer warpgroups on barriers that count one release: a stage is refilled once
-    # the faster warpgroup is done with it
     with pytest.raises(AssertionError):
         for _ in range(200):
-            run([5, 4], 2, rng, small=True, nwg=2, count=1)
+            run([5, 4], 3, rng, prod=eager, small=True)
 
 
 @pytest.mark.parametrize("pre", [0, 2])

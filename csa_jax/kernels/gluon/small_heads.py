@@ -42,13 +42,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from csa_jax.kernels.gluon.ring import (LOG2E, NEG, PRODUCER_WARPS, _finish, _produce_row,
                                         _release, _row_info)
 
-NUM_WARPS = 4                 # the default partition (the producer)
-WG_WARPS = gl.constexpr(4)    # a consumer partition: one warpgroup
-WG_HEADS = gl.constexpr(16)   # heads per consumer warpgroup (wgmma N)
-# registers per consumer thread (setmaxnreg): two warpgroups (HN = 32, 12 warps) 216, as the
-# 64-head forward's (fwd.producer_regs: 72 per producer thread left); with one (HN = 16, 8
-# warps) the compiled PTX gives every partition 256 (65,536 / 256 threads) whatever is asked
-CONSUMER_REGS = {16: 232, 32: 216}
+NUM_WARPS = 4                 # the default partition (the producer); 8 warps in all
+WG_WARPS = gl.constexpr(4)    # the consumer partition: one warpgroup
+CONSUMER_REGS = 232           # registers per consumer thread (setmaxnreg; 65,536 / 256 = 256)
 BLOCK_K = 64                  # tile rows = wgmma M
 
 
@@ -56,27 +52,25 @@ BLOCK_K = 64                  # tile rows = wgmma M
 def _consumer(idx_ptr, ntiles_ptr, sink_ptr, o_ptr, lse_ptr, q_smem, ring, pt_smem, full,
               consumed, q_bar, q_free, T: gl.constexpr, K: gl.constexpr, ROWS: gl.constexpr,
               D: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, HN: gl.constexpr,
-              J: gl.constexpr, HW: gl.constexpr, QK_SCALE: gl.constexpr):
-    # Consumer warpgroup J: heads J*HW .. J*HW + HW - 1 of the HN (its own softmax, P^T buffer
-    # and outputs; the warpgroups share only the ring tile and q). One layout for S^T [BK, HW]
-    # and O^T [D, HW] (M repeats in 64-row blocks): a head's statistics (SliceLayout 0) are
-    # the same tensors for both.
+              QK_SCALE: gl.constexpr):
+    # One layout for S^T [BK, HN] and O^T [D, HN] (M repeats in 64-row blocks): a head's
+    # statistics (SliceLayout 0) are the same tensors for both.
     layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HW, 16])
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HN, 16])
     mrow: gl.constexpr = gl.SliceLayout(1, layout)
     hcol: gl.constexpr = gl.SliceLayout(0, layout)
     krows = gl.arange(0, BK, layout=mrow)
     drows = gl.arange(0, D, layout=mrow)
-    hcols = J * HW + gl.arange(0, HW, layout=hcol)
-    s_zero = gl.zeros([BK, HW], gl.float32, layout)
-    q_t = q_smem.slice(J * HW, HW, dim=0).permute((1, 0))   # [D, HW]: K-major B of S^T
+    hcols = gl.arange(0, HN, layout=hcol)
+    s_zero = gl.zeros([BK, HN], gl.float32, layout)
+    q_t = q_smem.permute((1, 0))                  # [D, HN]: K-major B of S^T
     base = 0          # the row's first tile in this program's tile stream
     n = 0             # rows done by this program
     for row in range(gl.program_id(0), ROWS, gl.num_programs(0)):
         _, _, _, ntiles, idx_tok = _row_info(ntiles_ptr, idx_ptr, row, T, 1, K)
-        m = gl.full([HW], NEG, gl.float32, hcol)
-        lpart = gl.zeros([BK, HW], gl.float32, layout)     # row sums, per thread until the end
-        acc = gl.zeros([D, HW], gl.float32, layout)
+        m = gl.full([HN], NEG, gl.float32, hcol)
+        lpart = gl.zeros([BK, HN], gl.float32, layout)     # row sums, per thread until the end
+        acc = gl.zeros([D, HN], gl.float32, layout)
         mbarrier.wait(q_bar, n & 1)
         for i in range(ntiles):
             g = base + i
@@ -129,45 +123,29 @@ def csa_fwd_small_heads_kernel(q_ptr, kv_ptr, idx_ptr, ntiles_ptr, sink_ptr, o_p
                                BK: gl.constexpr, STAGES: gl.constexpr,
                                QK_SCALE: gl.constexpr, CONSUMER_REGS: gl.constexpr):
     """Each program walks rows (tokens) program_id, program_id + num_programs, ... of the
-    ROWS = B * T tokens; q / o rows row * HN .. of the [B*T*HN, D] views. HN // WG_HEADS
-    consumer warpgroups (1 or 2), WG_HEADS heads each."""
-    NWG: gl.constexpr = HN // WG_HEADS
+    ROWS = B * T tokens; q / o rows row * HN .. of the [B*T*HN, D] views."""
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     q_smem = gl.allocate_shared_memory(dtype, [HN, D],
                                        gl.NVMMASharedLayout.get_default_for([HN, D], dtype))
     ring = gl.allocate_shared_memory(dtype, [STAGES, BK, D],
                                      gl.NVMMASharedLayout.get_default_for([BK, D], dtype))
-    pt_bufs = gl.allocate_shared_memory(dtype, [NWG, BK, WG_HEADS],
-                                        gl.NVMMASharedLayout.get_default_for([BK, WG_HEADS],
-                                                                             dtype))
+    pt_smem = gl.allocate_shared_memory(dtype, [BK, HN],
+                                        gl.NVMMASharedLayout.get_default_for([BK, HN], dtype))
     full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     consumed = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=PRODUCER_WARPS * 32)
-    mbarrier.init(q_free, count=NWG)              # each consumer warpgroup releases
+    mbarrier.init(q_free, count=1)
     for s in gl.static_range(STAGES):
         mbarrier.init(full.index(s), count=PRODUCER_WARPS * 32)
-        mbarrier.init(consumed.index(s), count=NWG)
-    if NWG == 1:
-        gl.warp_specialize([
-            (_producer, (q_ptr, kv_ptr, idx_ptr, ntiles_ptr, q_smem, ring, full, consumed,
-                         q_bar, q_free, T, N, D, K, ROWS, BK, STAGES, HN)),
-            (_consumer, (idx_ptr, ntiles_ptr, sink_ptr, o_ptr, lse_ptr, q_smem, ring,
-                         pt_bufs.index(0), full, consumed, q_bar, q_free, T, K, ROWS, D, BK,
-                         STAGES, HN, 0, WG_HEADS, QK_SCALE)),
-        ], [WG_WARPS], [CONSUMER_REGS])
-    else:
-        gl.warp_specialize([
-            (_producer, (q_ptr, kv_ptr, idx_ptr, ntiles_ptr, q_smem, ring, full, consumed,
-                         q_bar, q_free, T, N, D, K, ROWS, BK, STAGES, HN)),
-            (_consumer, (idx_ptr, ntiles_ptr, sink_ptr, o_ptr, lse_ptr, q_smem, ring,
-                         pt_bufs.index(0), full, consumed, q_bar, q_free, T, K, ROWS, D, BK,
-                         STAGES, HN, 0, WG_HEADS, QK_SCALE)),
-            (_consumer, (idx_ptr, ntiles_ptr, sink_ptr, o_ptr, lse_ptr, q_smem, ring,
-                         pt_bufs.index(1), full, consumed, q_bar, q_free, T, K, ROWS, D, BK,
-                         STAGES, HN, 1, WG_HEADS, QK_SCALE)),
-        ], [WG_WARPS, WG_WARPS], [CONSUMER_REGS, CONSUMER_REGS])
+        mbarrier.init(consumed.index(s), count=1)
+    gl.warp_specialize([
+        (_producer, (q_ptr, kv_ptr, idx_ptr, ntiles_ptr, q_smem, ring, full, consumed, q_bar,
+                     q_free, T, N, D, K, ROWS, BK, STAGES, HN)),
+        (_consumer, (idx_ptr, ntiles_ptr, sink_ptr, o_ptr, lse_ptr, q_smem, ring, pt_smem,
+                     full, consumed, q_bar, q_free, T, K, ROWS, D, BK, STAGES, HN, QK_SCALE)),
+    ], [WG_WARPS], [CONSUMER_REGS])
 
 
 # ----------------------------------------------------------------------------- host side
@@ -180,7 +158,7 @@ def constexprs(*, T, N, HN, D, K, BK, stages, scale, B=1):
     if BK != BLOCK_K:
         raise ValueError(f"the few-heads forward needs {BLOCK_K}-row tiles (wgmma M), got {BK=}")
     return dict(T=T, N=N, D=D, K=K, ROWS=B * T, HN=HN, BK=BK, STAGES=stages,
-                QK_SCALE=float(scale) * LOG2E, CONSUMER_REGS=CONSUMER_REGS[HN])
+                QK_SCALE=float(scale) * LOG2E, CONSUMER_REGS=CONSUMER_REGS)
 
 
 def forward(q, kv, idx, sink, *, scale, HN, stages):
