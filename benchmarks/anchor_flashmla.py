@@ -46,10 +46,17 @@ def load(path):
     return build.load(verbose=False)
 
 
+def synced(out):
+    """out after waiting for the device (torch's stream): bench_csa's pipelined timing."""
+    import torch
+    torch.cuda.synchronize()
+    return out
+
+
 def prepare(mod, q, kv, idx, sink, scale):
     """A callable running FlashMLA's forward on the JAX arrays q [1, T, H, D], kv [1, N, D],
     idx [1, T, K] (-1 = empty), sink [H] or None: returns torch (o [T, Hp, D], lse_nosink
-    [T, Hp]) after a device synchronisation; and `to_jax(out)` -> (o [1, T, H, D], lse
+    [T, Hp]) after a device synchronisation (run(sync=False): without it); and `to_jax(out)` -> (o [1, T, H, D], lse
     [1, T, H] with the sink joined) as JAX arrays."""
     import jax
     import jax.numpy as jnp
@@ -77,9 +84,10 @@ def prepare(mod, q, kv, idx, sink, scale):
     tq, tkv, tsink = tq.contiguous(), tkv.contiguous(), tsink.contiguous()
     torch.cuda.synchronize()
 
-    def run():
+    def run(sync=True):
         out, _, lse = mod.sparse_prefill_fwd(tq, tkv, ti, float(scale), tsink)
-        torch.cuda.synchronize()
+        if sync:
+            torch.cuda.synchronize()
         return out, lse
 
     def to_jax(res):

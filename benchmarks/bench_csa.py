@@ -26,6 +26,9 @@ Each (config, impl) is guarded: an OOM or compile failure prints a row with the 
 A variant runs only for the impls whose Config has all of its keys (e.g. gluon's pipeline=true
 is not tried on pallas_triton); `layout=auto` in a variant means the row's own layout promise
 (cr0 / cr4 / cr128, e.g. gluon's window-reuse kernel on cr0 and cr128).
+--timing synced (default) times each call waited for (the launch and the host's wait are in
+it: ~0.3-0.45 ms per call on the H200 with jax 0.11.2, measured 2026-12-02); --timing pipelined
+times calls enqueued back to back (the device time per call), for every impl and the anchor.
 --anchor DIR times FlashMLA's SM90 sparse prefill forward (benchmarks/anchor_flashmla.py says
 what DIR holds) on each config's inputs in the same process, as impl "flashmla" (forward only),
 and prints a last table: each impl's forward over FlashMLA's (ours / theirs) and FlashMLA's
@@ -48,7 +51,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.common import (apply_overrides, device_diff_stats, flops, make_problem,
-                               parse_overrides, parse_variants, time_fn)
+                               parse_overrides, parse_variants, time_fn, TIMINGS)
 from csa_jax import problems, registry
 from csa_jax.config import preset
 
@@ -67,6 +70,10 @@ def parse_args(argv=None):
                     help="head counts replacing each family's H, e.g. 8,16,32,64,128 (the "
                          "per-device heads under tensor parallelism); default: the family's")
     ap.add_argument("--reps", type=int, default=10, help="timed repetitions (median)")
+    ap.add_argument("--timing", choices=TIMINGS, default="synced",
+                    help="synced: median of calls each waited for (launch + host wait + "
+                         "device); pipelined: calls enqueued back to back, waited for once "
+                         "(the device time per call; FlashMLA's too): benchmarks.common.time_fn")
     ap.add_argument("--time-cap", type=float, default=10.0,
                     help="seconds of timed runs per (config, impl, mode); fewer reps past it")
     ap.add_argument("--check", choices=["auto", "reduced", "default", "none"], default="auto",
@@ -138,13 +145,14 @@ def run_impl(impl, variant, cfg_overrides, problem, args, row):
     outs = {}
     o, lse = None, None
     if "fwd" in args.modes or "bwd" in args.modes:
-        ms, n, first, (o, lse) = time_fn(fwd, (q, kv, idx, sink), args.reps, args.time_cap)
+        ms, n, first, (o, lse) = time_fn(fwd, (q, kv, idx, sink), args.reps, args.time_cap,
+                                         args.timing)
         row.update(fwd_ms=ms, fwd_reps=n, fwd_first_s=first)
         outs.update(o=o, lse=lse)
     if "bwd" in args.modes:
         zeros = jnp.zeros_like(lse)
         ms, n, first, g = time_fn(bwd, (q, kv, idx, sink, o, lse, do, zeros), args.reps,
-                                  args.time_cap)
+                                  args.time_cap, args.timing)
         row.update(bwd_ms=ms, bwd_reps=n, bwd_first_s=first)
         outs.update(dq=g[0], dkv=g[1], dsink=g[2])
     if args.diag and impl == "pallas_triton" and "bwd" in args.modes:
@@ -160,7 +168,8 @@ def run_impl(impl, variant, cfg_overrides, problem, args, row):
                                                 config=cfg_obj, parts=parts))
             row["bwd_" + "+".join(parts) + "_ms"] = time_fn(part_fn, bargs, 3, 1.0)[0]
     if "step" in args.modes:
-        ms, n, first, _ = time_fn(step, (q, kv, idx, sink, do), args.reps, args.time_cap)
+        ms, n, first, _ = time_fn(step, (q, kv, idx, sink, do), args.reps, args.time_cap,
+                                  args.timing)
         row.update(step_ms=ms, step_reps=n, step_first_s=first)
     return outs
 
@@ -190,12 +199,14 @@ def _reduced_check(impl, cfg_overrides, family, ratio, idx_kind, args, heads=Non
 
 
 def run_anchor(anchor, problem, args, row, ref_outs):
-    """FlashMLA's forward on the problem (timed like the impls: synchronised calls), and its
-    o / lse against ref_outs (max-abs error over max-abs of the reference, on the device)."""
+    """FlashMLA's forward on the problem (timed like the impls, --timing), and its o / lse
+    against ref_outs (max-abs error over max-abs of the reference, on the device)."""
     from benchmarks import anchor_flashmla
     _, q, kv, idx, sink, _ = problem
     run, to_jax = anchor_flashmla.prepare(anchor, q, kv, idx, sink, problem[0].scale)
-    ms, n, first, out = time_fn(run, (), args.reps, args.time_cap)
+    ms, n, first, out = time_fn(run, (), args.reps, args.time_cap, args.timing,
+                                sync=anchor_flashmla.synced,
+                                issue=lambda: run(sync=False))
     row.update(fwd_ms=ms, fwd_reps=n, fwd_first_s=first)
     if ref_outs:
         o, lse = to_jax(out)
@@ -219,7 +230,7 @@ def main(argv=None):
     dev = jax.devices()[0]
     meta = dict(device=dev.device_kind, platform=dev.platform, jax=jax.__version__,
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                command="python3 " + " ".join(sys.argv))
+                command="python3 " + " ".join(sys.argv), timing=args.timing)
     print(f"# {meta}", flush=True)
     rows = []
     for family, heads in itertools.product(args.families, args.heads or [None]):
@@ -402,7 +413,8 @@ def print_heads_table(rows):
 
 
 def print_table(rows, meta, over="xla", with_heads=False):
-    print(f"\n## CSA benchmark: {meta['device']}, jax {meta['jax']}, {meta['date']}, B=1, bf16")
+    print(f"\n## CSA benchmark: {meta['device']}, jax {meta['jax']}, {meta['date']}, B=1, bf16, "
+          f"{meta.get('timing', 'synced')} timing")
     print(f"TF/s nominal (valid); speedup = {over} ms / impl ms; err = max rel err vs xla over "
           "o, lse, dq, dkv, dsink")
     hdr = ("| config | idx | impl | variant | fwd ms | bwd ms | step ms | fwd TF/s | bwd TF/s "

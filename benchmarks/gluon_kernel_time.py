@@ -1,7 +1,7 @@
 """How much of a host-timed forward is the kernel: three times of the same forward.
 
     python -m benchmarks.gluon_kernel_time [--families pro] [--ratios 4] [--seqs 4096]
-        [--impl gluon] [--config key=val,...] [--window-layouts] [--check] [--calls 20]
+        [--heads 16,32] [--impl gluon] [--config key=val,...] [--window-layouts] [--check] [--calls 20]
         [--out times.json]
 
 For each problem (the bench_csa problems: random cr4 indices, V4 index builders otherwise):
@@ -25,6 +25,7 @@ bound what a like-for-like comparison can be.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import time
 
@@ -48,17 +49,31 @@ def _pipelined(fn, args, calls):
 
 def _kernel_fn(q, kv, idx, sink, scale, config):
     """(jitted kernel-only function, its operands) of the Gluon forward: the gather kernel
-    (fwd.csa_fwd_kernel) on ring.prepare's operands, or under the cr0 promise window.forward
+    (fwd.csa_fwd_kernel, or at H <= 32 small_heads.csa_fwd_small_heads_kernel) on
+    ring.prepare's operands, or under the cr0 promise window.forward
     on a precomputed all-good `bad` (the jitted forward computes it from idx:
     layouts.violations)."""
-    from csa_jax.kernels.gluon import fwd, ring
+    from csa_jax.kernels.gluon import fwd, ring, small_heads
     from csa_jax.kernels.gluon.adapter import gluon_call
+    from csa_jax.kernels.gluon.dims import small_heads_block
     if config.window_kernel:
         from csa_jax.kernels.gluon import window
         fn = jax.jit(lambda q, kv, s, bad: window.forward(q, kv, s, bad, scale=scale,
                                                           window=config.window))
         bad = jnp.zeros(idx.shape[:2], jnp.int32)
         return fn, jax.block_until_ready((q, kv, sink, bad))
+    hn = small_heads_block(q.shape[2])
+    if hn:                        # H <= 32: the few-heads kernel (small_heads.py)
+        q_p, kv_p, idx_p, ntiles, sink_p, dims = ring.prepare(q, kv, idx, sink,
+                                                              small_heads.BLOCK_K, hp=hn)
+        B, T, H, D, N, Hp, Dp, Kp, nhb = dims
+        consts = small_heads.constexprs(T=T, N=N, HN=hn, D=Dp, K=Kp, BK=small_heads.BLOCK_K,
+                                        stages=config.stages, scale=scale, B=B)
+        fn = jax.jit(lambda *a: gluon_call(*a, kernel=small_heads.csa_fwd_small_heads_kernel,
+                                           out_shape=ring.out_shapes(q, dims),
+                                           grid=fwd.grid(consts["ROWS"]),
+                                           num_warps=small_heads.NUM_WARPS, **consts))
+        return fn, jax.block_until_ready((q_p, kv_p, idx_p, ntiles, sink_p))
     q_p, kv_p, idx_p, ntiles, sink_p, dims = ring.prepare(q, kv, idx, sink, config.block_k)
     B, T, H, D, N, Hp, Dp, Kp, nhb = dims
     consts = fwd.constexprs(T=T, N=N, NHB=nhb, D=Dp, K=Kp, BK=config.block_k,
@@ -83,6 +98,8 @@ def main(argv=None):
     ap.add_argument("--families", type=csv(str), default=["pro"])
     ap.add_argument("--ratios", type=csv(int), default=[4])
     ap.add_argument("--seqs", type=csv(int), default=[4096])
+    ap.add_argument("--heads", type=csv(int), default=[None],
+                    help="H per device (tensor parallelism), e.g. 16,32; default: the family's")
     ap.add_argument("--impl", default="gluon")
     ap.add_argument("--config", default="", help="Config overrides: key=val,...")
     ap.add_argument("--calls", type=int, default=20)
@@ -96,8 +113,8 @@ def main(argv=None):
     rows = []
     for family in args.families:
         for ratio in args.ratios:
-            for T in args.seqs:
-                cfg, q, kv, idx, sink, _ = make_problem(family, ratio, T, "random", 0)
+            for T, heads in itertools.product(args.seqs, args.heads):
+                cfg, q, kv, idx, sink, _ = make_problem(family, ratio, T, "random", 0, heads)
                 promise = None
                 if args.window_layouts and ratio in (0, 128):
                     if not mod.takes_layout:
@@ -112,7 +129,7 @@ def main(argv=None):
                 a = (q, kv, idx, sink)
                 synced, _, first, out = time_fn(fwd, a, args.calls, 10.0)
                 # o_finite: a window layout's broken promise would show as NaN rows
-                row = dict(family=family, ratio=ratio, T=T, impl=args.impl, config=repr(c),
+                row = dict(family=family, ratio=ratio, T=T, H=q.shape[2], impl=args.impl, config=repr(c),
                            device=jax.devices()[0].device_kind, synced_ms=synced,
                            pipelined_ms=_pipelined(fwd, a, args.calls), first_call_s=first,
                            o_finite=bool(jnp.isfinite(out[0]).all()))
