@@ -190,12 +190,12 @@ def part_golden(golden_dir):
 
 
 def part_grad(seed):
-    """H = 64 (the 64-head forward, Config.bwd's backward) and H = 16 (the few-heads forward
-    and its default backward)."""
+    """H = 64 (the 64-head forward, Config.bwd's backward), H = 32 and H = 16 (the few-heads
+    forward with two / one consumer warpgroups, and its default backward)."""
     import csa_jax
     from csa_jax import problems
     key = jax.random.PRNGKey(seed + 2)
-    for H in (64, 16):
+    for H in (64, 32, 16):
         key, k = jax.random.split(key)
         q, kv, idx, sink = random_case(k, 1, 128, H, 512, 256, 160, jnp.bfloat16, True)
         kd, kl = jax.random.split(k)

@@ -199,7 +199,7 @@ def _fake_launch(monkeypatch):
 
 def test_gluon_check_plumbing_with_faked_kernels(monkeypatch, capsys):
     """benchmarks/gluon_check.py on a CPU up to the (faked) launches: the random and grad parts
-    run the gather forwards (the few-heads one at H = 16) and the dq / reduce kernels, the
+    run the gather forwards (the few-heads one at H = 16 and 32) and the dq / reduce kernels, the
     window part the cr0 window kernel
     through sparse_attention(layout="cr0"); the fake's wrong outputs are failed rows (not
     crashes), and the poison check sees the broken token flagged to the kernel under jit."""
@@ -215,8 +215,8 @@ def test_gluon_check_plumbing_with_faked_kernels(monkeypatch, capsys):
         ("forward", "gather", None, False), ("grad", None, 64, False),
         ("grad", None, None, False)], rows
     assert rows[0]["err_o"] == 1.0 and "error" not in rows[1] and rows[1]["errs"]["dq"] == 1.0
-    # H = 16: the few-heads forward, then pallas_triton's backward, which a CPU runs only
-    # interpreted: a failure row naming why, not a crash
+    # H = 32: the few-heads forward, then pallas_triton's backward, which a CPU runs only
+    # interpreted: a failure row naming why (ending the part), not a crash
     assert "interpret" in rows[2]["error"]
     assert set(launched) == {"csa_fwd_small_heads_kernel", "csa_fwd_kernel", "csa_dq_kernel",
                              "csa_dkv_reduce_kernel"}
@@ -329,3 +329,40 @@ def test_gather_floor_sums_the_valid_rows_and_names_bad_variants():
     assert out.shape == (6, 64)
     with pytest.raises(ValueError, match="bk64w4"):
         gather_floor.parse_variant("bk64w4")
+    assert gather_floor.parse_variant("reg2ring32s6nr") == dict(ring=True, reg=2, bk=32,
+                                                                stages=6, ahead=2, read=False)
+    assert gather_floor.parse_variant("ring64s2a1")["ahead"] == 1
+    with pytest.raises(ValueError, match="reg3ring64s3"):
+        gather_floor.parse_variant("reg3ring64s3")
+
+
+@pytest.mark.parametrize("variant", ["ring64s3", "ring64s2a1nr", "reg2ring32s6nr"])
+def test_gather_floor_ring_variants_compile_for_sm90a(variant):
+    """The Gluon ring floors (GPU-only) compile for sm_90a without spills and fit in shared
+    memory; their sums are checked against jnp on the GPU by gather_floor itself."""
+    pytest.importorskip("triton.experimental.gluon")
+    from benchmarks import gather_floor
+    from csa_jax.kernels.gluon import adapter
+    kw = gather_floor.parse_variant(variant)
+    c = adapter.compile_kernel(
+        gather_floor._ring_kernels(), ["*bf16", "*i32", "*i32", "*fp32"],
+        gather_floor.ring_constexprs(64, 512, 512, 1152, kw["bk"], kw["stages"], kw["read"],
+                                     kw["reg"], kw["ahead"]), target="sm_90a", num_warps=4)
+    r = adapter.resources(c, "sm_90a")
+    assert r["spill_stores"] == 0 and r["launch_problem"] is None, r
+
+
+def test_time_fn_pipelined_waits_once_per_round():
+    """--timing pipelined: `reps` calls issued back to back, one wait per round (at most 3
+    rounds), the issue callable used when given; an unknown timing is refused by name."""
+    calls, waits = [], []
+    fn = lambda x: calls.append("fn") or x
+    issue = lambda x: calls.append("issue") or x
+    sync = lambda out: waits.append(out) or out
+    ms, n, _, out = common.time_fn(fn, (7,), 5, 1e9, "pipelined", sync=sync, issue=issue)
+    assert out == 7 and n == 15 and ms >= 0
+    assert calls == ["fn", "fn"] + ["issue"] * 15 and len(waits) == 2 + 3
+    ms, n, _, _ = common.time_fn(fn, (7,), 4, 1e9, sync=sync)
+    assert n == 4 and len(waits) == 5 + 2 + 4
+    with pytest.raises(ValueError, match="'device'"):
+        common.time_fn(fn, (7,), 1, 1.0, "device")

@@ -224,7 +224,7 @@ def _producer(q_ptr, kv_ptr, idx_ptr, ntiles_ptr, q_smem, ring, full, consumed, 
         tok = row // NHB
         _produce_row(q_ptr, kv_ptr, idx_ptr + tok.to(gl.int64) * K, q_smem, ring, full,
                      consumed, q_bar, q_free, row, n, base, tok // T, ntiles, N, D, K, BK,
-                     STAGES, HBC, PRE)
+                     STAGES, HBC, PRE, 1)    # ids 2 ahead: level or 1-2% slower (heads_h200.md)
         base += ntiles
         n += 1
 

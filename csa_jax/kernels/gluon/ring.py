@@ -8,7 +8,8 @@ AMD kernels run one row per program (_program), the NVIDIA forward one program p
 rows (fwd.py, _row_info). For a row the producer (PRODUCER_WARPS = 4 warps) copies q [64, D]
 into shared memory once (_load_q), then walks the token's slots in tiles of BK rows and gathers each tile's kv rows [BK, D] with 16-byte cp.async
 (`async_copy_global_to_shared` from a pointer tensor, 8 threads per 128-byte row segment) into a
-STAGES-deep shared-memory ring. Empty slots (-1) are masked: zero-filled, never read from global
+STAGES-deep shared-memory ring (the row ids one or two tiles ahead: _gather_tiles). Empty
+slots (-1) are masked: zero-filled, never read from global
 memory. Each producer thread arrives on the stage's "full" mbarrier when its copies land
 (cp.async.mbarrier.arrive.noinc; barrier count = producer threads); before refilling a stage it
 waits on its "consumed" mbarrier. The tile loop stops at the token's last non-empty tile
@@ -56,51 +57,72 @@ def _load_q(q_ptr, q_smem, q_bar, row, D: gl.constexpr, HBC: gl.constexpr):
 
 
 @gluon.jit
-def _gather_tiles(kv_ptr, idx_ptr, ring, full, consumed, base, b, start, stop, N: gl.constexpr,
-                  D: gl.constexpr, K: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr):
+def _tile_ids(idx_ptr, i, K: gl.constexpr, BK: gl.constexpr):
+    """Tile i's BK row ids (-1 past K), in the producer's copy layout."""
+    r = i * BK + gl.arange(0, BK, layout=gl.SliceLayout(1, PRODUCER_LAYOUT))
+    return gl.load(idx_ptr + r, mask=r < K, other=-1)
+
+
+@gluon.jit
+def _gather_tiles(kv_ptr, idx_ptr, ring, full, consumed, base, b, start, stop, ids, ids2,
+                  N: gl.constexpr, D: gl.constexpr, K: gl.constexpr, BK: gl.constexpr,
+                  STAGES: gl.constexpr, AHEAD: gl.constexpr):
     """Tiles start .. stop-1 of a row into the ring: tile i is number base + i of the program's
     tile stream (its stage and barrier phases); each stage is refilled once its "consumed"
-    barrier completed for the stream's previous use of it. The next tile's row ids are loaded
-    while this stage's copies fly."""
+    barrier completed for the stream's previous use of it. ids / ids2: tiles start's and
+    start+1's row ids, loaded beforehand (_tile_ids; ids2 unused at AHEAD = 1). AHEAD = 1: the
+    next tile's ids are loaded once this tile's copies are issued; AHEAD = 2: before, for the
+    tile after next, so a tile's copies never wait on an idx load (measured on the H200: a
+    producer-only ring gathers at 8.2 instead of 6.4 TB/s; docs/perf/heads_h200.md). Returns
+    the (ids, ids2) of tiles stop, stop+1, for a caller that goes on with the same row."""
     layout: gl.constexpr = PRODUCER_LAYOUT
     cols = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
-    krows = gl.arange(0, BK, layout=gl.SliceLayout(1, layout))
     kv_base = kv_ptr + b.to(gl.int64) * (N * D)
-    first = start * BK + krows
-    ids = gl.load(idx_ptr + first, mask=first < K, other=-1)
     for i in range(start, stop):
         g = base + i
         s = g % STAGES
         valid = ids >= 0
         safe = gl.where(valid, ids, 0)
         ptrs = kv_base + safe.to(gl.int64)[:, None] * D + cols[None, :]
+        if AHEAD == 2:
+            ids = ids2
+            ids2 = _tile_ids(idx_ptr, i + 2, K, BK)
         if g >= STAGES:
             mbarrier.wait(consumed.index(s), ((g // STAGES) - 1) & 1)
         # (Triton 3.6 drops eviction_policy on cp.async: the PTX carries no L2 cache hint.)
         async_copy.async_copy_global_to_shared(ring.index(s), ptrs, mask=valid[:, None])
         async_copy.mbarrier_arrive(full.index(s), increment_count=False)
-        nxt = (i + 1) * BK + krows
-        ids = gl.load(idx_ptr + nxt, mask=nxt < K, other=-1)
+        if AHEAD == 1:
+            ids = _tile_ids(idx_ptr, i + 1, K, BK)
+    return ids, ids2
 
 
 @gluon.jit
 def _produce_row(q_ptr, kv_ptr, idx_tok, q_smem, ring, full, consumed, q_bar, q_free, row, n,
                  base, b, ntiles, N: gl.constexpr, D: gl.constexpr, K: gl.constexpr,
                  BK: gl.constexpr, STAGES: gl.constexpr, HBC: gl.constexpr,
-                 PRE: gl.constexpr):
+                 PRE: gl.constexpr, AHEAD: gl.constexpr):
     """A persistent producer's row n (head block `row`): the row's first PRE (<= STAGES) tiles
     (their stages free up as the previous row's last tiles are consumed), then q once the
     consumers released the previous row's (q_free, after their last read of it), then the
-    other tiles. So the next row's first tiles are in flight while the consumers finish this
-    one, and q is not queued behind more than PRE tiles; no deadlock: every wait is for a
-    release the consumers make with what they already have."""
+    other tiles (row ids AHEAD tiles ahead: _gather_tiles). So the next row's first tiles are
+    in flight while the consumers finish this one, and q is not queued behind more than PRE
+    tiles; no deadlock: every wait is for a release the consumers make with what they already
+    have."""
     pre = gl.minimum(ntiles, PRE)
-    _gather_tiles(kv_ptr, idx_tok, ring, full, consumed, base, b, 0, pre, N, D, K, BK, STAGES)
+    ids = _tile_ids(idx_tok, 0, K, BK)
+    ids2 = ids
+    if AHEAD == 2:
+        ids2 = _tile_ids(idx_tok, 1, K, BK)
+    ids, ids2 = _gather_tiles(kv_ptr, idx_tok, ring, full, consumed, base, b, 0, pre, ids, ids2,
+                              N, D, K, BK, STAGES, AHEAD)
     if n >= 1:
         mbarrier.wait(q_free, (n - 1) & 1)
     _load_q(q_ptr, q_smem, q_bar, row, D, HBC)
-    _gather_tiles(kv_ptr, idx_tok, ring, full, consumed, base, b, pre, ntiles, N, D, K, BK,
-                  STAGES)
+    if AHEAD == 1:
+        ids = _tile_ids(idx_tok, pre, K, BK)      # (reloaded after q, as the 64-head kernel
+    _gather_tiles(kv_ptr, idx_tok, ring, full, consumed, base, b, pre, ntiles, ids, ids2, N, D,
+                  K, BK, STAGES, AHEAD)           # was measured with)
 
 
 @gluon.jit

@@ -18,19 +18,21 @@ once per token.
 
 Partitions (8 warps): the producer = the default partition, 4 warps, gathers with cp.async
 into a STAGES-deep ring of BK-row tiles as the 64-head forward does (ring._produce_row: a row =
-one token, all its heads; a row's first STAGES tiles go before its q); the consumer = one
-worker warpgroup that runs S^T, the softmax, P^T into shared memory and O^T per tile, each
-product waited for, then releases the stage. One program per SM, walking tokens. Smaller q
-leaves room for a deeper ring: 3 stages of 64 rows at HN = 16, 2 at HN = 32 (D = 512;
-dims.small_heads_shared_bytes, default_config).
+one token, all its heads; a row's first STAGES tiles go before its q; each tile's row ids are
+loaded two tiles ahead); the consumer = one worker warpgroup that runs S^T, the softmax, P^T
+into shared memory and O^T per tile, each product waited for, then releases the stage. One
+program per SM, walking tokens. Smaller q leaves room for a deeper ring: 3 stages of 64 rows
+at HN = 16, 2 at HN = 32 (D = 512; dims.small_heads_shared_bytes, default_config).
 
-Measured on the H200 (docs/perf/heads_h200.md): 1.11-1.14x faster than pallas_triton's
-forward at H = 32 on cr4 / cr128 and 1.28-2.2x faster than the 64-head kernel on padded heads;
-at H = 16 level with pallas_triton except cr0. At H = 16 it moves the gathered rows at 5.0
-TB/s, as pallas_triton's and FlashMLA's forwards do, against the 7.6 TB/s of a gather into
-registers (benchmarks/gather_floor.py): bound by the ring's bytes in flight (reasoning from
-the rates), not by the matrix units. Issuing S^T of the next tile behind O^T held two stages
-and took 1.6-1.9x the time.
+Measured on the H200 (docs/perf/heads_h200.md; Pro cr4, T = 16384, device time per call):
+3.21 ms at H = 16 and 4.13 at H = 32 (FlashMLA padded to 64 heads: 3.99 / 4.16). Nsight
+Compute: the consumer is the bound (it almost never waits for a tile; a third of its time is
+the wgmma waits, a fifth the softmax's cross-warp max). The producer alone, with row ids two
+tiles ahead, gathers at 8.2 TB/s (benchmarks/gather_floor.py ring64s2nr, as fast as a gather
+into registers); with the ids one tile ahead it waited on each tile's ids and gathered at 6.4
+TB/s. Tried and slower: issuing S^T of the next tile behind O^T (holds two stages; 1.6-1.9x),
+two consumer warpgroups of 16 heads each at HN = 32 (each reads every tile; 7-10%, commit
+3f36e99).
 """
 from __future__ import annotations
 
@@ -44,7 +46,8 @@ from csa_jax.kernels.gluon.ring import (LOG2E, NEG, PRODUCER_WARPS, _finish, _pr
 
 NUM_WARPS = 4                 # the default partition (the producer); 8 warps in all
 WG_WARPS = gl.constexpr(4)    # the consumer partition: one warpgroup
-CONSUMER_REGS = 232           # registers per consumer thread (setmaxnreg; 65,536 / 256 = 256)
+CONSUMER_REGS = 232           # asked for the consumer (setmaxnreg); the compiled PTX gives
+                              # every partition 256 (65,536 / 256 threads) all the same
 BLOCK_K = 64                  # tile rows = wgmma M
 
 
@@ -111,7 +114,7 @@ def _producer(q_ptr, kv_ptr, idx_ptr, ntiles_ptr, q_smem, ring, full, consumed, 
     for row in range(gl.program_id(0), ROWS, gl.num_programs(0)):
         _, _, b, ntiles, idx_tok = _row_info(ntiles_ptr, idx_ptr, row, T, 1, K)
         _produce_row(q_ptr, kv_ptr, idx_tok, q_smem, ring, full, consumed, q_bar, q_free, row,
-                     n, base, b, ntiles, N, D, K, BK, STAGES, HN, STAGES)
+                     n, base, b, ntiles, N, D, K, BK, STAGES, HN, STAGES, 2)
         base += ntiles
         n += 1
 
