@@ -228,11 +228,13 @@ AUTO_GPU = {
     # H = 8: Pro cr4 fwd / step pallas_triton 4.06 / 23.78 against gluon 4.10 / 23.77 ms (the
     # H = 16 kernels of both): level, pallas_triton kept.
     (8, 512): ("pallas_triton", "gluon"),
-    # H = 16: fwd ms pallas_triton / gluon: Pro cr4 3.87 / 3.84, Flash cr4 2.72 / 2.56, Pro
-    # cr128 1.17 / 1.12, Flash cr128 1.26 / 1.31, Pro cr0 0.83 / 1.02, Flash cr0 0.79 / 0.99;
-    # Pro cr4 step 23.47 / 23.33. Within 6% except cr0, where pallas_triton is 1.23-1.25x
-    # faster: pallas_triton kept.
-    (16, 512): ("pallas_triton", "gluon"),
+    # H = 16: at c1a4b0e fwd ms pallas_triton / gluon: Pro cr0 0.83 / 1.02, Flash cr0 0.79 /
+    # 0.99 (pallas_triton 1.23-1.25x faster on window lists). With the few-heads producer's
+    # row ids two tiles ahead (9dd5cde; same call, device time per call, 9560e49): Pro cr4
+    # 3.41 / 3.21, Flash cr4 1.97 / 1.88 (gluon 1.05-1.06x), Pro cr128 0.839 / 0.843, Flash
+    # cr128 0.829 / 0.838 (level: 0.5-1%, inside the processes' spread); the step differs by
+    # the forward only: gluon on pool lists.
+    (16, 512): {"window": ("pallas_triton", "gluon"), "pool": ("gluon", "pallas_triton")},
     # H = 32: Pro cr4 5.70 / 5.00, Flash cr4 3.48 / 3.12, Pro cr128 1.64 / 1.48 (gluon
     # 1.11-1.14x), Pro cr0 1.21 / 1.21; Pro cr4 step 26.13 / 25.20 (Flash cr0 / cr128 at
     # H = 32 were not reached in that call).

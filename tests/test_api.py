@@ -79,7 +79,7 @@ def test_auto_choice(monkeypatch, platform, kind, dtype, want):
 
 @pytest.mark.parametrize("H, D, want", [
     (1, 512, ("pallas_triton", "gluon")), (8, 512, ("pallas_triton", "gluon")),
-    (12, 512, ("pallas_triton", "gluon")), (16, 512, ("pallas_triton", "gluon")),
+    (12, 512, ("gluon", "pallas_triton")), (16, 512, ("gluon", "pallas_triton")),
     (17, 512, ("gluon", "pallas_triton")), (32, 512, ("gluon", "pallas_triton")),
     (48, 512, ("gluon", "pallas_triton")), (64, 512, ("gluon", "pallas_triton")),
     (128, 512, ("gluon", "pallas_triton")), (16, 128, ("pallas_triton",)),
@@ -95,14 +95,18 @@ def test_auto_order_table(H, D, want):
 
 
 def test_auto_order_by_slot_class():
-    """At H = 32 the layer types disagree (docs/perf/heads_h200.md): a window list (K <= 128,
-    cr0) keeps pallas_triton first, a pool list (cr4 / cr128) runs gluon first."""
+    """At H = 16 and 32 the layer types disagree (docs/perf/heads_h200.md): a window list
+    (K <= 128, cr0) keeps pallas_triton first, a pool list (cr4 / cr128) runs gluon first."""
     assert registry.slot_class((1, 8, 128)) == "window"
     assert registry.slot_class((1, 8, 129)) == registry.slot_class(None) == "pool"
     assert registry.auto_order("gpu", (1, 8, 32, 512), (1, 8, 128)) == ("pallas_triton", "gluon")
     assert registry.auto_order("gpu", (1, 8, 24, 512), (1, 8, 256)) == ("gluon", "pallas_triton")
-    assert registry.auto_order("gpu", (1, 8, 16, 512), (1, 8, 1152)) == ("pallas_triton",
-                                                                        "gluon")
+    assert registry.auto_order("gpu", (1, 8, 16, 512), (1, 8, 1152)) == ("gluon",
+                                                                        "pallas_triton")
+    assert registry.auto_order("gpu", (1, 8, 16, 512), (1, 8, 128)) == ("pallas_triton",
+                                                                       "gluon")
+    assert registry.auto_order("gpu", (1, 8, 8, 512), (1, 8, 1152)) == ("pallas_triton",
+                                                                       "gluon")
 
 
 def test_auto_table_names_gpu_auto_impls():

@@ -289,8 +289,9 @@ def test_resource_report_sm90a():
 @pytest.mark.parametrize("H, D, dtype, cc, want", [
     (128, 512, jnp.bfloat16, "9.0", "gluon"),
     (64, 512, jnp.float16, "9.0", "gluon"),
-    (16, 512, jnp.bfloat16, "9.0", "pallas_triton"),     # registry.AUTO_GPU: H <= 16
-    (32, 512, jnp.bfloat16, "9.0", "gluon"),             # H = 32, a pool list (K = 1152)
+    (8, 512, jnp.bfloat16, "9.0", "pallas_triton"),      # registry.AUTO_GPU: H <= 8
+    (16, 512, jnp.bfloat16, "9.0", "gluon"),             # H = 16 / 32, a pool list (K = 1152)
+    (32, 512, jnp.bfloat16, "9.0", "gluon"),
     (128, 128, jnp.bfloat16, "9.0", "pallas_triton"),
     (128, 512, jnp.float32, "9.0", "xla"),
     (128, 512, jnp.bfloat16, "8.0", "pallas_triton"),    # not Hopper

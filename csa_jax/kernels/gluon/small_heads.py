@@ -25,7 +25,7 @@ program per SM, walking tokens. Smaller q leaves room for a deeper ring: 3 stage
 at HN = 16, 2 at HN = 32 (D = 512; dims.small_heads_shared_bytes, default_config).
 
 Measured on the H200 (docs/perf/heads_h200.md; Pro cr4, T = 16384, device time per call):
-3.21 ms at H = 16 and 4.13 at H = 32 (FlashMLA padded to 64 heads: 3.99 / 4.16). Nsight
+3.21 ms at H = 16 and 4.12 at H = 32 (FlashMLA padded to 64 heads, same call: 4.09 / 4.28). Nsight
 Compute: the consumer is the bound (it almost never waits for a tile; a third of its time is
 the wgmma waits, a fifth the softmax's cross-warp max). The producer alone, with row ids two
 tiles ahead, gathers at 8.2 TB/s (benchmarks/gather_floor.py ring64s2nr, as fast as a gather
