@@ -64,26 +64,19 @@ def _kernel_fn(q, kv, idx, sink, scale, config):
         return fn, jax.block_until_ready((q, kv, sink, bad))
     hn = small_heads_block(q.shape[2])
     if hn:                        # H <= 32: the few-heads kernel (small_heads.py)
-        q_p, kv_p, idx_p, ntiles, sink_p, dims = ring.prepare(q, kv, idx, sink,
-                                                              small_heads.BLOCK_K, hp=hn)
-        B, T, H, D, N, Hp, Dp, Kp, nhb = dims
-        consts = small_heads.constexprs(T=T, N=N, HN=hn, D=Dp, K=Kp, BK=small_heads.BLOCK_K,
-                                        stages=config.stages, scale=scale, B=B)
-        fn = jax.jit(lambda *a: gluon_call(*a, kernel=small_heads.csa_fwd_small_heads_kernel,
-                                           out_shape=ring.out_shapes(q, dims),
-                                           grid=fwd.grid(consts["ROWS"]),
-                                           num_warps=small_heads.NUM_WARPS, **consts))
-        return fn, jax.block_until_ready((q_p, kv_p, idx_p, ntiles, sink_p))
-    q_p, kv_p, idx_p, ntiles, sink_p, dims = ring.prepare(q, kv, idx, sink, config.block_k)
+        mod, bk = small_heads, small_heads.BLOCK_K
+        kernel, name = small_heads.csa_fwd_small_heads_kernel, "csa_gluon_fwd_small_heads"
+    else:
+        mod, bk, kernel, name = fwd, config.block_k, fwd.csa_fwd_kernel, "csa_gluon_fwd"
+    q_p, kv_p, idx_p, ntiles, sink_p, dims = ring.prepare(q, kv, idx, sink, bk, hp=hn)
     B, T, H, D, N, Hp, Dp, Kp, nhb = dims
-    consts = fwd.constexprs(T=T, N=N, NHB=nhb, D=Dp, K=Kp, BK=config.block_k,
-                            stages=config.stages, scale=scale, B=B)
-    fn = jax.jit(lambda *a: gluon_call(*a, kernel=fwd.csa_fwd_kernel,
-                                       out_shape=ring.out_shapes(q, dims),
+    shape = dict(HN=hn) if hn else dict(NHB=nhb)
+    consts = mod.constexprs(T=T, N=N, D=Dp, K=Kp, BK=bk, stages=config.stages, scale=scale,
+                            B=B, **shape)
+    fn = jax.jit(lambda *a: gluon_call(*a, kernel=kernel, out_shape=ring.out_shapes(q, dims),
                                        grid=fwd.grid(consts["ROWS"]),
-                                       num_warps=fwd.NUM_WARPS, name="csa_gluon_fwd", **consts))
+                                       num_warps=mod.NUM_WARPS, name=name, **consts))
     return fn, jax.block_until_ready((q_p, kv_p, idx_p, ntiles, sink_p))
-
 
 def _errors(out, ref):
     """err_o, err_lse: max |a - b| / max |b| in f32 (the forward's outputs vs the reference's)."""

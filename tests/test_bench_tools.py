@@ -238,6 +238,27 @@ def test_gluon_check_plumbing_with_faked_kernels(monkeypatch, capsys):
             gc.main(["--parts", "random", "--config", bad])
 
 
+def test_gluon_kernel_time_kernel_only_paths(monkeypatch):
+    """benchmarks/gluon_kernel_time's kernel-only function launches the kernel the forward
+    would (the few-heads one at H <= 32 with its padded heads, the 64-head one above) on the
+    prepared operands (launches faked on a CPU)."""
+    import jax
+    import jax.numpy as jnp
+    from benchmarks import gluon_kernel_time as gkt
+    from csa_jax.kernels import gluon
+    launched = _fake_launch(monkeypatch)
+    small = "csa_fwd_small_heads_kernel"
+    for H, kernel, hp in ((12, small, 16), (24, small, 32), (64, "csa_fwd_kernel", 64)):
+        q = jnp.zeros((1, 8, H, 64), jnp.bfloat16)
+        kv = jnp.zeros((1, 40, 64), jnp.bfloat16)
+        idx = jnp.zeros((1, 8, 70), jnp.int32)
+        sink = jnp.zeros((H,), jnp.float32)
+        cfg = gluon.default_config(q.shape, kv.shape, idx.shape, q.dtype)
+        fn, args = gkt._kernel_fn(q, kv, idx, sink, 0.1, cfg)
+        o, lse = jax.block_until_ready(fn(*args))
+        assert launched[-1] == kernel and o.shape == (8 * hp, 64) and lse.shape == (8 * hp,)
+
+
 def test_gluon_bwd_check_selection_dry_run(monkeypatch):
     """benchmarks/gluon_bwd_check.py's --grad-cases / --skip / variants on a CPU, the gluon and
     pallas_triton impls stood in for by xla (gluon's Config and default_config, xla's numbers)
