@@ -56,8 +56,8 @@ def synced(out):
 def prepare(mod, q, kv, idx, sink, scale):
     """A callable running FlashMLA's forward on the JAX arrays q [1, T, H, D], kv [1, N, D],
     idx [1, T, K] (-1 = empty), sink [H] or None: returns torch (o [T, Hp, D], lse_nosink
-    [T, Hp]) after a device synchronisation (run(sync=False): without it); and `to_jax(out)` -> (o [1, T, H, D], lse
-    [1, T, H] with the sink joined) as JAX arrays."""
+    [T, Hp]) after a device synchronisation (run(sync=False): without it); and `to_jax(out)`
+    -> (o [1, T, H, D], lse [1, T, H] with the sink joined) as JAX arrays."""
     import jax
     import jax.numpy as jnp
     import torch

@@ -120,9 +120,10 @@ def _produce_row(q_ptr, kv_ptr, idx_tok, q_smem, ring, full, consumed, q_bar, q_
         mbarrier.wait(q_free, (n - 1) & 1)
     _load_q(q_ptr, q_smem, q_bar, row, D, HBC)
     if AHEAD == 1:
-        ids = _tile_ids(idx_tok, pre, K, BK)      # (reloaded after q, as the 64-head kernel
+        # reloaded after q: the order the 64-head kernel was measured with
+        ids = _tile_ids(idx_tok, pre, K, BK)
     _gather_tiles(kv_ptr, idx_tok, ring, full, consumed, base, b, pre, ntiles, ids, ids2, N, D,
-                  K, BK, STAGES, AHEAD)           # was measured with)
+                  K, BK, STAGES, AHEAD)
 
 
 @gluon.jit
