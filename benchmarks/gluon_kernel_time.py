@@ -68,9 +68,11 @@ def _kernel_fn(q, kv, idx, sink, scale, config):
         kernel, name = small_heads.csa_fwd_small_heads_kernel, "csa_gluon_fwd_small_heads"
     else:
         mod, bk, kernel, name = fwd, config.block_k, fwd.csa_fwd_kernel, "csa_gluon_fwd"
-    q_p, kv_p, idx_p, ntiles, sink_p, dims = ring.prepare(q, kv, idx, sink, bk, hp=hn)
+    # (the few-heads kernel takes q with its H heads unpadded: small_heads.forward)
+    q_p, kv_p, idx_p, ntiles, sink_p, dims = ring.prepare(q, kv, idx, sink, bk,
+                                                          hp=q.shape[2] if hn else None)
     B, T, H, D, N, Hp, Dp, Kp, nhb = dims
-    shape = dict(HN=hn) if hn else dict(NHB=nhb)
+    shape = dict(HN=hn, H=H) if hn else dict(NHB=nhb)
     consts = mod.constexprs(T=T, N=N, D=Dp, K=Kp, BK=bk, stages=config.stages, scale=scale,
                             B=B, **shape)
     fn = jax.jit(lambda *a: gluon_call(*a, kernel=kernel, out_shape=ring.out_shapes(q, dims),

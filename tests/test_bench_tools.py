@@ -240,15 +240,15 @@ def test_gluon_check_plumbing_with_faked_kernels(monkeypatch, capsys):
 
 def test_gluon_kernel_time_kernel_only_paths(monkeypatch):
     """benchmarks/gluon_kernel_time's kernel-only function launches the kernel the forward
-    would (the few-heads one at H <= 32 with its padded heads, the 64-head one above) on the
-    prepared operands (launches faked on a CPU)."""
+    would (the few-heads one at H <= 32 on its H heads unpadded, the 64-head one above on
+    heads padded to 64) on the prepared operands (launches faked on a CPU)."""
     import jax
     import jax.numpy as jnp
     from benchmarks import gluon_kernel_time as gkt
     from csa_jax.kernels import gluon
     launched = _fake_launch(monkeypatch)
     small = "csa_fwd_small_heads_kernel"
-    for H, kernel, hp in ((12, small, 16), (24, small, 32), (64, "csa_fwd_kernel", 64)):
+    for H, kernel, hp in ((12, small, 12), (24, small, 24), (40, "csa_fwd_kernel", 64)):
         q = jnp.zeros((1, 8, H, 64), jnp.bfloat16)
         kv = jnp.zeros((1, 40, 64), jnp.bfloat16)
         idx = jnp.zeros((1, 8, 70), jnp.int32)

@@ -340,15 +340,16 @@ def test_small_heads_refusals(monkeypatch, H, kw, match):
 
 
 def _emulated_small_heads(q, kv, idx, ntiles, sink, *, kernel, out_shape, grid, num_warps,
-                          name, T, N, D, K, ROWS, HN, BK, STAGES, QK_SCALE, **_):
+                          name, T, N, D, K, ROWS, HN, H, BK, STAGES, QK_SCALE, **_):
     """What csa_fwd_small_heads_kernel computes (small_heads.py, csa_spec.md section 3), for
-    the wrapper's padding / unpadding: o [ROWS*HN, D], lse [ROWS*HN]."""
+    the wrapper's padding / unpadding: o [ROWS*H, D], lse [ROWS*H] (H heads in memory: the
+    kernel pads to HN in shared memory only)."""
     from conftest import emulated_gather_forward
     from csa_jax.kernels.gluon import small_heads
     assert kernel is small_heads.csa_fwd_small_heads_kernel
     assert name == "csa_gluon_fwd_small_heads" and num_warps == small_heads.NUM_WARPS
-    assert grid == (min(ROWS, 132),) and q.shape == (ROWS * HN, D) and idx.shape == (ROWS, K)
-    assert sink.shape == (HN,) and K % BK == 0
+    assert grid == (min(ROWS, 132),) and q.shape == (ROWS * H, D) and idx.shape == (ROWS, K)
+    assert sink.shape == (H,) and K % BK == 0 and 1 <= H <= HN and HN in (16, 32)
     o, lse = emulated_gather_forward(q, kv, idx, ntiles, sink, T=T, N=N, BK=BK,
                                      QK_SCALE=QK_SCALE)
     return o.astype(out_shape[0].dtype), lse
@@ -356,9 +357,9 @@ def _emulated_small_heads(q, kv, idx, ntiles, sink, *, kernel, out_shape, grid, 
 
 @pytest.mark.parametrize("H, D, K", [(5, 40, 75), (24, 64, 130)])
 def test_small_heads_wrapper_against_oracle(rng, monkeypatch, H, D, K):
-    """The few-heads forward's host side (heads padded to 16 / 32, D to a power of two, K to
-    64 with -1, ntiles, the unpadding) around an emulation of the kernel, against the float64
-    oracle; no sink and empty rows included."""
+    """The few-heads forward's host side (heads kept at H in memory, the kernel told HN = 16 /
+    32; D padded to a power of two, K to 64 with -1, ntiles, the unpadding) around an emulation
+    of the kernel, against the float64 oracle; no sink and empty rows included."""
     from conftest import assert_close, dense_oracle, random_problem
     from csa_jax.common import sanitize_indices
     monkeypatch.setattr(impl, "_cannot_run", lambda *a: None)
@@ -376,23 +377,25 @@ def test_small_heads_wrapper_against_oracle(rng, monkeypatch, H, D, K):
         assert_close(lse, rlse, jnp.bfloat16, what="lse")
 
 
-def _compile_small(HN, D, stages, dt="bf16"):
+def _compile_small(HN, D, stages, dt="bf16", H=None):
     from csa_jax.kernels.gluon import ring, small_heads
     return adapter.compile_kernel(
         small_heads.csa_fwd_small_heads_kernel, ring.arg_types(dt),
         small_heads.constexprs(T=64, N=256, HN=HN, D=D, K=1152, BK=64, stages=stages,
-                               scale=D ** -0.5),
+                               scale=D ** -0.5, H=H),
         target="sm_90a", num_warps=small_heads.NUM_WARPS)
 
 
-@pytest.mark.parametrize("HN, D, stages", [(16, 512, 3), (32, 512, 2), (16, 64, 4),
-                                           (32, 128, 4)])
-def test_small_heads_compiles_for_sm90a(HN, D, stages):
+@pytest.mark.parametrize("HN, D, stages, H", [(16, 512, 3, None), (32, 512, 2, None),
+                                              (16, 512, 3, 8), (32, 512, 2, 24),
+                                              (16, 64, 4, 1), (32, 128, 4, None)])
+def test_small_heads_compiles_for_sm90a(HN, D, stages, H):
     """small_heads.py at its default rings: 8 warps (producer + one consumer warpgroup),
     shared memory within the limit (16 heads, D = 512: 215,388 B of 232,448), m64n{HN}k16
-    wgmma for both products, cp.async gathers on mbarriers, no spills."""
+    wgmma for both products, cp.async gathers on mbarriers, no spills; also with fewer heads
+    in memory than HN (H = 8, 24, 1: q's padded heads zero-filled, o / lse stores masked)."""
     _need_triton()
-    c = _compile_small(HN, D, stages)
+    c = _compile_small(HN, D, stages, H=H)
     r = adapter.resources(c, "sm_90a")
     assert r["num_warps"] == 8 and r["launch_problem"] is None
     assert r["shared"] <= r["shared_limit"]
@@ -409,3 +412,7 @@ def test_small_heads_constexprs_refuse():
         small_heads.constexprs(T=8, N=8, HN=64, D=64, K=64, BK=64, stages=2, scale=1.0)
     with pytest.raises(ValueError, match="BK=32"):
         small_heads.constexprs(T=8, N=8, HN=16, D=64, K=64, BK=32, stages=2, scale=1.0)
+    for H in (0, 17):
+        with pytest.raises(ValueError, match=f"H={H}"):
+            small_heads.constexprs(T=8, N=8, HN=16, D=64, K=64, BK=64, stages=2, scale=1.0,
+                                   H=H)

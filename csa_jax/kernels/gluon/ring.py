@@ -45,14 +45,22 @@ PRODUCER_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [PRODUCER_WARPS.
 
 
 @gluon.jit
-def _load_q(q_ptr, q_smem, q_bar, row, D: gl.constexpr, HBC: gl.constexpr):
-    """q [HBC, D] of head block `row` (rows row*HBC .. of the [B*T*Hp, D] view) into q_smem
-    with cp.async, each producer thread arriving on q_bar when its copies land."""
+def _load_q(q_ptr, q_smem, q_bar, row, D: gl.constexpr, HBC: gl.constexpr, HQ: gl.constexpr):
+    """q [HBC, D] of head block `row` into q_smem with cp.async, each producer thread arriving
+    on q_bar when its copies land. HQ = the heads q holds per row in memory (rows row*HQ .. of
+    the [B*T*HQ, D] view): HQ = HBC, or fewer (the few-heads kernel at H = 8 or 24: q is not
+    padded in memory; heads HQ .. HBC-1 are zero-filled in shared memory, never read)."""
     layout: gl.constexpr = PRODUCER_LAYOUT
     cols = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
     hrows = gl.arange(0, HBC, layout=gl.SliceLayout(1, layout))
-    q_ptrs = q_ptr + (row * HBC + hrows).to(gl.int64)[:, None] * D + cols[None, :]
-    async_copy.async_copy_global_to_shared(q_smem, q_ptrs)
+    if HQ == HBC:
+        q_ptrs = q_ptr + (row * HBC + hrows).to(gl.int64)[:, None] * D + cols[None, :]
+        async_copy.async_copy_global_to_shared(q_smem, q_ptrs)
+    else:
+        live = hrows < HQ
+        q_rows = row * HQ + gl.where(live, hrows, 0)
+        q_ptrs = q_ptr + q_rows.to(gl.int64)[:, None] * D + cols[None, :]
+        async_copy.async_copy_global_to_shared(q_smem, q_ptrs, mask=live[:, None])
     async_copy.mbarrier_arrive(q_bar, increment_count=False)
 
 
@@ -101,14 +109,14 @@ def _gather_tiles(kv_ptr, idx_ptr, ring, full, consumed, base, b, start, stop, i
 def _produce_row(q_ptr, kv_ptr, idx_tok, q_smem, ring, full, consumed, q_bar, q_free, row, n,
                  base, b, ntiles, N: gl.constexpr, D: gl.constexpr, K: gl.constexpr,
                  BK: gl.constexpr, STAGES: gl.constexpr, HBC: gl.constexpr,
-                 PRE: gl.constexpr, AHEAD: gl.constexpr):
+                 HQ: gl.constexpr, PRE: gl.constexpr, AHEAD: gl.constexpr):
     """A persistent producer's row n (head block `row`): the row's first PRE (<= STAGES) tiles
     (their stages free up as the previous row's last tiles are consumed), then q once the
     consumers released the previous row's (q_free, after their last read of it), then the
     other tiles (row ids AHEAD tiles ahead: _gather_tiles). So the next row's first tiles are
     in flight while the consumers finish this one, and q is not queued behind more than PRE
     tiles; no deadlock: every wait is for a release the consumers make with what they already
-    have."""
+    have. HQ: q's heads per row in memory (_load_q)."""
     pre = gl.minimum(ntiles, PRE)
     ids = _tile_ids(idx_tok, 0, K, BK)
     ids2 = ids
@@ -118,7 +126,7 @@ def _produce_row(q_ptr, kv_ptr, idx_tok, q_smem, ring, full, consumed, q_bar, q_
                               N, D, K, BK, STAGES, AHEAD)
     if n >= 1:
         mbarrier.wait(q_free, (n - 1) & 1)
-    _load_q(q_ptr, q_smem, q_bar, row, D, HBC)
+    _load_q(q_ptr, q_smem, q_bar, row, D, HBC, HQ)
     if AHEAD == 1:
         # reloaded after q: the order the 64-head kernel was measured with
         ids = _tile_ids(idx_tok, pre, K, BK)

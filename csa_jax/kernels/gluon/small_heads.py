@@ -8,8 +8,9 @@ rows are M and the heads are N (wgmma's N may be 16 or 32):
     S^T [BK, HN]  = tile [BK, D] q^T [D, HN]      (A = the ring tile, B = q, in shared memory)
     O^T [D, HN]  += tile^T [D, BK] P^T [BK, HN]  (A = the same tile read MN-major, B = P^T)
 
-with HN = the heads padded to 16 or 32 (padded heads have zero q and no sink; they are computed
-and dropped). Nothing is padded on M, and each wgmma reads its A operand from shared memory
+with HN = the heads padded to 16 or 32 in shared memory only (q, o, lse and sink hold the H
+real heads; the producer zero-fills q's padded heads, which are computed and never stored: at
+H = 8 padding q and slicing o in memory cost 0.24 ms of Pro cr4's 3.44 on an H100). Nothing is padded on M, and each wgmma reads its A operand from shared memory
 once per tile, so a tile should cost about the same at HN = 16 or 32 (by count: ~1,000 clocks
 of shared-memory reads at D = 512, under the ~2,200 clocks of L2 bandwidth an SM's share of the
 gather takes). The softmax runs down the columns (one per head): the max over a tile's BK rows
@@ -41,8 +42,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait)
 
-from csa_jax.kernels.gluon.ring import (LOG2E, NEG, PRODUCER_WARPS, _finish, _produce_row,
-                                        _release, _row_info)
+from csa_jax.kernels.gluon.ring import (LOG2E, NEG, PRODUCER_WARPS, _finish, _finish_sink,
+                                        _produce_row, _release, _row_info)
 
 NUM_WARPS = 4                 # the default partition (the producer); 8 warps in all
 WG_WARPS = gl.constexpr(4)    # the consumer partition: one warpgroup
@@ -55,7 +56,7 @@ BLOCK_K = 64                  # tile rows = wgmma M
 def _consumer(idx_ptr, ntiles_ptr, sink_ptr, o_ptr, lse_ptr, q_smem, ring, pt_smem, full,
               consumed, q_bar, q_free, T: gl.constexpr, K: gl.constexpr, ROWS: gl.constexpr,
               D: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, HN: gl.constexpr,
-              QK_SCALE: gl.constexpr):
+              H: gl.constexpr, QK_SCALE: gl.constexpr):
     # One layout for S^T [BK, HN] and O^T [D, HN] (M repeats in 64-row blocks): a head's
     # statistics (SliceLayout 0) are the same tensors for both.
     layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -97,10 +98,21 @@ def _consumer(idx_ptr, ntiles_ptr, sink_ptr, o_ptr, lse_ptr, q_smem, ring, pt_sm
             acc = warpgroup_mma(tile.permute((1, 0)), pt_smem, acc)
             _release(consumed.index(s))
         _release(q_free)
-        lse, o_scale = _finish(m, gl.sum(lpart, axis=0), sink_ptr + hcols)
-        gl.store(lse_ptr + row * HN + hcols, lse)
-        o = (acc * o_scale[None, :]).to(o_ptr.dtype.element_ty)
-        gl.store(o_ptr + (row * HN + hcols).to(gl.int64)[None, :] * D + drows[:, None], o)
+        if H == HN:
+            lse, o_scale = _finish(m, gl.sum(lpart, axis=0), sink_ptr + hcols)
+            gl.store(lse_ptr + row * HN + hcols, lse)
+            o = (acc * o_scale[None, :]).to(o_ptr.dtype.element_ty)
+            gl.store(o_ptr + (row * HN + hcols).to(gl.int64)[None, :] * D + drows[:, None], o)
+        else:
+            # H < HN: o / lse hold H heads a row; the zero-filled heads H .. HN-1 are dropped.
+            live = hcols < H
+            sink = gl.load(sink_ptr + hcols, mask=live, other=float("-inf"))
+            lse, o_scale = _finish_sink(m, gl.sum(lpart, axis=0), sink)
+            hrow = row * H + gl.where(live, hcols, 0)
+            gl.store(lse_ptr + hrow, lse, mask=live)
+            o = (acc * o_scale[None, :]).to(o_ptr.dtype.element_ty)
+            gl.store(o_ptr + hrow.to(gl.int64)[None, :] * D + drows[:, None], o,
+                     mask=live[None, :])
         base += ntiles
         n += 1
 
@@ -108,13 +120,14 @@ def _consumer(idx_ptr, ntiles_ptr, sink_ptr, o_ptr, lse_ptr, q_smem, ring, pt_sm
 @gluon.jit
 def _producer(q_ptr, kv_ptr, idx_ptr, ntiles_ptr, q_smem, ring, full, consumed, q_bar, q_free,
               T: gl.constexpr, N: gl.constexpr, D: gl.constexpr, K: gl.constexpr,
-              ROWS: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, HN: gl.constexpr):
+              ROWS: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, HN: gl.constexpr,
+              H: gl.constexpr):
     base = 0
     n = 0
     for row in range(gl.program_id(0), ROWS, gl.num_programs(0)):
         _, _, b, ntiles, idx_tok = _row_info(ntiles_ptr, idx_ptr, row, T, 1, K)
         _produce_row(q_ptr, kv_ptr, idx_tok, q_smem, ring, full, consumed, q_bar, q_free, row,
-                     n, base, b, ntiles, N, D, K, BK, STAGES, HN, STAGES, 2)
+                     n, base, b, ntiles, N, D, K, BK, STAGES, HN, H, STAGES, 2)
         base += ntiles
         n += 1
 
@@ -123,10 +136,12 @@ def _producer(q_ptr, kv_ptr, idx_ptr, ntiles_ptr, q_smem, ring, full, consumed, 
 def csa_fwd_small_heads_kernel(q_ptr, kv_ptr, idx_ptr, ntiles_ptr, sink_ptr, o_ptr, lse_ptr,
                                T: gl.constexpr, N: gl.constexpr, D: gl.constexpr,
                                K: gl.constexpr, ROWS: gl.constexpr, HN: gl.constexpr,
-                               BK: gl.constexpr, STAGES: gl.constexpr,
+                               H: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
                                QK_SCALE: gl.constexpr, CONSUMER_REGS: gl.constexpr):
     """Each program walks rows (tokens) program_id, program_id + num_programs, ... of the
-    ROWS = B * T tokens; q / o rows row * HN .. of the [B*T*HN, D] views."""
+    ROWS = B * T tokens; q / o rows row * H .. of the [B*T*H, D] views (H <= HN heads, not
+    padded in memory: the producer zero-fills q's heads H .. HN-1 in shared memory and the
+    consumer stores H heads of o and lse; sink holds H logits)."""
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     q_smem = gl.allocate_shared_memory(dtype, [HN, D],
                                        gl.NVMMASharedLayout.get_default_for([HN, D], dtype))
@@ -145,22 +160,27 @@ def csa_fwd_small_heads_kernel(q_ptr, kv_ptr, idx_ptr, ntiles_ptr, sink_ptr, o_p
         mbarrier.init(consumed.index(s), count=1)
     gl.warp_specialize([
         (_producer, (q_ptr, kv_ptr, idx_ptr, ntiles_ptr, q_smem, ring, full, consumed, q_bar,
-                     q_free, T, N, D, K, ROWS, BK, STAGES, HN)),
+                     q_free, T, N, D, K, ROWS, BK, STAGES, HN, H)),
         (_consumer, (idx_ptr, ntiles_ptr, sink_ptr, o_ptr, lse_ptr, q_smem, ring, pt_smem,
-                     full, consumed, q_bar, q_free, T, K, ROWS, D, BK, STAGES, HN, QK_SCALE)),
+                     full, consumed, q_bar, q_free, T, K, ROWS, D, BK, STAGES, HN, H,
+                     QK_SCALE)),
     ], [WG_WARPS], [CONSUMER_REGS])
 
 
 # ----------------------------------------------------------------------------- host side
 
 
-def constexprs(*, T, N, HN, D, K, BK, stages, scale, B=1):
-    """The kernel's compile-time parameters (also used by the CPU compile checks)."""
+def constexprs(*, T, N, HN, D, K, BK, stages, scale, B=1, H=None):
+    """The kernel's compile-time parameters (also used by the CPU compile checks); H = the
+    heads q / o / lse / sink hold (default HN), 1 <= H <= HN."""
     if HN not in (16, 32):
         raise ValueError(f"the few-heads forward takes 16 or 32 padded heads, got HN={HN}")
+    H = HN if H is None else H
+    if not 1 <= H <= HN:
+        raise ValueError(f"the few-heads forward takes 1 <= H <= HN={HN} heads, got H={H}")
     if BK != BLOCK_K:
         raise ValueError(f"the few-heads forward needs {BLOCK_K}-row tiles (wgmma M), got {BK=}")
-    return dict(T=T, N=N, D=D, K=K, ROWS=B * T, HN=HN, BK=BK, STAGES=stages,
+    return dict(T=T, N=N, D=D, K=K, ROWS=B * T, HN=HN, H=H, BK=BK, STAGES=stages,
                 QK_SCALE=float(scale) * LOG2E, CONSUMER_REGS=CONSUMER_REGS)
 
 
@@ -172,10 +192,12 @@ def forward(q, kv, idx, sink, *, scale, HN, stages):
     from csa_jax.kernels.gluon.ring import out_shapes, prepare, unpad
     if q.shape[2] > HN:
         raise ValueError(f"the few-heads forward takes H <= HN={HN}, got H={q.shape[2]}")
-    q_p, kv_p, idx_p, ntiles, sink_p, dims = prepare(q, kv, idx, sink, BLOCK_K, hp=HN)
+    # Heads are not padded in memory (hp = H): the kernel pads them in shared memory.
+    H = q.shape[2]
+    q_p, kv_p, idx_p, ntiles, sink_p, dims = prepare(q, kv, idx, sink, BLOCK_K, hp=H)
     B, T, _, _, N, _, Dp, Kp, _ = dims
     consts = constexprs(T=T, N=N, HN=HN, D=Dp, K=Kp, BK=BLOCK_K, stages=stages, scale=scale,
-                        B=B)
+                        B=B, H=H)
     o, lse = gluon_call(q_p, kv_p, idx_p, ntiles, sink_p, kernel=csa_fwd_small_heads_kernel,
                         out_shape=out_shapes(q, dims), grid=grid(consts["ROWS"]),
                         num_warps=NUM_WARPS, name="csa_gluon_fwd_small_heads", **consts)
