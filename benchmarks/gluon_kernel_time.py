@@ -56,7 +56,7 @@ def _kernel_fn(q, kv, idx, sink, scale, config):
     from csa_jax.kernels.gluon import fwd, ring, small_heads
     from csa_jax.kernels.gluon.adapter import gluon_call
     from csa_jax.kernels.gluon.dims import small_heads_block
-    if config.window_kernel:
+    if config.runs_window_kernel(q.shape[2]):
         from csa_jax.kernels.gluon import window
         fn = jax.jit(lambda q, kv, s, bad: window.forward(q, kv, s, bad, scale=scale,
                                                           window=config.window))

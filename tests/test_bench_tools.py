@@ -223,12 +223,12 @@ def test_gluon_check_plumbing_with_faked_kernels(monkeypatch, capsys):
     launched.clear()
     start = len(gc.RESULTS)
     # (an override, even the default's value, skips the promise-check timing: a CPU test)
-    assert gc.main(["--parts", "window", "--cases", "cr0_w128_h16_d64", "--config", "stages=2",
+    assert gc.main(["--parts", "window", "--cases", "cr0_w128_h40_d64", "--config", "stages=2",
                     "--seed", "4"]) == 1
     rows = gc.RESULTS[start:]
     assert [(r["case"], r.get("kernel"), r["ok"]) for r in rows] == [
-        ("window:cr0_w128_h16_d64_t100_sink", "window", False),
-        ("poison:cr0_w128_h16_d64_t100_sink", None, True)], rows
+        ("window:cr0_w128_h40_d64_t100_sink", "window", False),
+        ("poison:cr0_w128_h40_d64_t100_sink", None, True)], rows
     assert set(launched) == {"csa_window_kernel"}
     out = capsys.readouterr().out
     assert [json.loads(ln) for ln in out.splitlines() if ln.startswith("{")][-1] == rows[-1]

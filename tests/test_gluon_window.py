@@ -33,6 +33,10 @@ def test_only_cr0_with_window_128_runs_the_window_kernel():
     assert not impl.Config(layout="cr0", window=64).window_kernel
     assert not impl.Config(layout="cr128").window_kernel
     assert not impl.Config(layout="cr4").window_kernel and not impl.Config().window_kernel
+    # ... and only above 32 heads (below, the few-heads forward: heads_h100.md)
+    assert impl.Config(layout="cr0").runs_window_kernel(33)
+    assert not impl.Config(layout="cr0").runs_window_kernel(32)
+    assert not impl.Config(layout="cr0", window=64).runs_window_kernel(128)
 
 
 def _idx(T, ratio, window=128, B=1):
@@ -158,6 +162,37 @@ def test_window_kernel_is_selected_and_poisons_broken_tokens(monkeypatch):
     assert g0 == (1 * 2 * 4,)             # B x H/64 x G (G = the T / 16 = 4 blocks)
     assert np.flatnonzero(lses[0][0, :, 0]).tolist() == [5]        # bad: token 5 only
     assert k1 is fwd.csa_fwd_kernel and k2 is fwd.csa_fwd_kernel
+
+
+@pytest.mark.parametrize("H", [8, 16, 32])
+def test_few_heads_under_the_cr0_promise(monkeypatch, H):
+    """At H <= 32 the cr0 promise does not pick the window kernel (64-head programs: 2.2-2.5 ms
+    at Pro cr0 T = 16384 on an H100 against the few-heads forward's 0.49-0.84, heads_h100.md):
+    the few-heads forward runs, on idx as given (a violated promise is computed as written,
+    not poisoned), the same kernel and constants as without a promise."""
+    from csa_jax.kernels.gluon import small_heads
+    seen = []
+
+    def fake_call(*args, kernel, out_shape, grid, num_warps, name, **consts):
+        seen.append((kernel, consts, args[2].shape))
+        return [jnp.zeros(s.shape, s.dtype) for s in out_shape]
+
+    monkeypatch.setattr(adapter, "gluon_call", fake_call)
+    monkeypatch.setattr(impl, "_check", lambda *a: None)
+    monkeypatch.setattr(impl, "_amd", lambda: None)
+    T, D = 64, 512
+    q = jnp.zeros((1, T, H, D), jnp.bfloat16)
+    kv = jnp.zeros((1, T, D), jnp.bfloat16)
+    idx = np.array(_idx(T, 0))
+    idx[0, 5, 0] = 40                             # token 5 breaks the promise: not an error here
+    for cfg in (impl.default_config(q.shape, kv.shape, idx.shape, q.dtype, layout="cr0"),
+                impl.default_config(q.shape, kv.shape, idx.shape, q.dtype)):
+        o, lse = jax.jit(lambda i, c=cfg: impl.forward(q, kv, i, jnp.zeros((H,)), scale=0.1,
+                                                       interpret=False, config=c))(idx)
+        assert o.shape == (1, T, H, D) and lse.shape == (1, T, H)
+    (k0, c0, i0), (k1, c1, i1) = seen
+    assert k0 is small_heads.csa_fwd_small_heads_kernel and k1 is k0
+    assert c0 == c1 and c0["H"] == H and i0 == i1 == (T, 128)
 
 
 # ----------------------------------------------------------------------------- compile only

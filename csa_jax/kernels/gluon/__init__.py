@@ -176,16 +176,18 @@ def check_layout(idx, num_kv, config):
 
 def forward(q, kv, idx, sink, *, scale, interpret, config):
     """o [B, T, H, D] (q.dtype), lse [B, T, H] f32 (the impl interface: csa_jax/registry.py).
-    Config.window_kernel: the cr0 window kernel, which does not read idx; a concrete idx is
-    checked by the op before tracing (check_layout); for a traced one csa_jax/layouts.py finds
-    the tokens that break the promise and the kernel writes their o and lse as NaN."""
+    Config.runs_window_kernel (the cr0 promise, H > 32): the cr0 window kernel, which does not
+    read idx; a concrete idx is checked by the op before tracing (check_layout); for a traced
+    one csa_jax/layouts.py finds the tokens that break the promise and the kernel writes their
+    o and lse as NaN. At H <= 32 the few-heads forward runs under any promise (it reads idx, so
+    the promise is only a promise, as on AMD)."""
     _check(q, kv, idx, interpret)
     arch = _amd()
     if arch:            # (a layout promise is only a promise: AMD runs its gather kernel)
         from csa_jax.kernels.gluon import amd_fwd
         return amd_fwd.forward(q, kv, idx, sink, scale=float(scale), arch=arch,
                                block_k=config.block_k, stages=config.stages)
-    if config.window_kernel:
+    if config.runs_window_kernel(q.shape[2]):
         from csa_jax import layouts
         from csa_jax.kernels.gluon import window as _win
         if isinstance(idx, jax.core.Tracer):

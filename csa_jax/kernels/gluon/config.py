@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from csa_jax.kernels.gluon.dims import SMEM_LIMIT
+from csa_jax.kernels.gluon.dims import SMEM_LIMIT, small_heads_block
 from csa_jax.layouts import check_window_pool
 
 LAYOUTS = ("generic", "cr0", "cr4", "cr128")
@@ -62,5 +62,13 @@ class Config:
 
     @property
     def window_kernel(self) -> bool:
-        """Whether the forward runs the cr0 window kernel (else the gather kernel)."""
+        """Whether the promise is the one the cr0 window kernel is built for (cr0, window 128);
+        runs_window_kernel says whether the forward runs it."""
         return self.layout == "cr0" and self.window == WINDOW_KERNEL
+
+    def runs_window_kernel(self, heads: int) -> bool:
+        """Whether the NVIDIA forward runs the cr0 window kernel (else a gather kernel) for
+        `heads` query heads: under window_kernel's promise above 32 heads. At H <= 32 the
+        few-heads forward runs under any promise: the window kernel's 64-head programs took
+        3-4.6x its time there (docs/perf/heads_h100.md)."""
+        return self.window_kernel and small_heads_block(heads) is None
