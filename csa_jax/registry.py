@@ -221,24 +221,31 @@ register(Impl("pallas_triton", triton, platforms=triton.PLATFORMS, auto=("gpu",)
 # multiple of 64; gluon to 16 / 32 up to 32 heads, above to a multiple of 64), so H = 12 uses
 # the row of 16 and H = 96 that of 64. Measured on the H200 (bf16, B = 1, T = 16384, D = 512;
 # wall clock per call, median of 5-7; step = forward + backward with both cotangents;
-# docs/perf/heads_h200.md). At H <= 32 gluon's default backward IS pallas_triton's
+# docs/perf/heads_h200.md) and, where a row says so, on an H100 (device time per call;
+# docs/perf/heads_h100.md). At H <= 32 gluon's default backward IS pallas_triton's
 # (Config.bwd), so the two differ by their forwards only: gluon's few-heads forward
 # (small_heads.py) against pallas_triton's, same call, 2026-12-02 at c1a4b0e.
 AUTO_GPU = {
-    # H = 8: Pro cr4 fwd / step pallas_triton 4.06 / 23.78 against gluon 4.10 / 23.77 ms (the
-    # H = 16 kernels of both): level, pallas_triton kept.
-    (8, 512): ("pallas_triton", "gluon"),
+    # H = 8 (H100, 2026-12-07, same call, device time per call, T = 16384, fwd ms pallas_triton
+    # / gluon at 585f009, whose few-heads forward no longer pads q / slices o in memory): Pro
+    # cr0 0.83 / 0.49, cr4 3.66 / 3.25, cr128 1.10 / 0.77; Flash cr0 0.82 / 0.49, cr4 2.24 /
+    # 1.87, cr128 1.09 / 0.76. Gluon on every layer type; the step differs by the forward only
+    # (the same pallas_triton backward: Pro cr4 26.67 / 26.47 ms at 72977e5, before the change).
+    (8, 512): ("gluon", "pallas_triton"),
     # H = 16: at c1a4b0e fwd ms pallas_triton / gluon: Pro cr0 0.83 / 1.02, Flash cr0 0.79 /
     # 0.99 (pallas_triton 1.23-1.25x faster on window lists). With the few-heads producer's
     # row ids two tiles ahead (9dd5cde; same call, device time per call, 9560e49): Pro cr4
     # 3.41 / 3.21, Flash cr4 1.97 / 1.88 (gluon 1.05-1.06x), Pro cr128 0.839 / 0.843, Flash
     # cr128 0.829 / 0.838 (level: 0.5-1%, inside the processes' spread); the step differs by
-    # the forward only: gluon on pool lists.
+    # the forward only: gluon on pool lists. Window lists again on an H100 (2026-12-07, same
+    # call): cr0 0.57 / 0.60 on Pro and Flash alike: pallas_triton still 5% faster.
     (16, 512): {"window": ("pallas_triton", "gluon"), "pool": ("gluon", "pallas_triton")},
     # H = 32: Pro cr4 5.70 / 5.00, Flash cr4 3.48 / 3.12, Pro cr128 1.64 / 1.48 (gluon
-    # 1.11-1.14x), Pro cr0 1.21 / 1.21; Pro cr4 step 26.13 / 25.20 (Flash cr0 / cr128 at
-    # H = 32 were not reached in that call).
-    (32, 512): {"window": ("pallas_triton", "gluon"), "pool": ("gluon", "pallas_triton")},
+    # 1.11-1.14x), Pro cr4 step 26.13 / 25.20 (H200, c1a4b0e). Window lists on an H100
+    # (2026-12-07, same call, device time per call): cr0 0.94 / 0.83 on Pro and Flash alike
+    # (gluon 1.13x, since 9dd5cde's row ids two tiles ahead); H = 24 (this row): Pro cr0
+    # 1.55 / 0.77, cr4 5.68 / 4.11, cr128 1.93 / 1.09. Gluon on every layer type.
+    (32, 512): ("gluon", "pallas_triton"),
     # H >= 64: Pro cr4 step H = 64 39.93 / 28.14, H = 128 69.10 / 46.75: gluon.
     (64, 512): ("gluon", "pallas_triton"),
 }

@@ -78,7 +78,7 @@ def test_auto_choice(monkeypatch, platform, kind, dtype, want):
 
 
 @pytest.mark.parametrize("H, D, want", [
-    (1, 512, ("pallas_triton", "gluon")), (8, 512, ("pallas_triton", "gluon")),
+    (1, 512, ("gluon", "pallas_triton")), (8, 512, ("gluon", "pallas_triton")),
     (12, 512, ("gluon", "pallas_triton")), (16, 512, ("gluon", "pallas_triton")),
     (17, 512, ("gluon", "pallas_triton")), (32, 512, ("gluon", "pallas_triton")),
     (48, 512, ("gluon", "pallas_triton")), (64, 512, ("gluon", "pallas_triton")),
@@ -95,18 +95,20 @@ def test_auto_order_table(H, D, want):
 
 
 def test_auto_order_by_slot_class():
-    """At H = 16 and 32 the layer types disagree (docs/perf/heads_h200.md): a window list
-    (K <= 128, cr0) keeps pallas_triton first, a pool list (cr4 / cr128) runs gluon first."""
+    """At H = 9-16 the layer types disagree (docs/perf/heads_h100.md): a window list (K <= 128,
+    cr0) keeps pallas_triton first, a pool list (cr4 / cr128) runs gluon first; at H <= 8 and
+    17-32 gluon is first on both."""
     assert registry.slot_class((1, 8, 128)) == "window"
     assert registry.slot_class((1, 8, 129)) == registry.slot_class(None) == "pool"
-    assert registry.auto_order("gpu", (1, 8, 32, 512), (1, 8, 128)) == ("pallas_triton", "gluon")
+    assert registry.auto_order("gpu", (1, 8, 32, 512), (1, 8, 128)) == ("gluon", "pallas_triton")
     assert registry.auto_order("gpu", (1, 8, 24, 512), (1, 8, 256)) == ("gluon", "pallas_triton")
     assert registry.auto_order("gpu", (1, 8, 16, 512), (1, 8, 1152)) == ("gluon",
                                                                         "pallas_triton")
     assert registry.auto_order("gpu", (1, 8, 16, 512), (1, 8, 128)) == ("pallas_triton",
                                                                        "gluon")
-    assert registry.auto_order("gpu", (1, 8, 8, 512), (1, 8, 1152)) == ("pallas_triton",
-                                                                       "gluon")
+    for K in (128, 1152):
+        assert registry.auto_order("gpu", (1, 8, 8, 512), (1, 8, K)) == ("gluon",
+                                                                         "pallas_triton")
 
 
 def test_auto_table_names_gpu_auto_impls():
@@ -120,9 +122,9 @@ def test_auto_table_names_gpu_auto_impls():
 
 
 @pytest.mark.parametrize("H, D, dtype, refuse, want", [
-    (8, 512, jnp.bfloat16, (), "pallas_triton"),           # Pro cr4 step 23.78 vs 23.77 ms
-    (16, 512, jnp.bfloat16, (), "pallas_triton"),          # cr0 fwd 0.83 vs 1.02 ms
-    (32, 512, jnp.bfloat16, (), "pallas_triton"),          # idx (1, 8, 4): a window list
+    (8, 512, jnp.bfloat16, (), "gluon"),                   # H100 cr0 fwd 0.83 vs 0.49 ms
+    (16, 512, jnp.bfloat16, (), "pallas_triton"),          # idx (1, 8, 4): a window list,
+    (32, 512, jnp.bfloat16, (), "gluon"),                  # cr0 0.57 vs 0.60 / 0.94 vs 0.83
     (64, 512, jnp.bfloat16, (), "gluon"),
     (128, 512, jnp.float16, (), "gluon"),
     (16, 128, jnp.bfloat16, (), "pallas_triton"),          # no gluon row at D = 128

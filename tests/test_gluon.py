@@ -289,7 +289,7 @@ def test_resource_report_sm90a():
 @pytest.mark.parametrize("H, D, dtype, cc, want", [
     (128, 512, jnp.bfloat16, "9.0", "gluon"),
     (64, 512, jnp.float16, "9.0", "gluon"),
-    (8, 512, jnp.bfloat16, "9.0", "pallas_triton"),      # registry.AUTO_GPU: H <= 8
+    (8, 512, jnp.bfloat16, "9.0", "gluon"),              # registry.AUTO_GPU: H <= 8
     (16, 512, jnp.bfloat16, "9.0", "gluon"),             # H = 16 / 32, a pool list (K = 1152)
     (32, 512, jnp.bfloat16, "9.0", "gluon"),
     (128, 128, jnp.bfloat16, "9.0", "pallas_triton"),

@@ -9,13 +9,14 @@ rows are M and the heads are N (wgmma's N may be 16 or 32):
     O^T [D, HN]  += tile^T [D, BK] P^T [BK, HN]  (A = the same tile read MN-major, B = P^T)
 
 with HN = the heads padded to 16 or 32 in shared memory only (q, o, lse and sink hold the H
-real heads; the producer zero-fills q's padded heads, which are computed and never stored: at
-H = 8 padding q and slicing o in memory cost 0.24 ms of Pro cr4's 3.44 on an H100). Nothing is padded on M, and each wgmma reads its A operand from shared memory
-once per tile, so a tile should cost about the same at HN = 16 or 32 (by count: ~1,000 clocks
-of shared-memory reads at D = 512, under the ~2,200 clocks of L2 bandwidth an SM's share of the
-gather takes). The softmax runs down the columns (one per head): the max over a tile's BK rows
-is a reduction across the warpgroup's 4 warps; the row sums are kept per thread and reduced
-once per token.
+real heads; the producer zero-fills q's padded heads, which are computed and never stored;
+padding q and slicing o in memory instead took Pro cr4 3.44 instead of 3.21 ms at H = 8, 4.66
+instead of 4.07 at H = 24 on an H100, docs/perf/heads_h100.md). Nothing is padded on M, and
+each wgmma reads its A operand from shared memory once per tile, so a tile should cost about
+the same at HN = 16 or 32 (by count: ~1,000 clocks of shared-memory reads at D = 512, under the
+~2,200 clocks of L2 bandwidth an SM's share of the gather takes). The softmax runs down the
+columns (one per head): the max over a tile's BK rows is a reduction across the warpgroup's 4
+warps; the row sums are kept per thread and reduced once per token.
 
 Partitions (8 warps): the producer = the default partition, 4 warps, gathers with cp.async
 into a STAGES-deep ring of BK-row tiles as the 64-head forward does (ring._produce_row: a row =
