@@ -20,8 +20,9 @@ EMPTY_LSE), empty slots masked, the sink joined at the end (_finish); an empty r
 and lse = sink or EMPTY_LSE.
 
 Padding (host side, prepare): H to a multiple of 64 (padded heads have zero q and no sink; they
-are computed and dropped), D to a power of two >= 64 (zero columns change neither scores nor
-outputs), K to a multiple of BK with -1.
+are computed and dropped; the few-heads kernel takes hp = H and pads in shared memory, _load_q),
+D to a power of two >= 64 (zero columns change neither scores nor outputs), K to a multiple of
+BK with -1.
 """
 from __future__ import annotations
 
