@@ -19,8 +19,9 @@ Parts:
           (o == 0, lse == sink or EMPTY_LSE);
   golden  the three golden cases (tests/golden, cast to bf16) through sparse_attention;
   grad    jax.grad through sparse_attention(impl="gluon") (forward Gluon, backward per
-          Config.bwd: the Gluon dq kernel by default at H = 64, pallas_triton's at H = 16,
-          gluon_bwd_check.py) vs impl="xla", both cotangents (dO and dlse);
+          Config.bwd: the Gluon dq kernel, at H <= 32 the few-heads one) vs impl="xla", both
+          cotangents (dO and dlse), H in {64, 32, 24, 16, 8}, f16 at D = 128; the gradients
+          bit-identical across two runs;
   time    forward ms of xla, pallas_triton, gluon at a few V4 shapes (checked vs xla);
   window  the cr0 window kernel (window.py, window 128, H > 32), as the NNX layer runs it:
           sparse_attention(..., layout="cr0") vs impl="xla" on fresh random q / kv with
@@ -190,26 +191,43 @@ def part_golden(golden_dir):
 
 
 def part_grad(seed):
-    """H = 64 (the 64-head forward, Config.bwd's backward), H = 32 and H = 16 (the few-heads
-    forward with two / one consumer warpgroups, and its default backward)."""
+    """jax.grad through sparse_attention(impl="gluon") vs impl="xla", both cotangents, -1 and
+    out-of-range slots, all-empty tokens: H = 64 (the 64-head kernels), 32 / 24 / 16 / 8 (the
+    few-heads forward and dq kernel; 24 and 8 mask their padded heads), one f16 case without
+    sink at D = 128; the Gluon gradients computed twice must be bit-identical (det)."""
     import csa_jax
     from csa_jax import problems
     key = jax.random.PRNGKey(seed + 2)
-    for H in (64, 32, 16):
+    cases = [(64, 512, jnp.bfloat16, True), (32, 512, jnp.bfloat16, True),
+             (24, 512, jnp.bfloat16, True), (16, 512, jnp.bfloat16, True),
+             (8, 512, jnp.bfloat16, True), (16, 128, jnp.float16, False)]
+    for H, D, dtype, sink in cases:
         key, k = jax.random.split(key)
-        q, kv, idx, sink = random_case(k, 1, 128, H, 512, 256, 160, jnp.bfloat16, True)
+        q, kv, idx, s = random_case(k, 1, 128, H, D, 256, 160, dtype, sink)
+        s = jnp.full((H,), -jnp.inf) if s is None else s   # no sink: -inf logits (dsink 0)
         kd, kl = jax.random.split(k)
         do = jax.random.normal(kd, q.shape, q.dtype)
         dlse = jax.random.normal(kl, q.shape[:3], jnp.float32) * 0.1
-        grads = {}
-        cfg = gluon_config(q, kv, idx)
-        for impl, c in (("gluon", cfg), ("xla", None)):
-            loss = problems.loss_fn(lambda q, kv, idx, s, impl=impl, c=c:
-                                    csa_jax.sparse_attention(q, kv, idx, s, impl=impl, config=c))
-            grads[impl] = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, kv, sink, idx, do, dlse)
+        row = dict(part="grad", H=H, D=D, dtype=jnp.dtype(dtype).name)
+        try:
+            cfg = gluon_config(q, kv, idx)
+            grads = {}
+            for impl, c in (("gluon", cfg), ("xla", None)):
+                loss = problems.loss_fn(lambda q, kv, idx, s, impl=impl, c=c:
+                                        csa_jax.sparse_attention(q, kv, idx, s, impl=impl,
+                                                                 config=c))
+                g = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+                grads[impl] = g(q, kv, s, idx, do, dlse)
+                if impl == "gluon":
+                    again = g(q, kv, s, idx, do, dlse)
+                    det = all(bool(jnp.array_equal(a, b)) for a, b in zip(grads[impl], again))
+        except Exception as e:  # noqa: BLE001
+            report_failure(e, **row)
+            continue
         errs = {n: rel(a, b)
                 for n, a, b in zip(("dq", "dkv", "dsink"), grads["gluon"], grads["xla"])}
-        report(part="grad", H=H, bwd=cfg.bwd, errs=errs, ok=all(e <= 2e-2 for e in errs.values()))
+        report(**row, bwd=cfg.bwd, errs=errs, det=det,
+               ok=det and all(e <= 2e-2 for e in errs.values()))
 
 
 # ----------------------------------------------------------------------------- timing

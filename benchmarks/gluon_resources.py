@@ -10,7 +10,8 @@ its default config for its target, on the targets it is built for:
   gluon.default_config, plus a row per --variants entry (gluon Config fields: block_k, stages
   for the forward, bwd_block_k, bwd_stages for the dq kernel) that changes that kernel's
   tiles; the Gluon dkv reduce (dkv.py); the few-heads forward (small_heads.py) at 16 and 32
-  heads; the cr0 window kernel (window.py) at Pro and at Flash (H = 64: one head block);
+  heads, and the few-heads dq kernel (small_heads_dq.py) likewise; the cr0 window kernel
+  (window.py) at Pro and at Flash (H = 64: one head block);
 - gluon_amd (gfx942, gfx950, gfx1250): the AMD Gluon forward (amd_fwd.py) and dq kernel
   (amd_bwd.py) at dims.AMD_DEFAULTS / AMD_DQ_DEFAULTS on their three targets, and each with its
   transposed-operand switch (trans=1, issue 14) as a non-default row, and gfx1250's forward
@@ -125,8 +126,9 @@ def gluon_nv_kernels(configs):
     """(name, is_default, targets, compile step) of the NVIDIA Gluon kernels, for sm_90a (the
     one target they are built for): the forward (fwd.py) and the dq kernel (bwd.py) at each of
     `configs` (nv_configs; a variant's row only where it changes that kernel's tiles), the dkv
-    reduce (dkv.py, reduce_rows' defaults), the few-heads forward (small_heads.py) at 16 and
-    32 heads, and the cr0 window kernel (window.py) at Pro and Flash."""
+    reduce (dkv.py, reduce_rows' defaults), the few-heads forward (small_heads.py) and dq
+    kernel (small_heads_dq.py) at 16 and 32 heads, and the cr0 window kernel (window.py) at
+    Pro and Flash."""
     from csa_jax.kernels.gluon import bwd, dkv, fwd, ring, window
     sm90 = ("sm_90a",)
     base = configs[0][1]
@@ -158,6 +160,16 @@ def gluon_nv_kernels(configs):
                           T=PRO["T"], N=PRO["N"], HN=hn, D=PRO["D"], K=PRO["K"], BK=cfg.block_k,
                           stages=cfg.stages, scale=PRO["scale"]),
                       small_heads.NUM_WARPS))
+    # the few-heads dq kernel (small_heads_dq.py) at its default rings for 16 and 32 heads
+    from csa_jax.kernels.gluon import small_heads_dq
+    for hn in (16, 32):
+        cfg = impl_default(hn)
+        yield (f"csa_dq_small_heads[h{hn}]", True, sm90,
+               _gluon(small_heads_dq.csa_dq_small_heads_kernel, small_heads_dq.arg_types(),
+                      lambda hn=hn, cfg=cfg: small_heads_dq.constexprs(
+                          T=PRO["T"], N=PRO["N"], HN=hn, D=PRO["D"], K=PRO["K"],
+                          stages=cfg.bwd_stages, scale=PRO["scale"]),
+                      small_heads_dq.NUM_WARPS))
     # the cr0 window kernel (window 128; N = T: cr0 has no pool rows) at Pro (two head blocks)
     # and Flash (one: G, the programs per head block, doubles, and the code changes)
     for tag, nhb in (("cr0", 2), ("cr0,flash", 1)):

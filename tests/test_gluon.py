@@ -311,18 +311,23 @@ def test_auto_choice_on_a_simulated_h200(monkeypatch, H, D, dtype, cc, want):
 # ----------------------------------------------------------------------------- few heads
 
 
-@pytest.mark.parametrize("H, D, stages", [(16, 512, 3), (8, 512, 3), (32, 512, 2),
-                                          (24, 128, 4), (16, 64, 4)])
-def test_small_heads_default_config(H, D, stages):
-    """H <= 32: the few-heads forward with the deepest ring that fits beside q, and the
-    pallas_triton backward; the buffers within SMALL_HEADS_BUDGET."""
+@pytest.mark.parametrize("H, D, stages, dq_stages", [(16, 512, 3, 3), (8, 512, 3, 3),
+                                                     (32, 512, 2, 2), (24, 128, 4, 4),
+                                                     (16, 64, 4, 4)])
+def test_small_heads_default_config(H, D, stages, dq_stages):
+    """H <= 32: the few-heads forward and dq kernel (bwd="gluon"), each with the deepest ring
+    of 64-row tiles that fits beside q (the dq kernel: [q; dO]); the buffers within
+    SMALL_HEADS_BUDGET."""
     from csa_jax.kernels.gluon import dims
     c = impl.default_config((1, 8, H, D), None, None, jnp.bfloat16)
     assert (c.block_k, c.stages, c.bwd) == (64, stages, "pallas_triton")
+    assert (c.bwd_block_k, c.bwd_stages) == (64, dq_stages)
     hn = dims.small_heads_block(H)
-    assert dims.small_heads_shared_bytes(D, hn, c.stages) <= dims.SMALL_HEADS_BUDGET
-    if c.stages < 4:
-        assert dims.small_heads_shared_bytes(D, hn, c.stages + 1) > dims.SMALL_HEADS_BUDGET
+    for planes, st in ((1, c.stages), (2, c.bwd_stages)):
+        assert dims.small_heads_shared_bytes(D, hn, st, planes=planes) <= dims.SMALL_HEADS_BUDGET
+        if st < 4:
+            assert (dims.small_heads_shared_bytes(D, hn, st + 1, planes=planes)
+                    > dims.SMALL_HEADS_BUDGET)
     assert impl.default_config((1, 8, 33, D), None, None, jnp.bfloat16).bwd == "gluon"
 
 

@@ -198,9 +198,35 @@ def _emulated_reduce_kernel(offsets, perm, interm, *, kernel, out_shape, grid, n
     return out.astype(out_shape.dtype)
 
 
+def _emulated_dq_small_heads(q, do, kv, idx, ntiles, lse, dc, *, kernel, out_shape, grid,
+                             num_warps, name, T, N, D, K, ROWS, HN, H, BK, SCALE, **_):
+    """What csa_dq_small_heads_kernel computes (small_heads_dq.py), in jnp: dq [BT*H, D] and
+    dsp [BT, K, 2, H] (slot-major, scale * dS then P; zeros past the token's last tile); dc
+    holds dlse - delta; q / dO / lse / dc hold the H real heads."""
+    assert num_warps == 4 and grid == (min(ROWS, 132),) and H <= HN and K % BK == 0
+    BT = idx.shape[0]
+    B = BT // T
+    assert ROWS == BT and q.shape == do.shape == (BT * H, D) and kv.shape == (B * N, D)
+    f32 = jnp.float32
+    rows = kv.reshape(B, N, D)[jnp.arange(BT)[:, None] // T, jnp.maximum(idx, 0)].astype(f32)
+    walked = jnp.arange(K)[None, :] < (ntiles * BK)[:, None]
+    valid = ((idx >= 0) & walked)[:, :, None]                                   # [BT, K, 1]
+    qf, dof = (x.reshape(BT, H, D).astype(f32) for x in (q, do))
+    s = jnp.einsum("thd,tkd->tkh", qf, rows)
+    lse2, dc2 = lse.reshape(BT, 1, H), dc.reshape(BT, 1, H)
+    p = jnp.where(valid, jnp.exp(jnp.where(valid, s * SCALE - lse2, 0.0)), 0.0)
+    ds = p * (jnp.einsum("thd,tkd->tkh", dof, rows) + dc2)
+    dt = out_shape[0].dtype
+    dq = SCALE * jnp.einsum("tkh,tkd->thd", ds.astype(dt).astype(f32), rows)
+    dsp = jnp.stack([ds * SCALE, p], axis=2)                                  # [BT, K, 2, H]
+    assert dsp.shape == out_shape[1].shape
+    return dq.reshape(BT * H, D).astype(dt), dsp.astype(out_shape[1].dtype)
+
+
 def _emulated_call(*args, kernel, **kw):
-    from csa_jax.kernels.gluon import dkv
+    from csa_jax.kernels.gluon import dkv, small_heads_dq
     f = (_emulated_reduce_kernel if kernel is dkv.csa_dkv_reduce_kernel
+         else _emulated_dq_small_heads if kernel is small_heads_dq.csa_dq_small_heads_kernel
          else _emulated_dq_kernel)
     return f(*args, kernel=kernel, **kw)
 
@@ -231,3 +257,66 @@ def test_wrapper_against_dense_oracle(rng, monkeypatch, H, D, K, bk, amd):
         assert_close(got, want, jnp.float32, factor=10, what=what)
     jax.clear_caches()          # the emulated kernel must not stay in bwd.backward's jit cache
     assert np.isfinite(np.asarray(dkv)).all()
+
+
+@pytest.mark.parametrize("H,D,K", [(5, 24, 40), (16, 64, 70), (24, 40, 130)])
+def test_small_heads_wrapper_against_dense_oracle(rng, monkeypatch, H, D, K):
+    """small_heads_dq.backward's plumbing with the kernels emulated: q / dO / lse unpadded in
+    heads (H < HN = 16 / 32), D padded to 64, K to the 64-row tile, the slot-major dsp and its
+    per-slot GEMM, delta in XLA, the inverse map and the Gluon reduce, dsink."""
+    from csa_jax.common import sanitize_indices
+    from csa_jax.kernels.gluon import small_heads_dq
+    from csa_jax.kernels.gluon.dims import small_heads_block
+    monkeypatch.setattr(adapter, "gluon_call", _emulated_call)
+    q, kv, idx, sink = random_problem(rng, T=10, H=H, D=D, K=K, dtype=jnp.float32, empty_rows=2)
+    idx = sanitize_indices(idx, kv.shape[1])
+    scale = 0.7 * D ** -0.5
+    do = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
+    dlse = jnp.asarray(rng.standard_normal(q.shape[:3]), jnp.float32)
+    o, lse = dense_oracle(q, kv, idx, sink, scale)
+    o, lse = jnp.asarray(o, jnp.float32), jnp.asarray(lse, jnp.float32)
+    dq, dkv, dsink = small_heads_dq.backward(q, kv, idx, sink, o, lse, do, dlse, scale=scale,
+                                             HN=small_heads_block(H), stages=2)
+    _, _, rdq, rdkv, rdsink = dense_oracle(q, kv, idx, sink, scale, do, dlse)
+    for what, got, want in (("dq", dq, rdq), ("dkv", dkv, rdkv), ("dsink", dsink, rdsink)):
+        assert got.shape == want.shape, (what, got.shape, want.shape)
+        assert_close(got, want, jnp.float32, factor=10, what=what)
+    jax.clear_caches()
+
+
+@pytest.mark.parametrize("HN,H,D", [(16, 16, 512), (32, 32, 512), (16, 8, 512), (32, 24, 512),
+                                    (16, 16, 128)])
+def test_small_heads_dq_kernel_compiles_sm90(HN, H, D):
+    """The few-heads dq kernel at its default rings (3 stages at HN = 16, 2 at 32 for D = 512):
+    inside shared memory (the estimate within 1 KiB), no spills, [S^T | dP^T] as one
+    m64n(2 HN) wgmma and dq^T as m64n(HN), no layout conversion through shared memory."""
+    from csa_jax.kernels.gluon import small_heads_dq
+    from csa_jax.kernels.gluon.dims import small_heads_shared_bytes, small_heads_stages
+    cfg = gluon.default_config((1, 64, H, D), None, None, jnp.bfloat16)
+    stages = small_heads_stages(D, HN, planes=2)
+    assert (cfg.bwd_block_k, cfg.bwd_stages) == (64, stages)
+    if D == 512:
+        assert stages == {16: 3, 32: 2}[HN]
+    c = adapter.compile_kernel(
+        small_heads_dq.csa_dq_small_heads_kernel, small_heads_dq.arg_types(),
+        small_heads_dq.constexprs(T=64, N=300, HN=HN, D=D, K=1152, stages=stages,
+                                  scale=D ** -0.5, H=H),
+        target="sm_90a", num_warps=small_heads_dq.NUM_WARPS)
+    r = adapter.resources(c, "sm_90a")
+    assert r["launch_problem"] is None, r
+    est = small_heads_shared_bytes(D, HN, stages, planes=2)
+    assert est <= r["shared"] <= min(est + 1024, adapter.SHARED_LIMIT["sm_90a"]), (r, est)
+    assert r.get("spill_stores", 0) == 0 and r.get("stack", 0) == 0, r
+    shapes = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16", c.asm["ptx"]))
+    assert shapes == {str(2 * HN), str(HN)}, shapes
+    assert "convert_layout" not in c.asm["ttgir"]
+
+
+def test_small_heads_dq_tiles_are_checked_by_name():
+    """bwd_block_k / bwd_stages the few-heads dq kernel cannot take are refused naming them."""
+    from csa_jax.kernels.gluon.config import Config
+    with pytest.raises(ValueError, match="bwd_block_k=32: the few-heads dq kernel"):
+        gluon._check_small_heads((1, 4, 16, 512), 16, Config(bwd_block_k=32), dq=True)
+    with pytest.raises(ValueError, match="bwd_stages=4: the few-heads dq kernel at D=512"):
+        gluon._check_small_heads((1, 4, 16, 512), 16, Config(bwd_block_k=64, bwd_stages=4),
+                                 dq=True)

@@ -8,8 +8,9 @@ run wgmma; ring.py holds what they share):
 - forward, NVIDIA Hopper: fwd.py (FlashMLA's alternating consumer warpgroups, 64 heads a
   program); at H <= 32 small_heads.py (the kv rows as wgmma's M, the heads as N); under the cr0
   promise with window 128, window.py (a block of 16 tokens copies its window once);
-- backward: bwd.py's dq kernel (it also writes scale*dS, P and [q; dO]), then dkv by a per-slot
-  GEMM in XLA and dkv.py's deterministic inverse-map gather-reduce; Config.bwd="pallas_triton"
+- backward: bwd.py's dq kernel (it also writes scale*dS, P and [q; dO]; at H <= 32
+  small_heads_dq.py, the kv rows as M), then dkv by a per-slot GEMM in XLA and dkv.py's
+  deterministic inverse-map gather-reduce; Config.bwd="pallas_triton"
   runs that impl's whole backward instead;
 - AMD (gfx942 / gfx950 / gfx1250): amd_fwd.py and amd_bwd.py, COMPILED FOR THOSE TARGETS ON A
   CPU, NEVER RUN (no AMD GPU was available: neither their numerics nor the ROCm launch path
@@ -28,7 +29,8 @@ from csa_jax.kernels.gluon.adapter import missing as _missing_triton
 from csa_jax.kernels.gluon.config import SMEM_BUDGET, Config
 from csa_jax.kernels.gluon.dims import (AMD_DEFAULTS, AMD_DQ_DEFAULTS, amd_arch, dq_tiles,
                                         fwd_shared_bytes, small_heads_block,
-                                        small_heads_shared_bytes, SMALL_HEADS_BUDGET)
+                                        small_heads_shared_bytes, small_heads_stages,
+                                        SMALL_HEADS_BUDGET)
 
 _GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 
@@ -53,7 +55,8 @@ def _amd():
 def default_config(q_shape, kv_shape, idx_shape, dtype, *, layout="generic", window=128,
                    pool_ratio=128) -> Config:
     """NVIDIA, H <= 32: the few-heads forward (small_heads.py) with the deepest ring of 64-row
-    tiles that fits (3 at H <= 16, 2 at H <= 32 for D = 512), and bwd="pallas_triton".
+    tiles that fits (3 at H <= 16, 2 at H <= 32 for D = 512), bwd="pallas_triton"; the
+    few-heads dq kernel's ring (small_heads_dq.py, bwd="gluon") likewise.
     NVIDIA, H > 32: block_k 64 and the deepest even ring that fits (4 for D <= 256, 2 at D = 512;
     block_k 32 if even 2 stages of 64 rows would not fit); the dq kernel's tiles from
     dims.dq_tiles (32 x 2 at D = 512). AMD: the per-target tiles of dims.AMD_DEFAULTS /
@@ -69,13 +72,11 @@ def default_config(q_shape, kv_shape, idx_shape, dtype, *, layout="generic", win
     bk, bs = dq_tiles(D) or (32, 2)
     hn = small_heads_block(q_shape[2])
     if hn:
-        # the few-heads forward (small_heads.py): the deepest ring that fits; the pallas_triton
-        # backward (faster than the dq kernel's 64-head padding at H <= 32: docs/small_heads.md)
-        stages = max((s for s in (4, 3, 2)
-                      if small_heads_shared_bytes(D, hn, s) <= SMALL_HEADS_BUDGET), default=0)
-        if stages:
-            return Config(block_k=64, stages=stages, bwd="pallas_triton", bwd_block_k=bk,
-                          bwd_stages=bs, **promise)
+        # the few-heads forward and dq kernel: the deepest rings that fit
+        stages, dq_stages = small_heads_stages(D, hn), small_heads_stages(D, hn, planes=2)
+        if stages and dq_stages:
+            return Config(block_k=64, stages=stages, bwd="pallas_triton", bwd_block_k=64,
+                          bwd_stages=dq_stages, **promise)
     for stages in (4, 2):
         if fwd_shared_bytes(D, 64, stages) <= SMEM_BUDGET:
             return Config(block_k=64, stages=stages, bwd_block_k=bk, bwd_stages=bs, **promise)
@@ -209,21 +210,32 @@ def forward(q, kv, idx, sink, *, scale, interpret, config):
     return _fwd.forward(q, kv, idx, sink, scale=float(scale), config=config)
 
 
-def _check_small_heads(q_shape, hn, config):
+def _check_small_heads(q_shape, hn, config, dq=False):
+    """The few-heads forward's (block_k, stages) or, with dq, the few-heads dq kernel's
+    (bwd_block_k, bwd_stages): 64-row tiles, a ring within SMALL_HEADS_BUDGET."""
     H, D = q_shape[2], q_shape[3]
-    if config.block_k != 64:
-        raise ValueError(f"block_k={config.block_k}: the few-heads forward (H={H} <= 32) takes "
+    what, pre = ("dq kernel", "bwd_") if dq else ("forward", "")
+    block_k, stages = ((config.bwd_block_k, config.bwd_stages) if dq
+                       else (config.block_k, config.stages))
+    if block_k != 64:
+        raise ValueError(f"{pre}block_k={block_k}: the few-heads {what} (H={H} <= 32) takes "
                          f"64-row tiles (the wgmma M dimension)")
-    need = small_heads_shared_bytes(D, hn, config.stages)
+    need = small_heads_shared_bytes(D, hn, stages, planes=2 if dq else 1)
     if need > SMALL_HEADS_BUDGET:
-        raise ValueError(f"stages={config.stages}: the few-heads forward at D={D}, {hn} heads "
+        raise ValueError(f"{pre}stages={stages}: the few-heads {what} at D={D}, {hn} heads "
                          f"needs {need} B of shared memory, over {SMALL_HEADS_BUDGET}")
 
 
 def backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, interpret, config):
-    """(dq, dkv, dsink): Config.bwd picks the Gluon dq kernel + dkv path or the pallas_triton
-    backward."""
+    """(dq, dkv, dsink): Config.bwd picks the Gluon dq kernel (NVIDIA at H <= 32 the
+    few-heads one, small_heads_dq.py) + dkv path or the pallas_triton backward."""
     _check(q, kv, idx, interpret)
+    hn = small_heads_block(q.shape[2])
+    if config.bwd == "gluon" and hn and not _amd():
+        from csa_jax.kernels.gluon import small_heads_dq as _sdq
+        _check_small_heads(q.shape, hn, config, dq=True)
+        return _sdq.backward(q, kv, idx, sink, o, lse, do, dlse, scale=float(scale), HN=hn,
+                             stages=config.bwd_stages)
     if config.bwd == "gluon":
         from csa_jax.kernels.gluon import bwd as _bwd
         return _bwd.backward(q, kv, idx, sink, o, lse, do, dlse, scale=float(scale),

@@ -33,11 +33,13 @@ class Config:
         runs the window kernel (window.py, which does not read idx; a concrete idx is checked
         first, a traced one inside: tokens that break the promise get NaN); the others run the
         gather kernel.
-    bwd: "gluon" (the dq kernel of bwd.py, dkv by the deterministic per-slot GEMM and
-        inverse-map reduce) or "pallas_triton" (that impl's whole backward on this forward's
-        (o, lse): the escape hatch).
+    bwd: "gluon" (the dq kernel of bwd.py, at H <= 32 on NVIDIA the few-heads one of
+        small_heads_dq.py; dkv by the deterministic per-slot GEMM and inverse-map reduce) or
+        "pallas_triton" (that impl's whole backward on this forward's (o, lse): the escape
+        hatch).
     bwd_block_k, bwd_stages: the dq kernel's ring tile rows (16, 32, 64) and depth (1..4):
-        32 x 2 at D = 512.
+        32 x 2 at D = 512; the few-heads dq kernel takes 64-row tiles (3 stages at H <= 16,
+        2 at H <= 32 for D = 512).
     """
 
     block_k: int = 64

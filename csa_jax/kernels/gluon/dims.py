@@ -28,12 +28,22 @@ def small_heads_block(H):
     return 16 if H <= 16 else 32 if H <= 32 else None
 
 
-def small_heads_shared_bytes(D, HN, stages, block_k=64, itemsize=2):
-    """Shared memory of the few-heads forward's buffers (small_heads.py): q [HN, D], the ring,
-    P^T [block_k, HN]; the compiler adds under 1 KiB (its cross-warp max, measured 348 - 604 B:
-    SMALL_HEADS_BUDGET)."""
+def small_heads_shared_bytes(D, HN, stages, block_k=64, itemsize=2, planes=1):
+    """Shared memory of the few-heads kernels' buffers: q [HN, D] (planes = 1, the forward,
+    small_heads.py) or [q; dO] [2 HN, D] (planes = 2, the dq kernel, small_heads_dq.py), the
+    ring, P^T or dS^T [block_k, HN]; the compiler adds under 1 KiB (the forward's cross-warp
+    max, measured 348 - 604 B; the dq kernel's barriers, 252 B: SMALL_HEADS_BUDGET)."""
     Dp = padded_dims(HB, D, block_k, block_k)[1]
-    return (HN + stages * block_k) * Dp * itemsize + block_k * HN * itemsize
+    return (planes * HN + stages * block_k) * Dp * itemsize + block_k * HN * itemsize
+
+
+def small_heads_stages(D, HN, planes=1):
+    """The deepest ring (4, 3 or 2 stages of 64 rows) of a few-heads kernel that fits
+    SMALL_HEADS_BUDGET; 0 if none does. D = 512: the forward 3 at HN = 16, 2 at 32; the dq
+    kernel the same."""
+    return max((s for s in (4, 3, 2)
+                if small_heads_shared_bytes(D, HN, s, planes=planes) <= SMALL_HEADS_BUDGET),
+               default=0)
 
 
 SMALL_HEADS_BUDGET = SMEM_LIMIT - 1024   # the few-heads forward's buffers (+ < 1 KiB scratch)

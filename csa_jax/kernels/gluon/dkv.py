@@ -18,7 +18,8 @@ import jax
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-__all__ = ["csa_dkv_reduce_kernel", "reduce_rows", "dkv_dsink", "arg_types", "constexprs"]
+__all__ = ["csa_dkv_reduce_kernel", "reduce_rows", "dkv_dsink", "dkv_dsink_slot_major",
+           "arg_types", "constexprs"]
 
 
 @gluon.jit
@@ -98,7 +99,7 @@ def dkv_dsink(dsp, qdo_st, q_p, do_p, idx_p, d, kv_dtype, sink, lse, dc, *, idx_
     (interpret_reduce: its interpreter, for the CPU test of the wrapper)."""
     import jax.numpy as jnp
     from csa_jax.kernels.triton import default_config as pt_default_config
-    from csa_jax.kernels.triton.backward import _interm_gemm, _inverse_map, _reduce_call
+    from csa_jax.kernels.triton.backward import _interm_gemm, _reduce_call
     B, T, Hp, Dp, Kp = d.B, d.T, d.Hp, d.Dp, d.Kp
     dt = dsp.dtype                                   # q.dtype
     if qdo_st is not None:
@@ -107,11 +108,39 @@ def dkv_dsink(dsp, qdo_st, q_p, do_p, idx_p, d, kv_dtype, sink, lse, dc, *, idx_
                                        qdo_st.reshape(B, T, 2 * Hp, Dp),
                                        (((2,), (2,)), ((0, 1), (0, 1))),
                                        preferred_element_type=dt)
-        offsets, perm = _inverse_map(idx_p, d.N)
-        dkv = reduce_rows(offsets, perm, per_slot.reshape(B, T * Kp, Dp), kv_dtype)
+        dkv = _reduce_per_slot(per_slot, idx_p, d.N, kv_dtype)
     else:
         ptc = pt_default_config((B, T, d.H, d.D), (B, d.N, d.D), idx_shape, dt)
         per_slot = _interm_gemm(dsp.reshape(B, T, 2, Hp, Kp), q_p, do_p, None, dt)
         dkv = _reduce_call(d, ptc, interpret_reduce, idx_p, per_slot, kv_dtype)
-    w = jnp.exp(sink[None, None, :] - lse)
-    return dkv[:, :, :d.D], jnp.sum(w * dc, axis=(0, 1))
+    return dkv[:, :, :d.D], _dsink(sink, lse, dc)
+
+
+def _reduce_per_slot(per_slot, idx_p, N, kv_dtype):
+    """dkv [B, N, Dp] from per_slot [B, T, Kp, Dp] by this file's Gluon reduce over the inverse
+    map of idx_p [B, T, Kp]."""
+    from csa_jax.kernels.triton.backward import _inverse_map
+    B, T, Kp, Dp = per_slot.shape
+    offsets, perm = _inverse_map(idx_p, N)
+    return reduce_rows(offsets, perm, per_slot.reshape(B, T * Kp, Dp), kv_dtype)
+
+
+def _dsink(sink, lse, dc):
+    """dsink = sum_t exp(sink - lse) (dlse - delta): zero weight where sink = -inf."""
+    import jax.numpy as jnp
+    return jnp.sum(jnp.exp(sink[None, None, :] - lse) * dc, axis=(0, 1))
+
+
+def dkv_dsink_slot_major(dsp, q, do, idx_p, N, Dp, kv_dtype, sink, lse, dc):
+    """(dkv [B, N, D], dsink) from the few-heads dq kernel's dsp [B, T, Kp, 2, H]
+    (small_heads_dq.py: slot-major, scale * dS then P, the H real heads): the per-slot GEMM
+    interm[t] = dsp[t] [q; dO][t] (contracting plane and head, 2 H; XLA stacks [q; dO]), then
+    the Gluon reduce; dsink in XLA."""
+    import jax.numpy as jnp
+    from csa_jax.kernels.gluon.ring import _pad
+    D = q.shape[3]
+    qdo = _pad(jnp.stack([q, do.astype(q.dtype)], axis=2), 4, Dp)          # [B, T, 2, H, Dp]
+    per_slot = jax.lax.dot_general(dsp, qdo, (((3, 4), (2, 3)), ((0, 1), (0, 1))),
+                                   preferred_element_type=dsp.dtype)       # [B, T, Kp, Dp]
+    dkv = _reduce_per_slot(per_slot, idx_p, N, kv_dtype)
+    return dkv[:, :, :D], _dsink(sink, lse, dc)

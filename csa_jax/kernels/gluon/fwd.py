@@ -225,7 +225,7 @@ def _producer(q_ptr, kv_ptr, idx_ptr, ntiles_ptr, q_smem, ring, full, consumed, 
         # (row ids one tile ahead: two ahead was level or 1-2% slower here, heads_h200.md)
         _produce_row(q_ptr, kv_ptr, idx_ptr + tok.to(gl.int64) * K, q_smem, ring, full,
                      consumed, q_bar, q_free, row, n, base, tok // T, ntiles, N, D, K, BK,
-                     STAGES, HBC, HBC, PRE, 1)
+                     STAGES, HBC, HBC, PRE, 1, None)
         base += ntiles
         n += 1
 

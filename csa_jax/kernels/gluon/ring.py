@@ -46,22 +46,35 @@ PRODUCER_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [PRODUCER_WARPS.
 
 
 @gluon.jit
-def _load_q(q_ptr, q_smem, q_bar, row, D: gl.constexpr, HBC: gl.constexpr, HQ: gl.constexpr):
-    """q [HBC, D] of head block `row` into q_smem with cp.async, each producer thread arriving
-    on q_bar when its copies land. HQ = the heads q holds per row in memory (rows row*HQ .. of
-    the [B*T*HQ, D] view): HQ = HBC, or fewer (the few-heads kernel at H = 8 or 24: q is not
-    padded in memory; heads HQ .. HBC-1 are zero-filled in shared memory, never read)."""
+def _copy_heads(src_ptr, dst_smem, row, D: gl.constexpr, HBC: gl.constexpr, HQ: gl.constexpr):
+    """cp.async of head block `row` [HBC, D] of src (q or dO) into dst_smem. HQ = the heads src
+    holds per row in memory (rows row*HQ .. of the [B*T*HQ, D] view): HQ = HBC, or fewer (the
+    few-heads kernels at H = 8 or 24: q is not padded in memory; heads HQ .. HBC-1 are
+    zero-filled in shared memory)."""
     layout: gl.constexpr = PRODUCER_LAYOUT
     cols = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
     hrows = gl.arange(0, HBC, layout=gl.SliceLayout(1, layout))
     if HQ == HBC:
-        q_ptrs = q_ptr + (row * HBC + hrows).to(gl.int64)[:, None] * D + cols[None, :]
-        async_copy.async_copy_global_to_shared(q_smem, q_ptrs)
+        ptrs = src_ptr + (row * HBC + hrows).to(gl.int64)[:, None] * D + cols[None, :]
+        async_copy.async_copy_global_to_shared(dst_smem, ptrs)
     else:
         live = hrows < HQ
-        q_rows = row * HQ + gl.where(live, hrows, 0)
-        q_ptrs = q_ptr + q_rows.to(gl.int64)[:, None] * D + cols[None, :]
-        async_copy.async_copy_global_to_shared(q_smem, q_ptrs, mask=live[:, None])
+        rows = row * HQ + gl.where(live, hrows, 0)
+        ptrs = src_ptr + rows.to(gl.int64)[:, None] * D + cols[None, :]
+        async_copy.async_copy_global_to_shared(dst_smem, ptrs, mask=live[:, None])
+
+
+@gluon.jit
+def _load_q(q_ptr, q_smem, q_bar, row, D: gl.constexpr, HBC: gl.constexpr, HQ: gl.constexpr,
+            do_ptr):
+    """q [HBC, D] of head block `row` into q_smem with cp.async (_copy_heads), each producer
+    thread arriving on q_bar when its copies land. With do_ptr (the few-heads dq kernel,
+    small_heads_dq.py; None for the forwards) q_smem is [2*HBC, D]: q's rows, then dO's."""
+    if do_ptr is None:
+        _copy_heads(q_ptr, q_smem, row, D, HBC, HQ)
+    else:
+        _copy_heads(q_ptr, q_smem.slice(0, HBC), row, D, HBC, HQ)
+        _copy_heads(do_ptr, q_smem.slice(HBC, HBC), row, D, HBC, HQ)
     async_copy.mbarrier_arrive(q_bar, increment_count=False)
 
 
@@ -110,14 +123,15 @@ def _gather_tiles(kv_ptr, idx_ptr, ring, full, consumed, base, b, start, stop, i
 def _produce_row(q_ptr, kv_ptr, idx_tok, q_smem, ring, full, consumed, q_bar, q_free, row, n,
                  base, b, ntiles, N: gl.constexpr, D: gl.constexpr, K: gl.constexpr,
                  BK: gl.constexpr, STAGES: gl.constexpr, HBC: gl.constexpr,
-                 HQ: gl.constexpr, PRE: gl.constexpr, AHEAD: gl.constexpr):
+                 HQ: gl.constexpr, PRE: gl.constexpr, AHEAD: gl.constexpr, do_ptr):
     """A persistent producer's row n (head block `row`): the row's first PRE (<= STAGES) tiles
     (their stages free up as the previous row's last tiles are consumed), then q once the
     consumers released the previous row's (q_free, after their last read of it), then the
     other tiles (row ids AHEAD tiles ahead: _gather_tiles). So the next row's first tiles are
     in flight while the consumers finish this one, and q is not queued behind more than PRE
     tiles; no deadlock: every wait is for a release the consumers make with what they already
-    have. HQ: q's heads per row in memory (_load_q)."""
+    have. HQ: q's heads per row in memory (_copy_heads); do_ptr: dO's rows too (_load_q; None
+    for the forwards)."""
     pre = gl.minimum(ntiles, PRE)
     ids = _tile_ids(idx_tok, 0, K, BK)
     ids2 = ids
@@ -127,7 +141,7 @@ def _produce_row(q_ptr, kv_ptr, idx_tok, q_smem, ring, full, consumed, q_bar, q_
                               N, D, K, BK, STAGES, AHEAD)
     if n >= 1:
         mbarrier.wait(q_free, (n - 1) & 1)
-    _load_q(q_ptr, q_smem, q_bar, row, D, HBC, HQ)
+    _load_q(q_ptr, q_smem, q_bar, row, D, HBC, HQ, do_ptr)
     if AHEAD == 1:
         # reloaded after q: the order the 64-head kernel was measured with
         ids = _tile_ids(idx_tok, pre, K, BK)

@@ -128,7 +128,7 @@ def _producer(q_ptr, kv_ptr, idx_ptr, ntiles_ptr, q_smem, ring, full, consumed, 
     for row in range(gl.program_id(0), ROWS, gl.num_programs(0)):
         _, _, b, ntiles, idx_tok = _row_info(ntiles_ptr, idx_ptr, row, T, 1, K)
         _produce_row(q_ptr, kv_ptr, idx_tok, q_smem, ring, full, consumed, q_bar, q_free, row,
-                     n, base, b, ntiles, N, D, K, BK, STAGES, HN, H, STAGES, 2)
+                     n, base, b, ntiles, N, D, K, BK, STAGES, HN, H, STAGES, 2, None)
         base += ntiles
         n += 1
 
