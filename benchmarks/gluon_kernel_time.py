@@ -48,13 +48,12 @@ def _pipelined(fn, args, calls):
 
 
 def _kernel_fn(q, kv, idx, sink, scale, config):
-    """(jitted kernel-only function, its operands) of the Gluon forward: the gather kernel
-    (fwd.csa_fwd_kernel, or at H <= 32 small_heads.csa_fwd_small_heads_kernel) on
-    ring.prepare's operands, or under the cr0 promise window.forward
+    """(jitted kernel-only function, its operands) of the Gluon forward: the gather kernel's
+    launch on its prepared operands (fwd.kernel_call, or at H <= 32 small_heads.kernel_call),
+    or under the cr0 promise window.forward
     on a precomputed all-good `bad` (the jitted forward computes it from idx:
     layouts.violations)."""
-    from csa_jax.kernels.gluon import fwd, ring, small_heads
-    from csa_jax.kernels.gluon.adapter import gluon_call
+    from csa_jax.kernels.gluon import fwd, small_heads
     from csa_jax.kernels.gluon.dims import small_heads_block
     if config.runs_window_kernel(q.shape[2]):
         from csa_jax.kernels.gluon import window
@@ -64,21 +63,12 @@ def _kernel_fn(q, kv, idx, sink, scale, config):
         return fn, jax.block_until_ready((q, kv, sink, bad))
     hn = small_heads_block(q.shape[2])
     if hn:                        # H <= 32: the few-heads kernel (small_heads.py)
-        mod, bk = small_heads, small_heads.BLOCK_K
-        kernel, name = small_heads.csa_fwd_small_heads_kernel, "csa_gluon_fwd_small_heads"
+        launch, operands, _ = small_heads.kernel_call(q, kv, idx, sink, scale=scale, HN=hn,
+                                                      stages=config.stages)
     else:
-        mod, bk, kernel, name = fwd, config.block_k, fwd.csa_fwd_kernel, "csa_gluon_fwd"
-    # (the few-heads kernel takes q with its H heads unpadded: small_heads.forward)
-    q_p, kv_p, idx_p, ntiles, sink_p, dims = ring.prepare(q, kv, idx, sink, bk,
-                                                          hp=q.shape[2] if hn else None)
-    B, T, H, D, N, Hp, Dp, Kp, nhb = dims
-    shape = dict(HN=hn, H=H) if hn else dict(NHB=nhb)
-    consts = mod.constexprs(T=T, N=N, D=Dp, K=Kp, BK=bk, stages=config.stages, scale=scale,
-                            B=B, **shape)
-    fn = jax.jit(lambda *a: gluon_call(*a, kernel=kernel, out_shape=ring.out_shapes(q, dims),
-                                       grid=fwd.grid(consts["ROWS"]),
-                                       num_warps=mod.NUM_WARPS, name=name, **consts))
-    return fn, jax.block_until_ready((q_p, kv_p, idx_p, ntiles, sink_p))
+        launch, operands, _ = fwd.kernel_call(q, kv, idx, sink, scale=scale, config=config)
+    return jax.jit(launch), jax.block_until_ready(operands)
+
 
 def _errors(out, ref):
     """err_o, err_lse: max |a - b| / max |b| in f32 (the forward's outputs vs the reference's)."""

@@ -320,16 +320,24 @@ def grid(rows):
     return (min(rows, sm_count()),)
 
 
-def forward(q, kv, idx, sink, *, scale, config):
-    """o [B, T, H, D] (q.dtype), lse [B, T, H] f32 through csa_fwd_kernel (CUDA only)."""
+def kernel_call(q, kv, idx, sink, *, scale, config):
+    """(launch, operands, dims): launch(*operands) runs csa_fwd_kernel on the padded operands
+    (ring.prepare) and returns its padded (o, lse); forward() unpads them. A benchmark times
+    launch alone (benchmarks/gluon_kernel_time.py)."""
+    import functools
     from csa_jax.kernels.gluon.adapter import gluon_call
     bk = config.block_k
     q_p, kv_p, idx_p, ntiles, sink_p, dims = prepare(q, kv, idx, sink, bk)
     B, T, H, D, N, Hp, Dp, Kp, nhb = dims
     consts = constexprs(T=T, N=N, NHB=nhb, D=Dp, K=Kp, BK=bk, stages=config.stages,
                         scale=scale, B=B)
-    o, lse = gluon_call(q_p, kv_p, idx_p, ntiles, sink_p, kernel=csa_fwd_kernel,
-                        out_shape=out_shapes(q, dims),
-                        grid=grid(consts["ROWS"]), num_warps=NUM_WARPS,
-                        name="csa_gluon_fwd", **consts)
-    return unpad(o, lse, dims)
+    launch = functools.partial(gluon_call, kernel=csa_fwd_kernel, out_shape=out_shapes(q, dims),
+                               grid=grid(consts["ROWS"]), num_warps=NUM_WARPS,
+                               name="csa_gluon_fwd", **consts)
+    return launch, (q_p, kv_p, idx_p, ntiles, sink_p), dims
+
+
+def forward(q, kv, idx, sink, *, scale, config):
+    """o [B, T, H, D] (q.dtype), lse [B, T, H] f32 through csa_fwd_kernel (CUDA only)."""
+    launch, operands, dims = kernel_call(q, kv, idx, sink, scale=scale, config=config)
+    return unpad(*launch(*operands), dims)

@@ -185,21 +185,31 @@ def constexprs(*, T, N, HN, D, K, BK, stages, scale, B=1, H=None):
                 QK_SCALE=float(scale) * LOG2E, CONSUMER_REGS=CONSUMER_REGS)
 
 
-def forward(q, kv, idx, sink, *, scale, HN, stages):
-    """o [B, T, H, D] (q.dtype), lse [B, T, H] f32 through csa_fwd_small_heads_kernel (CUDA
-    only, H <= HN, HN = 16 or 32)."""
+def kernel_call(q, kv, idx, sink, *, scale, HN, stages):
+    """(launch, operands, dims): launch(*operands) runs csa_fwd_small_heads_kernel on the
+    prepared operands (heads not padded in memory: hp = H; the kernel pads them in shared
+    memory) and returns the padded (o, lse); forward() unpads them. A benchmark times launch
+    alone (benchmarks/gluon_kernel_time.py)."""
+    import functools
     from csa_jax.kernels.gluon.adapter import gluon_call
     from csa_jax.kernels.gluon.fwd import grid
-    from csa_jax.kernels.gluon.ring import out_shapes, prepare, unpad
-    if q.shape[2] > HN:
-        raise ValueError(f"the few-heads forward takes H <= HN={HN}, got H={q.shape[2]}")
-    # Heads are not padded in memory (hp = H): the kernel pads them in shared memory.
+    from csa_jax.kernels.gluon.ring import out_shapes, prepare
     H = q.shape[2]
+    if H > HN:
+        raise ValueError(f"the few-heads forward takes H <= HN={HN}, got H={H}")
     q_p, kv_p, idx_p, ntiles, sink_p, dims = prepare(q, kv, idx, sink, BLOCK_K, hp=H)
     B, T, _, _, N, _, Dp, Kp, _ = dims
     consts = constexprs(T=T, N=N, HN=HN, D=Dp, K=Kp, BK=BLOCK_K, stages=stages, scale=scale,
                         B=B, H=H)
-    o, lse = gluon_call(q_p, kv_p, idx_p, ntiles, sink_p, kernel=csa_fwd_small_heads_kernel,
-                        out_shape=out_shapes(q, dims), grid=grid(consts["ROWS"]),
-                        num_warps=NUM_WARPS, name="csa_gluon_fwd_small_heads", **consts)
-    return unpad(o, lse, dims)
+    launch = functools.partial(gluon_call, kernel=csa_fwd_small_heads_kernel,
+                               out_shape=out_shapes(q, dims), grid=grid(consts["ROWS"]),
+                               num_warps=NUM_WARPS, name="csa_gluon_fwd_small_heads", **consts)
+    return launch, (q_p, kv_p, idx_p, ntiles, sink_p), dims
+
+
+def forward(q, kv, idx, sink, *, scale, HN, stages):
+    """o [B, T, H, D] (q.dtype), lse [B, T, H] f32 through csa_fwd_small_heads_kernel (CUDA
+    only, H <= HN, HN = 16 or 32)."""
+    from csa_jax.kernels.gluon.ring import unpad
+    launch, operands, dims = kernel_call(q, kv, idx, sink, scale=scale, HN=HN, stages=stages)
+    return unpad(*launch(*operands), dims)
