@@ -25,9 +25,8 @@ install csa_jax[<extra>]" instead of failing at import time.
 
 What "auto" tries, in order (each candidate must list the platform in its `auto` and accept the
 problem in its unsupported(), the capability check; "xla" when none does): on GPUs the row of
-AUTO_GPU for the problem's head-count bucket and head dim, and where the layer types disagree
-its slot count (the measured-faster kernel first; auto_order()), elsewhere the registration
-order.
+AUTO_GPU for the problem's head-count bucket and head dim (the measured-faster kernel first;
+auto_order()), elsewhere the registration order.
 
 An `Impl` is a frozen dataclass, hashable: the op passes the resolved impl itself as the static
 argument of the custom_vjp, so the name is looked up once per call.
@@ -214,17 +213,23 @@ register(Impl("gluon", "csa_jax.kernels.gluon", platforms=("gpu",), auto=("gpu",
 register(Impl("pallas_triton", triton, platforms=triton.PLATFORMS, auto=("gpu",)))
 # ------------------------------------------------------------------------------
 
-# impl="auto" on GPUs: (head-count bucket, D) -> the impls to try, the measured-faster first,
-# or, where the layer types disagree, {slot class: impls} (slot_class: "window" for K <= 128
-# slots, a cr0 layer's list; "pool" above, cr4 / cr128). The bucket is the head count the
+# impl="auto" on GPUs: (head-count bucket, D) -> the impls to try, the measured-faster first
+# (on every V4 layer type: until the few-heads dq kernel became gluon's default backward on
+# 2026-12-07 the row of 16 split window lists, where pallas_triton was first, from pool lists
+# by the slot count K). The bucket is the head count the
 # kernels run at (heads_bucket: pallas_triton pads H to a power of two >= 16, above 64 to a
 # multiple of 64; gluon to 16 / 32 up to 32 heads, above to a multiple of 64), so H = 12 uses
 # the row of 16 and H = 96 that of 64. Measured on the H200 (bf16, B = 1, T = 16384, D = 512;
 # wall clock per call, median of 5-7; step = forward + backward with both cotangents;
 # docs/perf/heads_h200.md) and, where a row says so, on an H100 (device time per call;
-# docs/perf/heads_h100.md). At H <= 32 gluon's default backward IS pallas_triton's
-# (Config.bwd), so the two differ by their forwards only: gluon's few-heads forward
-# (small_heads.py) against pallas_triton's, same call, 2026-12-02 at c1a4b0e.
+# docs/perf/heads_h100.md). Until 2026-12-07 gluon's backward at H <= 32 was pallas_triton's,
+# so the two differed by their forwards only (gluon's few-heads forward against pallas_triton's,
+# same call, 2026-12-02 at c1a4b0e); since, gluon runs its few-heads dq kernel
+# (small_heads_dq.py, 4649f34), which made its step faster at every H and layer type timed (H100,
+# 2026-12-07, same calls, device time per call, T = 16384, step with pallas_triton's / the new
+# backward: Pro cr4 H = 8 25.90 / 21.03, 16 25.57 / 22.45, 32 28.03 / 27.71; at H = 16 Pro
+# cr0 4.32 / 4.05, cr128 6.99 / 6.39, Flash cr0 4.30 / 4.02, cr4 15.40 / 13.58, cr128 7.00 /
+# 6.40).
 AUTO_GPU = {
     # H = 8 (H100, 2026-12-07, same call, device time per call, T = 16384, fwd ms pallas_triton
     # / gluon at 585f009, whose few-heads forward no longer pads q / slices o in memory): Pro
@@ -238,8 +243,12 @@ AUTO_GPU = {
     # 3.41 / 3.21, Flash cr4 1.97 / 1.88 (gluon 1.05-1.06x), Pro cr128 0.839 / 0.843, Flash
     # cr128 0.829 / 0.838 (level: 0.5-1%, inside the processes' spread); the step differs by
     # the forward only: gluon on pool lists. Window lists again on an H100 (2026-12-07, same
-    # call): cr0 0.57 / 0.60 on Pro and Flash alike: pallas_triton still 5% faster.
-    (16, 512): {"window": ("pallas_triton", "gluon"), "pool": ("gluon", "pallas_triton")},
+    # call): cr0 fwd 0.57 / 0.60 on Pro and Flash alike: pallas_triton's forward 5% faster,
+    # but gluon's step with its own backward (4.02-4.05 ms) is 0.25-0.27 ms under its step
+    # with pallas_triton's backward (4.30-4.32), which pallas_triton's whole step undercuts by
+    # its forward's 0.03 ms only (an inference across two calls on H100s, not one call):
+    # gluon on every layer type.
+    (16, 512): ("gluon", "pallas_triton"),
     # H = 32: Pro cr4 5.70 / 5.00, Flash cr4 3.48 / 3.12, Pro cr128 1.64 / 1.48 (gluon
     # 1.11-1.14x), Pro cr4 step 26.13 / 25.20 (H200, c1a4b0e). Window lists on an H100
     # (2026-12-07, same call, device time per call): cr0 0.94 / 0.83 on Pro and Flash alike
@@ -249,7 +258,6 @@ AUTO_GPU = {
     # H >= 64: Pro cr4 step H = 64 39.93 / 28.14, H = 128 69.10 / 46.75: gluon.
     (64, 512): ("gluon", "pallas_triton"),
 }
-WINDOW_SLOTS = 128        # slot_class: lists this short are a window layer's (cr0)
 # A head dim without a row: pallas_triton only (gluon is measured at D = 512 only; pallas_triton
 # at the `small` preset's D = 128 too, docs/perf/train_h200.md).
 AUTO_GPU_OTHER_D = ("pallas_triton",)
@@ -263,20 +271,12 @@ def heads_bucket(H: int) -> int:
     return 64
 
 
-def slot_class(idx_shape) -> str:
-    """AUTO_GPU's slot class of idx [B, T, K]: "window" for K <= WINDOW_SLOTS (a cr0 layer's
-    list), else (or without a shape) "pool"."""
-    return "window" if idx_shape is not None and idx_shape[-1] <= WINDOW_SLOTS else "pool"
-
-
-def auto_order(platform: str, q_shape, idx_shape=None) -> tuple[str, ...]:
-    """The impl names "auto" tries on `platform` for q [B, T, H, D] and idx [B, T, K], in order
-    (xla excluded: it is the fallback): AUTO_GPU's row on GPUs (by slot_class where the row has
-    one per class), the registration order elsewhere."""
+def auto_order(platform: str, q_shape) -> tuple[str, ...]:
+    """The impl names "auto" tries on `platform` for q [B, T, H, D], in order (xla excluded: it
+    is the fallback): AUTO_GPU's row on GPUs, the registration order elsewhere."""
     if platform == "gpu":
         H, D = q_shape[2], q_shape[3]
-        row = AUTO_GPU.get((heads_bucket(H), D), AUTO_GPU_OTHER_D)
-        return row[slot_class(idx_shape)] if isinstance(row, dict) else row
+        return AUTO_GPU.get((heads_bucket(H), D), AUTO_GPU_OTHER_D)
     return tuple(n for n, impl in REGISTRY.items() if platform in impl.auto)
 
 
@@ -311,13 +311,13 @@ def get(name: str) -> Impl:
 def resolve(impl, q_shape, kv_shape, idx_shape, dtype, platform: str) -> Impl:
     """The Impl to run: the requested one (ValueError / NotImplementedError / ImplUnavailable if
     it cannot run: an explicit request never falls back), or for "auto" the first impl of
-    auto_order(platform, q_shape, idx_shape) whose `auto` lists `platform` and whose
+    auto_order(platform, q_shape) whose `auto` lists `platform` and whose
     unsupported() accepts the problem, else xla."""
     if impl != "auto":
         found = get(impl)
         found.mod                                  # ImplUnavailable if it cannot be imported
         return found
-    for name in auto_order(platform, q_shape, idx_shape):
+    for name in auto_order(platform, q_shape):
         cand = REGISTRY[name]
         if platform in cand.auto and cand.unsupported(q_shape, kv_shape, idx_shape,
                                                       dtype) is None:

@@ -294,7 +294,7 @@ def test_small_heads_dq_kernel_compiles_sm90(HN, H, D):
     from csa_jax.kernels.gluon.dims import small_heads_shared_bytes, small_heads_stages
     cfg = gluon.default_config((1, 64, H, D), None, None, jnp.bfloat16)
     stages = small_heads_stages(D, HN, planes=2)
-    assert (cfg.bwd_block_k, cfg.bwd_stages) == (64, stages)
+    assert (cfg.bwd, cfg.bwd_block_k, cfg.bwd_stages) == ("gluon", 64, stages)
     if D == 512:
         assert stages == {16: 3, 32: 2}[HN]
     c = adapter.compile_kernel(

@@ -54,9 +54,10 @@ def _amd():
 
 def default_config(q_shape, kv_shape, idx_shape, dtype, *, layout="generic", window=128,
                    pool_ratio=128) -> Config:
-    """NVIDIA, H <= 32: the few-heads forward (small_heads.py) with the deepest ring of 64-row
-    tiles that fits (3 at H <= 16, 2 at H <= 32 for D = 512), bwd="pallas_triton"; the
-    few-heads dq kernel's ring (small_heads_dq.py, bwd="gluon") likewise.
+    """NVIDIA, H <= 32: the few-heads forward (small_heads.py) and dq kernel
+    (small_heads_dq.py), each with the deepest ring of 64-row tiles that fits (3 at H <= 16,
+    2 at H <= 32 for D = 512); the step 1.01-1.23x faster than with pallas_triton's backward
+    (H100, Pro cr4 H = 8 / 16 / 32 and every layer type at 16: docs/perf/heads_h100.md).
     NVIDIA, H > 32: block_k 64 and the deepest even ring that fits (4 for D <= 256, 2 at D = 512;
     block_k 32 if even 2 stages of 64 rows would not fit); the dq kernel's tiles from
     dims.dq_tiles (32 x 2 at D = 512). AMD: the per-target tiles of dims.AMD_DEFAULTS /
@@ -75,8 +76,8 @@ def default_config(q_shape, kv_shape, idx_shape, dtype, *, layout="generic", win
         # the few-heads forward and dq kernel: the deepest rings that fit
         stages, dq_stages = small_heads_stages(D, hn), small_heads_stages(D, hn, planes=2)
         if stages and dq_stages:
-            return Config(block_k=64, stages=stages, bwd="pallas_triton", bwd_block_k=64,
-                          bwd_stages=dq_stages, **promise)
+            return Config(block_k=64, stages=stages, bwd_block_k=64, bwd_stages=dq_stages,
+                          **promise)
     for stages in (4, 2):
         if fwd_shared_bytes(D, 64, stages) <= SMEM_BUDGET:
             return Config(block_k=64, stages=stages, bwd_block_k=bk, bwd_stages=bs, **promise)
