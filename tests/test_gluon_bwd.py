@@ -240,8 +240,16 @@ def test_wrapper_against_dense_oracle(rng, monkeypatch, H, D, K, bk, amd):
     GEMM, the inverse map and the Gluon reduce (NVIDIA), dsink; amd: the ROCm route
     (amd_bwd.csa_dq_amd_kernel, same contract; the Pallas Triton GEMM + reduce in its
     interpreter; never run on a GPU)."""
-    from csa_jax.common import sanitize_indices
     monkeypatch.setattr(adapter, "gluon_call", _emulated_call)
+    _check_against_oracle(rng, H, D, K, lambda *a, scale: bwd.backward(
+        *a, scale=scale, block_k=bk, stages=2, amd=amd, interpret_reduce=True))
+
+
+def _check_against_oracle(rng, H, D, K, backward):
+    """backward(q, kv, idx, sink, o, lse, do, dlse, scale=) on a random float32 problem (T = 10,
+    two empty tokens, sanitized -1 slots, both cotangents) against the float64 dense oracle;
+    then the jit caches are cleared (an emulated kernel must not stay in a backward's cache)."""
+    from csa_jax.common import sanitize_indices
     q, kv, idx, sink = random_problem(rng, T=10, H=H, D=D, K=K, dtype=jnp.float32, empty_rows=2)
     idx = sanitize_indices(idx, kv.shape[1])
     scale = 0.7 * D ** -0.5
@@ -249,13 +257,12 @@ def test_wrapper_against_dense_oracle(rng, monkeypatch, H, D, K, bk, amd):
     dlse = jnp.asarray(rng.standard_normal(q.shape[:3]), jnp.float32)
     o, lse = dense_oracle(q, kv, idx, sink, scale)
     o, lse = jnp.asarray(o, jnp.float32), jnp.asarray(lse, jnp.float32)
-    dq, dkv, dsink = bwd.backward(q, kv, idx, sink, o, lse, do, dlse, scale=scale, block_k=bk,
-                                  stages=2, amd=amd, interpret_reduce=True)
+    dq, dkv, dsink = backward(q, kv, idx, sink, o, lse, do, dlse, scale=scale)
     _, _, rdq, rdkv, rdsink = dense_oracle(q, kv, idx, sink, scale, do, dlse)
     for what, got, want in (("dq", dq, rdq), ("dkv", dkv, rdkv), ("dsink", dsink, rdsink)):
         assert got.shape == want.shape, (what, got.shape, want.shape)
         assert_close(got, want, jnp.float32, factor=10, what=what)
-    jax.clear_caches()          # the emulated kernel must not stay in bwd.backward's jit cache
+    jax.clear_caches()
     assert np.isfinite(np.asarray(dkv)).all()
 
 
@@ -264,24 +271,11 @@ def test_small_heads_wrapper_against_dense_oracle(rng, monkeypatch, H, D, K):
     """small_heads_dq.backward's plumbing with the kernels emulated: q / dO / lse unpadded in
     heads (H < HN = 16 / 32), D padded to 64, K to the 64-row tile, the slot-major dsp and its
     per-slot GEMM, delta in XLA, the inverse map and the Gluon reduce, dsink."""
-    from csa_jax.common import sanitize_indices
     from csa_jax.kernels.gluon import small_heads_dq
     from csa_jax.kernels.gluon.dims import small_heads_block
     monkeypatch.setattr(adapter, "gluon_call", _emulated_call)
-    q, kv, idx, sink = random_problem(rng, T=10, H=H, D=D, K=K, dtype=jnp.float32, empty_rows=2)
-    idx = sanitize_indices(idx, kv.shape[1])
-    scale = 0.7 * D ** -0.5
-    do = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
-    dlse = jnp.asarray(rng.standard_normal(q.shape[:3]), jnp.float32)
-    o, lse = dense_oracle(q, kv, idx, sink, scale)
-    o, lse = jnp.asarray(o, jnp.float32), jnp.asarray(lse, jnp.float32)
-    dq, dkv, dsink = small_heads_dq.backward(q, kv, idx, sink, o, lse, do, dlse, scale=scale,
-                                             HN=small_heads_block(H), stages=2)
-    _, _, rdq, rdkv, rdsink = dense_oracle(q, kv, idx, sink, scale, do, dlse)
-    for what, got, want in (("dq", dq, rdq), ("dkv", dkv, rdkv), ("dsink", dsink, rdsink)):
-        assert got.shape == want.shape, (what, got.shape, want.shape)
-        assert_close(got, want, jnp.float32, factor=10, what=what)
-    jax.clear_caches()
+    _check_against_oracle(rng, H, D, K, lambda *a, scale: small_heads_dq.backward(
+        *a, scale=scale, HN=small_heads_block(H), stages=2))
 
 
 @pytest.mark.parametrize("HN,H,D", [(16, 16, 512), (32, 32, 512), (16, 8, 512), (32, 24, 512),

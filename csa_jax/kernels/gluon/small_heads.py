@@ -54,6 +54,19 @@ BLOCK_K = 64                  # tile rows = wgmma M
 
 
 @gluon.jit
+def _next_tile(g, i, idx_tok, krows, ring, full, BK: gl.constexpr, STAGES: gl.constexpr):
+    """(stage, row ids, ring tile) of a token's tile i, number g of the program's tile stream:
+    its ids loaded (into krows' layout) before the wait for its copies, which are then made
+    visible to wgmma."""
+    s = g % STAGES
+    ids = gl.load(idx_tok + i * BK + krows)
+    tile = ring.index(s)
+    mbarrier.wait(full.index(s), (g // STAGES) & 1)
+    fence_async_shared()                  # cp.async (generic proxy) -> wgmma
+    return s, ids, tile
+
+
+@gluon.jit
 def _consumer(idx_ptr, ntiles_ptr, sink_ptr, o_ptr, lse_ptr, q_smem, ring, pt_smem, full,
               consumed, q_bar, q_free, T: gl.constexpr, K: gl.constexpr, ROWS: gl.constexpr,
               D: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, HN: gl.constexpr,
@@ -78,12 +91,7 @@ def _consumer(idx_ptr, ntiles_ptr, sink_ptr, o_ptr, lse_ptr, q_smem, ring, pt_sm
         acc = gl.zeros([D, HN], gl.float32, layout)
         mbarrier.wait(q_bar, n & 1)
         for i in range(ntiles):
-            g = base + i
-            s = g % STAGES
-            ids = gl.load(idx_tok + i * BK + krows)
-            tile = ring.index(s)
-            mbarrier.wait(full.index(s), (g // STAGES) & 1)
-            fence_async_shared()                  # cp.async (generic proxy) -> wgmma
+            s, ids, tile = _next_tile(base + i, i, idx_tok, krows, ring, full, BK, STAGES)
             sc = warpgroup_mma(tile, q_t, s_zero, use_acc=False, is_async=True)
             sc = warpgroup_mma_wait(0, deps=[sc])
             sc = gl.where((ids >= 0)[:, None], sc * QK_SCALE, float("-inf"))
@@ -122,15 +130,39 @@ def _consumer(idx_ptr, ntiles_ptr, sink_ptr, o_ptr, lse_ptr, q_smem, ring, pt_sm
 def _producer(q_ptr, kv_ptr, idx_ptr, ntiles_ptr, q_smem, ring, full, consumed, q_bar, q_free,
               T: gl.constexpr, N: gl.constexpr, D: gl.constexpr, K: gl.constexpr,
               ROWS: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, HN: gl.constexpr,
-              H: gl.constexpr):
+              H: gl.constexpr, do_ptr):
+    """The few-heads kernels' producer (ring._produce_row per token); do_ptr: the dq kernel's
+    dO, copied beside q (None for the forward)."""
     base = 0
     n = 0
     for row in range(gl.program_id(0), ROWS, gl.num_programs(0)):
         _, _, b, ntiles, idx_tok = _row_info(ntiles_ptr, idx_ptr, row, T, 1, K)
         _produce_row(q_ptr, kv_ptr, idx_tok, q_smem, ring, full, consumed, q_bar, q_free, row,
-                     n, base, b, ntiles, N, D, K, BK, STAGES, HN, H, STAGES, 2, None)
+                     n, base, b, ntiles, N, D, K, BK, STAGES, HN, H, STAGES, 2, do_ptr)
         base += ntiles
         n += 1
+
+
+@gluon.jit
+def _ring_buffers(dtype: gl.constexpr, D: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
+                  HN: gl.constexpr):
+    """The few-heads kernels' ring [STAGES, BK, D], their [BK, HN] product operand (P^T or
+    dS^T) and the initialized barriers (full, consumed, q_bar, q_free): allocated after the
+    kernel's q (or [q; dO]) buffer."""
+    ring = gl.allocate_shared_memory(dtype, [STAGES, BK, D],
+                                     gl.NVMMASharedLayout.get_default_for([BK, D], dtype))
+    pt_smem = gl.allocate_shared_memory(dtype, [BK, HN],
+                                        gl.NVMMASharedLayout.get_default_for([BK, HN], dtype))
+    full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    consumed = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=PRODUCER_WARPS * 32)
+    mbarrier.init(q_free, count=1)
+    for s in gl.static_range(STAGES):
+        mbarrier.init(full.index(s), count=PRODUCER_WARPS * 32)
+        mbarrier.init(consumed.index(s), count=1)
+    return ring, pt_smem, full, consumed, q_bar, q_free
 
 
 @gluon.jit
@@ -146,22 +178,10 @@ def csa_fwd_small_heads_kernel(q_ptr, kv_ptr, idx_ptr, ntiles_ptr, sink_ptr, o_p
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     q_smem = gl.allocate_shared_memory(dtype, [HN, D],
                                        gl.NVMMASharedLayout.get_default_for([HN, D], dtype))
-    ring = gl.allocate_shared_memory(dtype, [STAGES, BK, D],
-                                     gl.NVMMASharedLayout.get_default_for([BK, D], dtype))
-    pt_smem = gl.allocate_shared_memory(dtype, [BK, HN],
-                                        gl.NVMMASharedLayout.get_default_for([BK, HN], dtype))
-    full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    consumed = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    q_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=PRODUCER_WARPS * 32)
-    mbarrier.init(q_free, count=1)
-    for s in gl.static_range(STAGES):
-        mbarrier.init(full.index(s), count=PRODUCER_WARPS * 32)
-        mbarrier.init(consumed.index(s), count=1)
+    ring, pt_smem, full, consumed, q_bar, q_free = _ring_buffers(dtype, D, BK, STAGES, HN)
     gl.warp_specialize([
         (_producer, (q_ptr, kv_ptr, idx_ptr, ntiles_ptr, q_smem, ring, full, consumed, q_bar,
-                     q_free, T, N, D, K, ROWS, BK, STAGES, HN, H)),
+                     q_free, T, N, D, K, ROWS, BK, STAGES, HN, H, None)),
         (_consumer, (idx_ptr, ntiles_ptr, sink_ptr, o_ptr, lse_ptr, q_smem, ring, pt_smem,
                      full, consumed, q_bar, q_free, T, K, ROWS, D, BK, STAGES, HN, H,
                      QK_SCALE)),

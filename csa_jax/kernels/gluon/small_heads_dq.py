@@ -32,9 +32,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait)
 
-from csa_jax.kernels.gluon.ring import (LOG2E, PRODUCER_WARPS, _produce_row, _release,
-                                        _row_info)
-from csa_jax.kernels.gluon.small_heads import BLOCK_K, CONSUMER_REGS, NUM_WARPS, WG_WARPS
+from csa_jax.kernels.gluon.ring import LOG2E, _release, _row_info
+from csa_jax.kernels.gluon.small_heads import (BLOCK_K, CONSUMER_REGS, NUM_WARPS, WG_WARPS,
+                                               _next_tile, _producer, _ring_buffers)
 
 _LOG2E = gl.constexpr(LOG2E)
 __all__ = ["csa_dq_small_heads_kernel", "arg_types", "constexprs", "dq", "backward"]
@@ -75,12 +75,7 @@ def _consumer(idx_ptr, ntiles_ptr, lse_ptr, dc_ptr, dq_ptr, dsp_ptr, qdo_smem, r
         acc = gl.zeros([D, HN], gl.float32, acc_layout)
         mbarrier.wait(q_bar, n & 1)
         for i in range(ntiles):
-            g = base + i
-            s = g % STAGES
-            ids = gl.load(idx_tok + i * BK + krows)
-            tile = ring.index(s)
-            mbarrier.wait(full.index(s), (g // STAGES) & 1)
-            fence_async_shared()                  # cp.async (generic proxy) -> wgmma
+            s, ids, tile = _next_tile(base + i, i, idx_tok, krows, ring, full, BK, STAGES)
             sd = warpgroup_mma(tile, qdo_t, sd_zero, use_acc=False, is_async=True)
             sd = warpgroup_mma_wait(0, deps=[sd])
             sc, dp = gl.split(sd.reshape([BK, 2, HN]).permute((0, 2, 1)))
@@ -109,21 +104,6 @@ def _consumer(idx_ptr, ntiles_ptr, lse_ptr, dc_ptr, dq_ptr, dsp_ptr, qdo_smem, r
 
 
 @gluon.jit
-def _producer(q_ptr, do_ptr, kv_ptr, idx_ptr, ntiles_ptr, qdo_smem, ring, full, consumed,
-              q_bar, q_free, T: gl.constexpr, N: gl.constexpr, D: gl.constexpr,
-              K: gl.constexpr, ROWS: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-              HN: gl.constexpr, H: gl.constexpr):
-    base = 0
-    n = 0
-    for row in range(gl.program_id(0), ROWS, gl.num_programs(0)):
-        _, _, b, ntiles, idx_tok = _row_info(ntiles_ptr, idx_ptr, row, T, 1, K)
-        _produce_row(q_ptr, kv_ptr, idx_tok, qdo_smem, ring, full, consumed, q_bar, q_free, row,
-                     n, base, b, ntiles, N, D, K, BK, STAGES, HN, H, STAGES, 2, do_ptr)
-        base += ntiles
-        n += 1
-
-
-@gluon.jit
 def csa_dq_small_heads_kernel(q_ptr, do_ptr, kv_ptr, idx_ptr, ntiles_ptr, lse_ptr, dc_ptr,
                               dq_ptr, dsp_ptr, T: gl.constexpr, N: gl.constexpr,
                               D: gl.constexpr, K: gl.constexpr, ROWS: gl.constexpr,
@@ -136,22 +116,10 @@ def csa_dq_small_heads_kernel(q_ptr, do_ptr, kv_ptr, idx_ptr, ntiles_ptr, lse_pt
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     qdo_smem = gl.allocate_shared_memory(
         dtype, [2 * HN, D], gl.NVMMASharedLayout.get_default_for([2 * HN, D], dtype))
-    ring = gl.allocate_shared_memory(dtype, [STAGES, BK, D],
-                                     gl.NVMMASharedLayout.get_default_for([BK, D], dtype))
-    dst_smem = gl.allocate_shared_memory(dtype, [BK, HN],
-                                         gl.NVMMASharedLayout.get_default_for([BK, HN], dtype))
-    full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    consumed = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    q_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=PRODUCER_WARPS * 32)
-    mbarrier.init(q_free, count=1)
-    for s in gl.static_range(STAGES):
-        mbarrier.init(full.index(s), count=PRODUCER_WARPS * 32)
-        mbarrier.init(consumed.index(s), count=1)
+    ring, dst_smem, full, consumed, q_bar, q_free = _ring_buffers(dtype, D, BK, STAGES, HN)
     gl.warp_specialize([
-        (_producer, (q_ptr, do_ptr, kv_ptr, idx_ptr, ntiles_ptr, qdo_smem, ring, full, consumed,
-                     q_bar, q_free, T, N, D, K, ROWS, BK, STAGES, HN, H)),
+        (_producer, (q_ptr, kv_ptr, idx_ptr, ntiles_ptr, qdo_smem, ring, full, consumed, q_bar,
+                     q_free, T, N, D, K, ROWS, BK, STAGES, HN, H, do_ptr)),
         (_consumer, (idx_ptr, ntiles_ptr, lse_ptr, dc_ptr, dq_ptr, dsp_ptr, qdo_smem, ring,
                      dst_smem, full, consumed, q_bar, q_free, T, K, ROWS, D, BK, STAGES, HN, H,
                      QK_SCALE, SCALE)),
