@@ -97,7 +97,6 @@ def dkv_dsink(dsp, qdo_st, q_p, do_p, idx_p, d, kv_dtype, sink, lse, dc, *, idx_
     [q; dO], dsp head block first) the GEMM reads it and the reduce is this file's Gluon kernel;
     without (the AMD dq kernel) the Pallas Triton impl's stack, GEMM and reduce
     (interpret_reduce: its interpreter, for the CPU test of the wrapper)."""
-    import jax.numpy as jnp
     from csa_jax.kernels.triton import default_config as pt_default_config
     from csa_jax.kernels.triton.backward import _interm_gemm, _reduce_call
     B, T, Hp, Dp, Kp = d.B, d.T, d.Hp, d.Dp, d.Kp

@@ -35,6 +35,9 @@ into registers); with the ids one tile ahead it waited on each tile's ids and ga
 TB/s. Tried and slower: issuing S^T of the next tile behind O^T (holds two stages; 1.6-1.9x),
 two consumer warpgroups of 16 heads each at HN = 32 (each reads every tile; 7-10%, commit
 3f36e99).
+
+The backward's few-heads dq kernel (small_heads_dq.py) shares this file's producer (with dO
+copied beside q), ring buffers and tile wait (_producer, _ring_buffers, _next_tile).
 """
 from __future__ import annotations
 

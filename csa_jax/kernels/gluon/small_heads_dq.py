@@ -163,7 +163,7 @@ def dq(q, kv, idx, lse, do, dc, *, scale, HN, stages):
     sink = jnp.zeros((H,), jnp.float32)                 # (prepare pads one; unused here)
     q_p, kv_p, idx_p, ntiles, _, dims = prepare(q, kv, idx, sink, BLOCK_K, hp=H)
     _, _, _, _, N, _, Dp, Kp, _ = dims
-    do_p = _pad(do, 3, Dp).reshape(B * T * H, Dp)
+    do_p = _pad(do.astype(q.dtype), 3, Dp).reshape(B * T * H, Dp)   # (copied beside q's bytes)
     f32 = lambda x: x.astype(jnp.float32).reshape(B * T * H)  # noqa: E731
     consts = constexprs(T=T, N=N, HN=HN, D=Dp, K=Kp, stages=stages, scale=scale, B=B, H=H)
     dq_p, dsp = gluon_call(
