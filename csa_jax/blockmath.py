@@ -99,6 +99,13 @@ def softmax_grad(p, dp, delta, dlse):
     return p * (dp - delta + dlse)
 
 
+def sink_grad(sink, lse, dc):
+    """dsink [H] = sum over (b, t) of exp(sink - lse) * dc, dc = dlse - delta [B, T, H]
+    (csa_spec.md section 3): the sink's probability times the lse cotangent minus delta; zero
+    weight where sink = -inf."""
+    return jnp.sum(jnp.exp(sink[None, None, :] - lse) * dc, axis=(0, 1))
+
+
 # ----------------------------------------------------------------------------- ring arithmetic
 
 def ring_slot(step, depth):

@@ -143,6 +143,26 @@ def test_oversized_tiles_are_refused_by_name():
                      stages=2)
 
 
+def _dq_contract(q, do, kv, idx, ntiles, lse, dc, *, T, N, BK, SCALE, dt):
+    """The dq kernels' math in jnp on their flat operands (q, dO [BT*H, D], kv [B*N, D], idx
+    [BT, K], lse and dc = dlse - delta [BT*H]): (dq [BT, H, D] f32 from dS rounded to dt,
+    dS [BT, H, K], P [BT, H, K]), slots past the token's last tile and -1 slots empty."""
+    BT, K = idx.shape
+    D = q.shape[-1]
+    f32 = jnp.float32
+    qf = q.reshape(BT, -1, D).astype(f32)
+    dof = do.reshape(BT, -1, D).astype(f32)
+    rows = kv.reshape(-1, N, D)[jnp.arange(BT)[:, None] // T, jnp.maximum(idx, 0)].astype(f32)
+    walked = jnp.arange(K)[None, :] < (ntiles * BK)[:, None]
+    valid = ((idx >= 0) & walked)[:, None, :]                                   # [BT, 1, K]
+    s = jnp.einsum("thd,tkd->thk", qf, rows)
+    lse2, dc2 = lse.reshape(BT, -1, 1), dc.reshape(BT, -1, 1)
+    p = jnp.where(valid, jnp.exp(jnp.where(valid, s * SCALE - lse2, 0.0)), 0.0)
+    ds = p * (jnp.einsum("thd,tkd->thk", dof, rows) + dc2)
+    dq = SCALE * jnp.einsum("thk,tkd->thd", ds.astype(dt).astype(f32), rows)
+    return dq, ds, p
+
+
 def _emulated_dq_kernel(q, do, kv, idx, ntiles, lse, dc, o=None, *, kernel, out_shape, grid,
                         num_warps, name, T, N, NHB, D, K, BK, SCALE, **_):
     """What the dq kernels compute, in jnp (their contract; see the bwd.py docstring). NVIDIA
@@ -157,20 +177,11 @@ def _emulated_dq_kernel(q, do, kv, idx, ntiles, lse, dc, o=None, *, kernel, out_
     BT = idx.shape[0]
     Hp, B = NHB * bwd.HB, BT // T
     assert grid == (BT * NHB,) and q.shape == (BT * Hp, D) and kv.shape == (B * N, D)
-    f32 = jnp.float32
-    qf = q.reshape(BT, Hp, D).astype(f32)
-    dof = do.reshape(BT, Hp, D).astype(f32)
-    rows = kv.reshape(B, N, D)[jnp.arange(BT)[:, None] // T, jnp.maximum(idx, 0)].astype(f32)
-    walked = jnp.arange(K)[None, :] < (ntiles * BK)[:, None]
-    valid = ((idx >= 0) & walked)[:, None, :]                                   # [BT, 1, K]
-    s = jnp.einsum("thd,tkd->thk", qf, rows)
     if not amd:
-        dc = dc - jnp.sum(o.astype(f32) * do.astype(f32), axis=-1)
-    lse2, dc2 = lse.reshape(BT, Hp, 1), dc.reshape(BT, Hp, 1)
-    p = jnp.where(valid, jnp.exp(jnp.where(valid, s * SCALE - lse2, 0.0)), 0.0)
-    ds = p * (jnp.einsum("thd,tkd->thk", dof, rows) + dc2)
+        dc = dc - jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)
     dt = out_shape[0].dtype
-    dq = SCALE * jnp.einsum("thk,tkd->thd", ds.astype(dt).astype(f32), rows)
+    dq, ds, p = _dq_contract(q, do, kv, idx, ntiles, lse, dc, T=T, N=N, BK=BK, SCALE=SCALE,
+                             dt=dt)
     dsp = jnp.stack([ds * SCALE, p], axis=1)                                  # [BT, 2, Hp, K]
     if amd:
         return dq.reshape(BT * Hp, D).astype(dt), dsp.astype(out_shape[1].dtype)
@@ -207,18 +218,10 @@ def _emulated_dq_small_heads(q, do, kv, idx, ntiles, lse, dc, *, kernel, out_sha
     BT = idx.shape[0]
     B = BT // T
     assert ROWS == BT and q.shape == do.shape == (BT * H, D) and kv.shape == (B * N, D)
-    f32 = jnp.float32
-    rows = kv.reshape(B, N, D)[jnp.arange(BT)[:, None] // T, jnp.maximum(idx, 0)].astype(f32)
-    walked = jnp.arange(K)[None, :] < (ntiles * BK)[:, None]
-    valid = ((idx >= 0) & walked)[:, :, None]                                   # [BT, K, 1]
-    qf, dof = (x.reshape(BT, H, D).astype(f32) for x in (q, do))
-    s = jnp.einsum("thd,tkd->tkh", qf, rows)
-    lse2, dc2 = lse.reshape(BT, 1, H), dc.reshape(BT, 1, H)
-    p = jnp.where(valid, jnp.exp(jnp.where(valid, s * SCALE - lse2, 0.0)), 0.0)
-    ds = p * (jnp.einsum("thd,tkd->tkh", dof, rows) + dc2)
     dt = out_shape[0].dtype
-    dq = SCALE * jnp.einsum("tkh,tkd->thd", ds.astype(dt).astype(f32), rows)
-    dsp = jnp.stack([ds * SCALE, p], axis=2)                                  # [BT, K, 2, H]
+    dq, ds, p = _dq_contract(q, do, kv, idx, ntiles, lse, dc, T=T, N=N, BK=BK, SCALE=SCALE,
+                             dt=dt)
+    dsp = jnp.stack([ds * SCALE, p], axis=1).transpose(0, 3, 1, 2)          # [BT, K, 2, H]
     assert dsp.shape == out_shape[1].shape
     return dq.reshape(BT * H, D).astype(dt), dsp.astype(out_shape[1].dtype)
 

@@ -18,6 +18,8 @@ import jax
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
+from csa_jax import blockmath
+
 __all__ = ["csa_dkv_reduce_kernel", "reduce_rows", "dkv_dsink", "dkv_dsink_slot_major",
            "arg_types", "constexprs"]
 
@@ -112,7 +114,7 @@ def dkv_dsink(dsp, qdo_st, q_p, do_p, idx_p, d, kv_dtype, sink, lse, dc, *, idx_
         ptc = pt_default_config((B, T, d.H, d.D), (B, d.N, d.D), idx_shape, dt)
         per_slot = _interm_gemm(dsp.reshape(B, T, 2, Hp, Kp), q_p, do_p, None, dt)
         dkv = _reduce_call(d, ptc, interpret_reduce, idx_p, per_slot, kv_dtype)
-    return dkv[:, :, :d.D], _dsink(sink, lse, dc)
+    return dkv[:, :, :d.D], blockmath.sink_grad(sink, lse, dc)
 
 
 def _reduce_per_slot(per_slot, idx_p, N, kv_dtype):
@@ -122,12 +124,6 @@ def _reduce_per_slot(per_slot, idx_p, N, kv_dtype):
     B, T, Kp, Dp = per_slot.shape
     offsets, perm = _inverse_map(idx_p, N)
     return reduce_rows(offsets, perm, per_slot.reshape(B, T * Kp, Dp), kv_dtype)
-
-
-def _dsink(sink, lse, dc):
-    """dsink = sum_t exp(sink - lse) (dlse - delta): zero weight where sink = -inf."""
-    import jax.numpy as jnp
-    return jnp.sum(jnp.exp(sink[None, None, :] - lse) * dc, axis=(0, 1))
 
 
 def dkv_dsink_slot_major(dsp, q, do, idx_p, N, Dp, kv_dtype, sink, lse, dc):
@@ -142,4 +138,4 @@ def dkv_dsink_slot_major(dsp, q, do, idx_p, N, Dp, kv_dtype, sink, lse, dc):
     per_slot = jax.lax.dot_general(dsp, qdo, (((3, 4), (2, 3)), ((0, 1), (0, 1))),
                                    preferred_element_type=dsp.dtype)       # [B, T, Kp, Dp]
     dkv = _reduce_per_slot(per_slot, idx_p, N, kv_dtype)
-    return dkv[:, :, :D], _dsink(sink, lse, dc)
+    return dkv[:, :, :D], blockmath.sink_grad(sink, lse, dc)

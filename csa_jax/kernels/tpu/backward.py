@@ -247,6 +247,6 @@ def _backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, interpret, config):
     if dkv is None:
         dkv = jnp.zeros(kv.shape, jnp.float32)
     delta = jnp.concatenate(deltas, axis=1).reshape(bsz, plan.t_pad, h)[:, :t]
-    dsink = jnp.sum(jnp.exp(sink[None, None, :] - lse) * (dlse - delta), axis=(0, 1))
+    dsink = bm.sink_grad(sink, lse, dlse - delta)
     dq = dq.reshape(bsz, plan.t_pad, h, d)[:, :t]
     return dq.astype(q.dtype), dkv.astype(kv.dtype), dsink.astype(jnp.float32)

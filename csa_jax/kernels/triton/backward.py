@@ -135,9 +135,7 @@ def _backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, interpret, config,
         else:   # keep the kernel alive for timing
             dkv = dkv.at[:, 0].set(interm[:, 0, 0].astype(dkv.dtype))
 
-    # dsink = sum_t exp(sink - lse) * (dlse - delta); zero weight where sink = -inf.
-    w = jnp.exp(sink[None, None, :] - lse)
-    dsink = jnp.sum(w * (dlse - delta), axis=(0, 1))
+    dsink = blockmath.sink_grad(sink, lse, dlse - delta)
     return dq[:, :, :d.H, :d.D], dkv[:, :, :d.D], dsink
 
 
