@@ -21,6 +21,11 @@ overrides fields of the impl's Config (gluon: block_k, stages).
 against impl="xla" on the same problem.
 FlashMLA's targets (../shared/gpu_kernels.md) do not say how they were timed; these three
 bound what a like-for-like comparison can be.
+
+--breakdown (any impl): instead, where a step's device time goes: `--calls` steps (forward +
+backward with both cotangents, bench_csa's step) under jax.profiler, and each GPU kernel's own
+time per step (the trace parsed by benchmarks/trace_breakdown.py), largest first, with the sum
+and the step's pipelined time beside it.
 """
 from __future__ import annotations
 
@@ -70,6 +75,40 @@ def _kernel_fn(q, kv, idx, sink, scale, config):
     return jax.jit(launch), jax.block_until_ready(operands)
 
 
+def _step_breakdown(mod, config, scale, a, args):
+    """{step_pipelined_ms, kernels: [(name, ms per step, launches per step)], kernels_sum_ms}
+    of bench_csa's step under jax.profiler (`--calls` steps traced after a warm one)."""
+    import tempfile
+    from benchmarks.bench_csa import build_fns
+    from benchmarks.trace_breakdown import load_events
+    _, _, step = build_fns(mod, config, scale, False)
+    ms = _pipelined(step, a, args.calls)
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d):
+            out = None
+            for _ in range(args.calls):
+                out = step(*a)
+            jax.block_until_ready(out)
+        events, _, planes = load_events(d)
+    per = {}
+    for _, self_ns, _, name, _, _ in events:
+        t, n = per.get(name, (0.0, 0))
+        per[name] = (t + self_ns, n + 1)
+    kernels = sorted(((k, t / args.calls / 1e6, n / args.calls) for k, (t, n) in per.items()),
+                     key=lambda r: -r[1])
+    return dict(step_pipelined_ms=ms, planes=planes, kernels_sum_ms=sum(r[1] for r in kernels),
+                kernels=kernels)
+
+
+def _print_breakdown(row, top):
+    print(f"\n## {row['family']} cr{row['ratio']} T={row['T']} H={row['H']} {row['impl']}: "
+          f"step {row['step_pipelined_ms']:.3f} ms pipelined, kernels {row['kernels_sum_ms']:.3f}"
+          f" ms (own time per step)")
+    print("| kernel | ms / step | launches / step |\n|---|---|---|")
+    for name, ms, n in row["kernels"][:top]:
+        print(f"| {name[:90]} | {ms:.3f} | {n:g} |")
+
+
 def _errors(out, ref):
     """err_o, err_lse: max |a - b| / max |b| in f32 (the forward's outputs vs the reference's)."""
     err = lambda a, b: float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)))
@@ -92,6 +131,9 @@ def main(argv=None):
                     help="cr0 / cr128 problems with their layout promise, as the NNX layer "
                          "passes it (cr0: gluon's window kernel); --config still applies")
     ap.add_argument("--check", action="store_true", help="err_o / err_lse vs impl='xla'")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="per-kernel device time of a whole step (fwd + bwd) instead")
+    ap.add_argument("--top", type=int, default=12, help="--breakdown: kernels listed")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     mod = registry.get(args.impl)
@@ -99,7 +141,7 @@ def main(argv=None):
     for family in args.families:
         for ratio in args.ratios:
             for T, heads in itertools.product(args.seqs, args.heads):
-                cfg, q, kv, idx, sink, _ = make_problem(family, ratio, T, "random", 0, heads)
+                cfg, q, kv, idx, sink, do = make_problem(family, ratio, T, "random", 0, heads)
                 promise = None
                 if args.window_layouts and ratio in (0, 128):
                     if not mod.takes_layout:
@@ -109,6 +151,14 @@ def main(argv=None):
                                              pool_ratio=ratio or 128)
                 c = mod.default_config(q.shape, kv.shape, idx.shape, q.dtype, promise)
                 c = apply_overrides(mod, c, q.shape, parse_overrides(args.config))
+                if args.breakdown:
+                    row = _step_breakdown(mod, c, cfg.scale, (q, kv, idx, sink, do), args)
+                    row.update(family=family, ratio=ratio, T=T, H=q.shape[2], impl=args.impl,
+                               config=repr(c), device=jax.devices()[0].device_kind)
+                    print(json.dumps(row), flush=True)
+                    _print_breakdown(row, args.top)
+                    rows.append(row)
+                    continue
                 fwd = jax.jit(lambda q, kv, i, s, c=c: mod.forward(
                     q, kv, i, s, scale=cfg.scale, interpret=False, config=c))
                 a = (q, kv, idx, sink)
