@@ -69,7 +69,8 @@ def _kernel_fn(q, kv, idx, sink, scale, config):
     hn = small_heads_block(q.shape[2])
     if hn:                        # H <= 32: the few-heads kernel (small_heads.py)
         launch, operands, _ = small_heads.kernel_call(q, kv, idx, sink, scale=scale, HN=hn,
-                                                      stages=config.stages)
+                                                      stages=config.stages,
+                                                      consumers=config.fwd_consumers)
     else:
         launch, operands, _ = fwd.kernel_call(q, kv, idx, sink, scale=scale, config=config)
     return jax.jit(launch), jax.block_until_ready(operands)

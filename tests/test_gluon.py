@@ -58,11 +58,11 @@ def test_config_defaults_fit_shared_memory():
 
 
 def test_config_has_only_real_choices():
-    """Eight fields (docs/gluon.md): no ablation or never-timed switch reaches the public op."""
+    """Nine fields (docs/gluon.md): no ablation or never-timed switch reaches the public op."""
     import dataclasses
     assert [f.name for f in dataclasses.fields(impl.Config)] == [
-        "block_k", "stages", "layout", "window", "pool_ratio", "bwd", "bwd_block_k",
-        "bwd_stages"]
+        "block_k", "stages", "layout", "window", "pool_ratio", "fwd_consumers", "bwd",
+        "bwd_block_k", "bwd_stages"]
 
 
 @pytest.mark.parametrize("kw, match", [
@@ -334,6 +334,9 @@ def test_small_heads_default_config(H, D, stages, dq_stages):
 @pytest.mark.parametrize("H, kw, match", [
     (16, dict(block_k=32, stages=3), "block_k=32.*64-row tiles"),
     (16, dict(stages=4), "stages=4.*needs 2.*B of shared memory"),
+    (32, dict(fwd_consumers=2), "fwd_consumers=2.*H <= 16 only \\(H=32\\)"),
+    (64, dict(fwd_consumers=2), "fwd_consumers=2.*H <= 16 only \\(H=64\\)"),
+    (16, dict(fwd_consumers=2, stages=2), "two consumer warpgroups need a ring of >= 3"),
 ])
 def test_small_heads_refusals(monkeypatch, H, kw, match):
     monkeypatch.setattr(impl, "_cannot_run", lambda *a: None)
@@ -382,13 +385,26 @@ def test_small_heads_wrapper_against_oracle(rng, monkeypatch, H, D, K):
         assert_close(lse, rlse, jnp.bfloat16, what="lse")
 
 
-def _compile_small(HN, D, stages, dt="bf16", H=None):
+def _compile_small(HN, D, stages, dt="bf16", H=None, consumers=1):
     from csa_jax.kernels.gluon import ring, small_heads
     return adapter.compile_kernel(
         small_heads.csa_fwd_small_heads_kernel, ring.arg_types(dt),
         small_heads.constexprs(T=64, N=256, HN=HN, D=D, K=1152, BK=64, stages=stages,
-                               scale=D ** -0.5, H=H),
+                               scale=D ** -0.5, H=H, consumers=consumers),
         target="sm_90a", num_warps=small_heads.NUM_WARPS)
+
+
+@pytest.mark.parametrize("D, stages, H", [(512, 3, None), (512, 3, 8), (128, 4, None)])
+def test_small_heads_two_consumers_compile_for_sm90a(D, stages, H):
+    """fwd_consumers=2 (Config): 12 warps (producer + two consumer warpgroups), no spills,
+    inside shared memory (the partial of warpgroup 1 reuses its last ring stage)."""
+    _need_triton()
+    c = _compile_small(16, D, stages, H=H, consumers=2)
+    r = adapter.resources(c, "sm_90a")
+    assert r["num_warps"] == 12 and r["launch_problem"] is None
+    assert r["shared"] <= r["shared_limit"]
+    assert r["spill_stores"] == 0 and r["spill_loads"] == 0, r["ptxas"]
+    assert "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16" in c.asm["ptx"]
 
 
 @pytest.mark.parametrize("HN, D, stages, H", [(16, 512, 3, None), (32, 512, 2, None),

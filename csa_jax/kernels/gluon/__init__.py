@@ -185,6 +185,10 @@ def forward(q, kv, idx, sink, *, scale, interpret, config):
     the promise is only a promise, as on AMD)."""
     _check(q, kv, idx, interpret)
     arch = _amd()
+    if config.fwd_consumers != 1 and (arch or small_heads_block(q.shape[2]) != 16):
+        raise ValueError(f"fwd_consumers={config.fwd_consumers}: two consumer warpgroups are "
+                         f"built for the NVIDIA few-heads forward at H <= 16 only "
+                         f"(H={q.shape[2]}{', ' + arch if arch else ''})")
     if arch:            # (a layout promise is only a promise: AMD runs its gather kernel)
         from csa_jax.kernels.gluon import amd_fwd
         return amd_fwd.forward(q, kv, idx, sink, scale=float(scale), arch=arch,
@@ -203,7 +207,7 @@ def forward(q, kv, idx, sink, *, scale, interpret, config):
         from csa_jax.kernels.gluon import small_heads as _small
         _check_small_heads(q.shape, hn, config)
         return _small.forward(q, kv, idx, sink, scale=float(scale), HN=hn,
-                              stages=config.stages)
+                              stages=config.stages, consumers=config.fwd_consumers)
     if config.stages % 2:
         raise ValueError(f"stages={config.stages}: the NVIDIA forward (alternating consumer "
                          f"warpgroups) needs an even ring depth (2 or 4)")

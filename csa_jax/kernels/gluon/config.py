@@ -37,6 +37,9 @@ class Config:
         small_heads_dq.py; dkv by the deterministic per-slot GEMM and inverse-map reduce) or
         "pallas_triton" (that impl's whole backward on this forward's (o, lse): the escape
         hatch).
+    fwd_consumers: consumer warpgroups of the few-heads forward (small_heads.py, H <= 16,
+        a ring of >= 3 stages): 1, or 2 splitting each token's tiles (one's softmax overlaps
+        the other's products; merged at the token's end). Other forwards take 1 only.
     bwd_block_k, bwd_stages: the dq kernel's ring tile rows (16, 32, 64) and depth (1..4):
         32 x 2 at D = 512; the few-heads dq kernel takes 64-row tiles (3 stages at H <= 16,
         2 at H <= 32 for D = 512).
@@ -47,6 +50,7 @@ class Config:
     layout: str = "generic"
     window: int = 128
     pool_ratio: int = 128
+    fwd_consumers: int = 1
     bwd: str = "gluon"
     bwd_block_k: int = 32
     bwd_stages: int = 2
@@ -57,6 +61,7 @@ class Config:
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout={self.layout!r} must be one of {LAYOUTS}")
         check_window_pool(self.window, self.pool_ratio)
+        _int_in("fwd_consumers", self.fwd_consumers, (1, 2))
         if self.bwd not in ("gluon", "pallas_triton"):
             raise ValueError(f"bwd={self.bwd!r} must be 'gluon' or 'pallas_triton'")
         _int_in("bwd_block_k", self.bwd_block_k, (16, 32, 64))
