@@ -114,6 +114,15 @@ def random_case(key, B, T, H, D, N, K, dtype, sink, empty_rows=True):
     return q, kv, idx, s
 
 
+def drop_repeats(idx):
+    """idx with every second (third, ...) listing of a row within a token made -1."""
+    order = jnp.argsort(idx, axis=-1, stable=True)
+    s = jnp.take_along_axis(idx, order, axis=-1)
+    again = jnp.concatenate([jnp.zeros_like(s[..., :1], bool),
+                             (s[..., 1:] == s[..., :-1]) & (s[..., 1:] >= 0)], axis=-1)
+    return jnp.where(jnp.take_along_axis(again, jnp.argsort(order, axis=-1), axis=-1), -1, idx)
+
+
 def check_forward(name, q, kv, idx, sink, *, scale=None, ref_o=None, layout=None):
     """One forward check row; layout: the promise (a csa_jax.Layout) passed to
     sparse_attention(impl="gluon") (the row's `kernel` says which kernel it ran)."""
@@ -194,21 +203,29 @@ def part_grad(seed):
     """jax.grad through sparse_attention(impl="gluon") vs impl="xla", both cotangents, -1 and
     out-of-range slots, all-empty tokens: H = 64 (the 64-head kernels), 32 / 24 / 16 / 8 (the
     few-heads forward and dq kernel; 24 and 8 mask their padded heads), one f16 case without
-    sink at D = 128; the Gluon gradients computed twice must be bit-identical (det)."""
+    sink at D = 128; the Gluon gradients computed twice must be bit-identical (det). Rows
+    "norep": the same lists with repeated rows dropped (drop_repeats; under
+    Config.bwd_dkv="blocks" only those run the block dkv kernel, the others its per-slot
+    fallback)."""
     import csa_jax
     from csa_jax import problems
     key = jax.random.PRNGKey(seed + 2)
-    cases = [(64, 512, jnp.bfloat16, True), (32, 512, jnp.bfloat16, True),
-             (24, 512, jnp.bfloat16, True), (16, 512, jnp.bfloat16, True),
-             (8, 512, jnp.bfloat16, True), (16, 128, jnp.float16, False)]
-    for H, D, dtype, sink in cases:
+    cases = [(64, 512, jnp.bfloat16, True, True), (32, 512, jnp.bfloat16, True, True),
+             (24, 512, jnp.bfloat16, True, True), (16, 512, jnp.bfloat16, True, True),
+             (8, 512, jnp.bfloat16, True, True), (16, 128, jnp.float16, False, True),
+             (32, 512, jnp.bfloat16, True, False), (16, 512, jnp.bfloat16, True, False),
+             (8, 512, jnp.bfloat16, True, False), (16, 128, jnp.float16, False, False)]
+    for H, D, dtype, sink, repeats in cases:
         key, k = jax.random.split(key)
         q, kv, idx, s = random_case(k, 1, 128, H, D, 256, 160, dtype, sink)
+        if not repeats:
+            idx = drop_repeats(idx)
         s = jnp.full((H,), -jnp.inf) if s is None else s   # no sink: -inf logits (dsink 0)
         kd, kl = jax.random.split(k)
         do = jax.random.normal(kd, q.shape, q.dtype)
         dlse = jax.random.normal(kl, q.shape[:3], jnp.float32) * 0.1
-        row = dict(part="grad", H=H, D=D, dtype=jnp.dtype(dtype).name)
+        row = dict(part="grad", H=H, D=D, dtype=jnp.dtype(dtype).name,
+                   lists="repeats" if repeats else "norep")
         try:
             cfg = gluon_config(q, kv, idx)
             grads = {}

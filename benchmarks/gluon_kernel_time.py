@@ -126,6 +126,9 @@ def main(argv=None):
     ap.add_argument("--heads", type=csv(int), default=[None],
                     help="H per device (tensor parallelism), e.g. 16,32; default: the family's")
     ap.add_argument("--impl", default="gluon")
+    ap.add_argument("--indices", default="random",
+                    help="cr4 index mode (csa_jax.problems.INDEX_MODES): random (default), "
+                         "unique (random without repeats in a token), causal")
     ap.add_argument("--config", default="", help="Config overrides: key=val,...")
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--window-layouts", action="store_true",
@@ -142,7 +145,7 @@ def main(argv=None):
     for family in args.families:
         for ratio in args.ratios:
             for T, heads in itertools.product(args.seqs, args.heads):
-                cfg, q, kv, idx, sink, do = make_problem(family, ratio, T, "random", 0, heads)
+                cfg, q, kv, idx, sink, do = make_problem(family, ratio, T, args.indices, 0, heads)
                 promise = None
                 if args.window_layouts and ratio in (0, 128):
                     if not mod.takes_layout:

@@ -11,7 +11,7 @@ from csa_jax.compressor import indexer_topk
 from csa_jax.config import CSAConfig, forward_flops
 from csa_jax.indices import build_indices
 
-INDEX_MODES = ("causal", "random")
+INDEX_MODES = ("causal", "random", "unique")
 
 
 @dataclasses.dataclass
@@ -55,6 +55,10 @@ def make_indices(cfg: CSAConfig, T: int, B: int, mode: str, key):
     if mode == "random":
         # The convention of published AMD numbers: every pool slot valid, ids uniform in [0, P).
         topk = jax.random.randint(key, (B, T, k), 0, P, dtype=jnp.int32)
+    elif mode == "unique":
+        # The same without repeats in a token's list (a top-k never repeats a row): k
+        # distinct ids per token, uniform over the k-subsets of [0, P).
+        topk = jax.lax.top_k(jax.random.uniform(key, (B, T, P)), k)[1].astype(jnp.int32)
     else:
         # Realistic causal lists: the lightning indexer's top-k on random indexer inputs.
         kq, kk, kw = jax.random.split(key, 3)

@@ -58,11 +58,11 @@ def test_config_defaults_fit_shared_memory():
 
 
 def test_config_has_only_real_choices():
-    """Nine fields (docs/gluon.md): no ablation or never-timed switch reaches the public op."""
+    """Ten fields (docs/gluon.md): no ablation or never-timed switch reaches the public op."""
     import dataclasses
     assert [f.name for f in dataclasses.fields(impl.Config)] == [
         "block_k", "stages", "layout", "window", "pool_ratio", "fwd_consumers", "bwd",
-        "bwd_block_k", "bwd_stages"]
+        "bwd_block_k", "bwd_stages", "bwd_dkv"]
 
 
 @pytest.mark.parametrize("kw, match", [

@@ -226,10 +226,35 @@ def _emulated_dq_small_heads(q, do, kv, idx, ntiles, lse, dc, *, kernel, out_sha
     return dq.reshape(BT * H, D).astype(dt), dsp.astype(out_shape[1].dtype)
 
 
+def _emulated_dkv_blocks(posg, lists, order, cnt, dsp, qdo, *, kernel, out_shape, grid,
+                         num_warps, name, T, NBT, J, JP, DP, DS, S, **_):
+    """What csa_dkv_blocks_kernel computes (dkv_blocks.py), in jnp: part [S, NBT*BN, DP] f32,
+    split s of block blk = the sum over its pairs [cnt s // S, cnt (s + 1) // S) of A [BN, J]
+    (dsp rows named by posg, 0 for -1) times qdo [J, DP] of the pair's token."""
+    from csa_jax.kernels.gluon.dkv_blocks import BN, NUM_WARPS, grid_size
+    assert num_warps == NUM_WARPS and grid == (grid_size(NBT, DP, S),) and DS == min(256, DP)
+    assert posg.shape == (NBT, T, BN) and lists.shape == (NBT, T) and J <= JP and 64 % JP == 0
+    if not isinstance(order, jax.core.Tracer):                          # (eager callers)
+        assert sorted(np.asarray(order).tolist()) == list(range(NBT))
+        assert (np.diff(np.asarray(cnt)[np.asarray(order)]) <= 0).all()  # longest list first
+    pi = jnp.arange(T)[None, :]
+    a = jnp.where((posg >= 0)[..., None], dsp[jnp.maximum(posg, 0)], 0).astype(jnp.float32)
+    b = qdo.reshape(-1, J, DP)[lists].astype(jnp.float32)               # [NBT, T, J, DP]
+    contrib = jnp.einsum("bprj,bpjd->bprd", a, b)                        # [NBT, T, BN, DP]
+    parts = []
+    for sp in range(S):
+        live = (pi >= cnt[:, None] * sp // S) & (pi < cnt[:, None] * (sp + 1) // S)
+        parts.append(jnp.sum(jnp.where(live[..., None, None], contrib, 0.0), axis=1))
+    out = jnp.stack(parts).reshape(S, NBT * BN, DP)
+    assert out.shape == out_shape.shape
+    return out
+
+
 def _emulated_call(*args, kernel, **kw):
-    from csa_jax.kernels.gluon import dkv, small_heads_dq
+    from csa_jax.kernels.gluon import dkv, dkv_blocks, small_heads_dq
     f = (_emulated_reduce_kernel if kernel is dkv.csa_dkv_reduce_kernel
          else _emulated_dq_small_heads if kernel is small_heads_dq.csa_dq_small_heads_kernel
+         else _emulated_dkv_blocks if kernel is dkv_blocks.csa_dkv_blocks_kernel
          else _emulated_dq_kernel)
     return f(*args, kernel=kernel, **kw)
 
@@ -248,13 +273,20 @@ def test_wrapper_against_dense_oracle(rng, monkeypatch, H, D, K, bk, amd):
         *a, scale=scale, block_k=bk, stages=2, amd=amd, interpret_reduce=True))
 
 
-def _check_against_oracle(rng, H, D, K, backward):
+def _check_against_oracle(rng, H, D, K, backward, no_repeats=False):
     """backward(q, kv, idx, sink, o, lse, do, dlse, scale=) on a random float32 problem (T = 10,
-    two empty tokens, sanitized -1 slots, both cotangents) against the float64 dense oracle;
-    then the jit caches are cleared (an emulated kernel must not stay in a backward's cache)."""
+    two empty tokens, sanitized -1 slots, both cotangents; no_repeats: a row's second listing
+    in a token made -1) against the float64 dense oracle; then the jit caches are cleared (an
+    emulated kernel must not stay in a backward's cache)."""
     from csa_jax.common import sanitize_indices
     q, kv, idx, sink = random_problem(rng, T=10, H=H, D=D, K=K, dtype=jnp.float32, empty_rows=2)
     idx = sanitize_indices(idx, kv.shape[1])
+    if no_repeats:
+        ids = np.array(idx)
+        for row in ids.reshape(-1, ids.shape[-1]):
+            _, first = np.unique(row, return_index=True)
+            row[np.setdiff1d(np.arange(row.size), first)] = -1
+        idx = jnp.asarray(ids)
     scale = 0.7 * D ** -0.5
     do = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
     dlse = jnp.asarray(rng.standard_normal(q.shape[:3]), jnp.float32)
@@ -269,16 +301,89 @@ def _check_against_oracle(rng, H, D, K, backward):
     assert np.isfinite(np.asarray(dkv)).all()
 
 
-@pytest.mark.parametrize("H,D,K", [(5, 24, 40), (16, 64, 70), (24, 40, 130)])
-def test_small_heads_wrapper_against_dense_oracle(rng, monkeypatch, H, D, K):
+@pytest.mark.parametrize("H,D,K,dkv", [(5, 24, 40, "slots"), (16, 64, 70, "slots"),
+                                      (24, 40, 130, "slots"), (5, 24, 40, "blocks"),
+                                      (16, 64, 70, "blocks"), (24, 40, 130, "blocks")])
+def test_small_heads_wrapper_against_dense_oracle(rng, monkeypatch, H, D, K, dkv):
     """small_heads_dq.backward's plumbing with the kernels emulated: q / dO / lse unpadded in
-    heads (H < HN = 16 / 32), D padded to 64, K to the 64-row tile, the slot-major dsp and its
-    per-slot GEMM, delta in XLA, the inverse map and the Gluon reduce, dsink."""
+    heads (H < HN = 16 / 32), D padded to 64, K to the 64-row tile, the slot-major dsp, delta
+    in XLA, dsink; dkv "slots": the per-slot GEMM, the inverse map and the Gluon reduce;
+    "blocks": dkv_blocks' maps, kernel and split sum, on lists without repeats (with one,
+    lax.cond takes the per-slot path: the test after the next)."""
     from csa_jax.kernels.gluon import small_heads_dq
     from csa_jax.kernels.gluon.dims import small_heads_block
     monkeypatch.setattr(adapter, "gluon_call", _emulated_call)
     _check_against_oracle(rng, H, D, K, lambda *a, scale: small_heads_dq.backward(
-        *a, scale=scale, HN=small_heads_block(H), stages=2))
+        *a, scale=scale, HN=small_heads_block(H), stages=2, dkv=dkv), no_repeats=dkv == "blocks")
+
+
+def test_small_heads_blocks_path_takes_slots_on_repeats(rng, monkeypatch):
+    """dkv="blocks" on random_problem's lists, which repeat rows within tokens (dup_frac):
+    lax.cond's per-slot branch, still the oracle's gradients (each listing counts,
+    csa_spec.md)."""
+    from csa_jax.kernels.gluon import small_heads_dq
+    monkeypatch.setattr(adapter, "gluon_call", _emulated_call)
+    _check_against_oracle(rng, 16, 64, 40, lambda *a, scale: small_heads_dq.backward(
+        *a, scale=scale, HN=16, stages=2, dkv="blocks"))
+
+
+@pytest.mark.parametrize("H,D,N,K", [(16, 64, 300, 70), (8, 64, 700, 130), (32, 128, 129, 64)])
+def test_dkv_blocks_against_per_slot_sum(rng, monkeypatch, H, D, N, K):
+    """dkv_blocks.dkv_blocks (kernel emulated) against the per-slot sum in float64 on lists
+    without repeats (dup False: the path a call takes): -1 slots anywhere, an empty token,
+    ids in several 128-row blocks, the last block partial (N = 129, 300, 700)."""
+    from csa_jax.kernels.gluon import dkv_blocks
+    monkeypatch.setattr(adapter, "gluon_call", _emulated_call)
+    B, T = 2, 9
+    idx = np.stack([np.stack([rng.permutation(N)[:K] for _ in range(T)]) for _ in range(B)])
+    idx = np.where(rng.random(idx.shape) < 0.3, -1, idx).astype(np.int32)
+    idx[0, 3] = -1                                                     # an empty token
+    Kp = -(-K // 64) * 64
+    idx_p = np.pad(idx, ((0, 0), (0, 0), (0, Kp - K)), constant_values=-1)
+    dsp = rng.standard_normal((B, T, Kp, 2, H)).astype(np.float32)
+    qdo = rng.standard_normal((B, T, 2, H, D)).astype(np.float32)
+    *maps, dup = dkv_blocks.block_maps(jnp.asarray(idx_p), N)
+    assert not bool(dup)
+    got = dkv_blocks.dkv_blocks(jnp.asarray(dsp), jnp.asarray(qdo), maps, N)
+    want = np.zeros((B, N, D))
+    for b, t, k in zip(*np.nonzero(idx_p >= 0)):
+        want[b, idx_p[b, t, k]] += dsp[b, t, k].reshape(-1) @ qdo[b, t].reshape(2 * H, D)
+    assert got.shape == want.shape
+    assert_close(got, want, jnp.float32, factor=10, what="dkv")
+    jax.clear_caches()
+
+
+def test_dkv_blocks_maps_report_repeats():
+    """block_maps' dup: a token that lists a row twice (csa_spec.md allows it) is reported,
+    so the caller takes the per-slot path; none without repeats."""
+    from csa_jax.kernels.gluon import dkv_blocks
+    idx = jnp.asarray([[[3, 200, -1, 5], [7, 7, 1, -1]]], jnp.int32)
+    assert bool(dkv_blocks.block_maps(idx, 300)[4])
+    assert not bool(dkv_blocks.block_maps(idx.at[0, 1, 1].set(8), 300)[4])
+    posg, lists, cnt, order, _ = dkv_blocks.block_maps(idx.at[0, 1, 1].set(8), 300)
+    assert cnt.tolist() == [2, 1, 0] and order.tolist() == [0, 1, 2]
+    assert lists[0, :2].tolist() == [0, 1] and lists[1, 0] == 0
+    assert posg[1, 0, 200 - 128] == 1 and posg[0, 1, 8] == 4 + 1     # (b T + t) Kp + k
+
+
+@pytest.mark.parametrize("H,D", [(16, 512), (8, 512), (32, 512), (24, 512), (16, 128),
+                                 (5, 128)])
+def test_dkv_blocks_kernel_compiles_sm90(H, D):
+    """The block dkv kernel: 12 warps, inside shared memory, no spills, its products
+    m64n(min(256, D))k16; A's posg read once per 16-byte vector where 2 H is a multiple of 8
+    (H = 5: once per element)."""
+    from csa_jax.kernels.gluon import dkv_blocks
+    c = adapter.compile_kernel(
+        dkv_blocks.csa_dkv_blocks_kernel, dkv_blocks.arg_types(),
+        dkv_blocks.constexprs(T=64, NBT=20, H=H, DP=D), target="sm_90a",
+        num_warps=dkv_blocks.NUM_WARPS)
+    r = adapter.resources(c, "sm_90a")
+    assert r["launch_problem"] is None and r["num_warps"] == 12, r
+    assert r.get("spill_stores", 0) == 0 and r.get("stack", 0) == 0, r
+    shapes = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16", c.asm["ptx"]))
+    assert shapes == {str(min(256, D))}, shapes
+    loads = len(re.findall(r"ld\.global", c.asm["ptx"]))
+    assert (loads <= 40) == (H % 4 == 0), loads
 
 
 @pytest.mark.parametrize("HN,H,D", [(16, 16, 512), (32, 32, 512), (16, 8, 512), (32, 24, 512),

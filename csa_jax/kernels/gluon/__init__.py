@@ -240,7 +240,7 @@ def backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, interpret, config):
         from csa_jax.kernels.gluon import small_heads_dq as _sdq
         _check_small_heads(q.shape, hn, config, dq=True)
         return _sdq.backward(q, kv, idx, sink, o, lse, do, dlse, scale=float(scale), HN=hn,
-                             stages=config.bwd_stages)
+                             stages=config.bwd_stages, dkv=config.bwd_dkv)
     if config.bwd == "gluon":
         from csa_jax.kernels.gluon import bwd as _bwd
         return _bwd.backward(q, kv, idx, sink, o, lse, do, dlse, scale=float(scale),

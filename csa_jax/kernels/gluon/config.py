@@ -43,6 +43,10 @@ class Config:
     bwd_block_k, bwd_stages: the dq kernel's ring tile rows (16, 32, 64) and depth (1..4):
         32 x 2 at D = 512; the few-heads dq kernel takes 64-row tiles (3 stages at H <= 16,
         2 at H <= 32 for D = 512).
+    bwd_dkv: the few-heads backward's dkv (NVIDIA, H <= 32): "slots" (the per-slot GEMM
+        [T, K, D] and the inverse-map reduce, dkv.py) or "blocks" (kv row blocks x tokens on
+        wgmma, no intermediate: dkv_blocks.py; a call whose lists repeat a row within a token,
+        or whose block maps would pass 2 GiB, takes "slots"). Both deterministic.
     """
 
     block_k: int = 64
@@ -54,6 +58,7 @@ class Config:
     bwd: str = "gluon"
     bwd_block_k: int = 32
     bwd_stages: int = 2
+    bwd_dkv: str = "slots"
 
     def __post_init__(self):
         _int_in("block_k", self.block_k, (32, 64))
@@ -66,6 +71,8 @@ class Config:
             raise ValueError(f"bwd={self.bwd!r} must be 'gluon' or 'pallas_triton'")
         _int_in("bwd_block_k", self.bwd_block_k, (16, 32, 64))
         _int_in("bwd_stages", self.bwd_stages, (1, 2, 3, 4))
+        if self.bwd_dkv not in ("slots", "blocks"):
+            raise ValueError(f"bwd_dkv={self.bwd_dkv!r} must be 'slots' or 'blocks'")
 
     @property
     def window_kernel(self) -> bool:

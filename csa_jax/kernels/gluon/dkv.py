@@ -126,16 +126,29 @@ def _reduce_per_slot(per_slot, idx_p, N, kv_dtype):
     return reduce_rows(offsets, perm, per_slot.reshape(B, T * Kp, Dp), kv_dtype)
 
 
-def dkv_dsink_slot_major(dsp, q, do, idx_p, N, Dp, kv_dtype, sink, lse, dc):
+def dkv_dsink_slot_major(dsp, q, do, idx_p, N, Dp, kv_dtype, sink, lse, dc, *, blocks=False,
+                         blocks_launch=None):
     """(dkv [B, N, D], dsink) from the few-heads dq kernel's dsp [B, T, Kp, 2, H]
     (small_heads_dq.py: slot-major, scale * dS then P, the H real heads): the per-slot GEMM
     interm[t] = dsp[t] [q; dO][t] (contracting plane and head, 2 H; XLA stacks [q; dO]), then
-    the Gluon reduce; dsink in XLA."""
+    the Gluon reduce; or, blocks, dkv_blocks.py (no intermediate; the per-slot path where a
+    token lists a row twice, chosen on the device by lax.cond, or where its maps do not fit;
+    blocks_launch: the CPU test's stand-in for its kernel); dsink in XLA."""
     import jax.numpy as jnp
+    from csa_jax.kernels.gluon import dkv_blocks as _blocks
     from csa_jax.kernels.gluon.ring import _pad
-    D = q.shape[3]
+    B, T, _, D = q.shape
     qdo = _pad(jnp.stack([q, do.astype(q.dtype)], axis=2), 4, Dp)          # [B, T, 2, H, Dp]
-    per_slot = jax.lax.dot_general(dsp, qdo, (((3, 4), (2, 3)), ((0, 1), (0, 1))),
-                                   preferred_element_type=dsp.dtype)       # [B, T, Kp, Dp]
-    dkv = _reduce_per_slot(per_slot, idx_p, N, kv_dtype)
+
+    def per_slot_path():
+        per_slot = jax.lax.dot_general(dsp, qdo, (((3, 4), (2, 3)), ((0, 1), (0, 1))),
+                                       preferred_element_type=dsp.dtype)   # [B, T, Kp, Dp]
+        return _reduce_per_slot(per_slot, idx_p, N, kv_dtype)
+
+    if blocks and _blocks.fits(B, T, N):
+        *maps, dup = _blocks.block_maps(idx_p, N)
+        dkv = jax.lax.cond(dup, per_slot_path, lambda: _blocks.dkv_blocks(
+            dsp, qdo, maps, N, launch=blocks_launch).astype(kv_dtype))
+    else:
+        dkv = per_slot_path()
     return dkv[:, :, :D], blockmath.sink_grad(sink, lse, dc)

@@ -176,17 +176,18 @@ def dq(q, kv, idx, lse, do, dc, *, scale, HN, stages):
             idx_p.reshape(B, T, Kp), dims)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "HN", "stages"))
-def backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, HN, stages):
+@functools.partial(jax.jit, static_argnames=("scale", "HN", "stages", "dkv"))
+def backward(q, kv, idx, sink, o, lse, do, dlse, *, scale, HN, stages, dkv="slots"):
     """(dq, dkv, dsink) at H <= HN heads: dq and dsp by the kernel above, dkv by the
-    deterministic per-slot GEMM + inverse-map reduce (dkv.py), dsink in XLA. idx must be
-    sanitized (-1 for every empty or out-of-range slot)."""
+    deterministic per-slot GEMM + inverse-map reduce (dkv.py) or, dkv="blocks", by
+    dkv_blocks.py; dsink in XLA. idx must be sanitized (-1 for every empty or out-of-range
+    slot)."""
     import jax.numpy as jnp
     from csa_jax.kernels.gluon.dkv import dkv_dsink_slot_major
     f32 = jnp.float32
     delta = jnp.sum(o.astype(f32) * do.astype(f32), axis=-1)            # [B, T, H]
     dc = dlse.astype(f32) - delta
     dq_, dsp, idx_p, dims = dq(q, kv, idx, lse, do, dc, scale=scale, HN=HN, stages=stages)
-    dkv, dsink = dkv_dsink_slot_major(dsp, q, do, idx_p, kv.shape[1], dims[6], kv.dtype,
-                                      sink, lse, dc)
-    return dq_, dkv, dsink
+    dkv_, dsink = dkv_dsink_slot_major(dsp, q, do, idx_p, kv.shape[1], dims[6], kv.dtype,
+                                       sink, lse, dc, blocks=dkv == "blocks")
+    return dq_, dkv_, dsink
