@@ -20,7 +20,9 @@ with these model / attention field overrides (ModelConfig.replace), e.g.
 variant go to DIR/<impl>-<NAME> (with --profile-variants; by default only the default is
 traced). Keys `config.<field>` override fields of the attention impl's
 default Config instead (e.g. `w4:config.num_warps=4` for pallas_triton): the impl module's
-default_config is wrapped for that variant's run only.
+default_config is wrapped for that variant's run only (an impl whose Config lacks such a field
+skips the variant). Every run starts from cleared jit caches, so a variant's step is traced
+with its overrides (a cached step of an earlier run would ignore them).
 """
 
 from __future__ import annotations
@@ -67,6 +69,10 @@ def best_impl(preset, seq_len, batch_size, dtype, model=None) -> str:
     return picked.pop() if len(picked) == 1 else "auto"
 
 
+class SkipVariant(Exception):
+    """A variant that does not apply to an impl (a config key its Config lacks)."""
+
+
 @contextlib.contextmanager
 def impl_config(impl, over):
     """Within the block, impl's default_config returns its default with `over` replaced."""
@@ -89,6 +95,12 @@ def bench(preset, impl, seq_len, batch_size, steps, warmup, dtype, profile=None,
     model = dict(model or {})
     conf = {k.removeprefix("config."): model.pop(k) for k in list(model)
             if k.startswith("config.")}
+    if conf:
+        from csa_jax import registry
+        fields = {f.name for f in dataclasses.fields(registry.get(impl).mod.Config)}
+        if set(conf) - fields:
+            raise SkipVariant(f"{impl}'s Config has no field {sorted(set(conf) - fields)}")
+    jax.clear_caches()
     with impl_config(impl, conf):
         return _bench(preset, impl, seq_len, batch_size, steps, warmup, dtype, profile, model,
                       variant, conf)
@@ -183,6 +195,9 @@ def main():
                               args.warmup, args.dtype, model=over, variant=variant,
                               profile=args.profile if (variant == "default"
                                                        or args.profile_variants) else None)
+                except SkipVariant as e:
+                    print(f"{impl} ({variant}): skipped: {e}", file=sys.stderr)
+                    continue
                 except Exception as e:  # report and go on with the next candidate
                     print(f"{impl} ({variant}): failed: {type(e).__name__}: {str(e)[:300]}",
                           file=sys.stderr)

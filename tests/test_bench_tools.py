@@ -388,3 +388,25 @@ def test_time_fn_pipelined_waits_once_per_round():
     assert n == 4 and len(waits) == 5 + 2 + 4
     with pytest.raises(ValueError, match="'device'"):
         common.time_fn(fn, (7,), 1, 1.0, "device")
+
+
+def test_bench_train_config_variants_retrace_and_skip(monkeypatch):
+    """bench_train's `config.<field>` variants: each run is traced afresh, so the override
+    reaches the impl's default_config (a jit cache hit from an earlier run would ignore it);
+    an impl whose Config lacks the field skips the variant."""
+    from benchmarks import bench_train
+    from csa_jax import registry
+    mod = registry.get("xla").mod
+    seen = []
+    orig = mod.default_config
+    monkeypatch.setattr(mod, "default_config",
+                        lambda *a, **k: seen.append(1) or orig(*a, **k))
+    kw = dict(preset="tiny", impl="xla", seq_len=256, batch_size=1, steps=1, warmup=1,
+              dtype="float32")
+    bench_train.bench(**kw)
+    first = len(seen)
+    assert first > 0
+    r = bench_train.bench(**kw, model={"config.chunk_tokens": 64}, variant="c64")
+    assert len(seen) > first and r["config_overrides"] == {"chunk_tokens": 64}
+    with pytest.raises(bench_train.SkipVariant, match="no field.*bwd_dkv"):
+        bench_train.bench(**kw, model={"config.bwd_dkv": "blocks"}, variant="blk")

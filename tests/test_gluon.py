@@ -317,11 +317,19 @@ def test_auto_choice_on_a_simulated_h200(monkeypatch, H, D, dtype, cc, want):
 def test_small_heads_default_config(H, D, stages, dq_stages):
     """H <= 32: the few-heads forward and dq kernel (bwd="gluon", measured faster than the
     pallas_triton backward), each with the deepest ring of 64-row tiles that fits beside q
-    (the dq kernel: [q; dO]); the buffers within SMALL_HEADS_BUDGET."""
+    (the dq kernel: [q; dO]); the buffers within SMALL_HEADS_BUDGET; dkv by row blocks; two
+    forward consumer warpgroups at H <= 16, D = 512 (measured there) unless the promise is
+    cr0 / cr128 (measured slower)."""
     from csa_jax.kernels.gluon import dims
     c = impl.default_config((1, 8, H, D), None, None, jnp.bfloat16)
-    assert (c.block_k, c.stages, c.bwd) == (64, stages, "gluon")
+    assert (c.block_k, c.stages, c.bwd, c.bwd_dkv) == (64, stages, "gluon", "blocks")
     assert (c.bwd_block_k, c.bwd_stages) == (64, dq_stages)
+    pair = 2 if H <= 16 and D == 512 else 1
+    assert c.fwd_consumers == pair
+    for layout, want in (("cr4", pair), ("cr0", 1), ("cr128", 1)):
+        c2 = impl.default_config((1, 8, H, D), None, None, jnp.bfloat16, layout=layout)
+        assert c2.fwd_consumers == want and c2.bwd_dkv == "blocks"
+    assert impl.default_config((1, 8, 64, D), None, None, jnp.bfloat16).fwd_consumers == 1
     hn = dims.small_heads_block(H)
     for planes, st in ((1, c.stages), (2, c.bwd_stages)):
         assert dims.small_heads_shared_bytes(D, hn, st, planes=planes) <= dims.SMALL_HEADS_BUDGET
@@ -403,6 +411,9 @@ def test_small_heads_two_consumers_compile_for_sm90a(D, stages, H):
     r = adapter.resources(c, "sm_90a")
     assert r["num_warps"] == 12 and r["launch_problem"] is None
     assert r["shared"] <= r["shared_limit"]
+    from csa_jax.kernels.gluon.dims import small_heads_shared_bytes
+    est = small_heads_shared_bytes(D, 16, stages, consumers=2)
+    assert est <= r["shared"] <= est + 1024, (r["shared"], est)
     assert r["spill_stores"] == 0 and r["spill_loads"] == 0, r["ptxas"]
     assert "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16" in c.asm["ptx"]
 

@@ -56,8 +56,10 @@ def default_config(q_shape, kv_shape, idx_shape, dtype, *, layout="generic", win
                    pool_ratio=128) -> Config:
     """NVIDIA, H <= 32: the few-heads forward (small_heads.py) and dq kernel
     (small_heads_dq.py), each with the deepest ring of 64-row tiles that fits (3 at H <= 16,
-    2 at H <= 32 for D = 512); the step 1.01-1.23x faster than with pallas_triton's backward
-    (H100, Pro cr4 H = 8 / 16 / 32 and every layer type at 16: docs/perf/heads_h100.md).
+    2 at H <= 32 for D = 512), and dkv by row blocks (bwd_dkv="blocks", dkv_blocks.py: steps
+    1.22-1.93x faster than the per-slot path on lists without repeats, H100); at H <= 16 and
+    D = 512 two forward consumer warpgroups (fwd_consumers=2: 8-14% faster on cr4 lists) unless
+    the promise is cr0 / cr128 (8-11% slower there) (docs/perf/heads_h100.md).
     NVIDIA, H > 32: block_k 64 and the deepest even ring that fits (4 for D <= 256, 2 at D = 512;
     block_k 32 if even 2 stages of 64 rows would not fit); the dq kernel's tiles from
     dims.dq_tiles (32 x 2 at D = 512). AMD: the per-target tiles of dims.AMD_DEFAULTS /
@@ -76,8 +78,9 @@ def default_config(q_shape, kv_shape, idx_shape, dtype, *, layout="generic", win
         # the few-heads forward and dq kernel: the deepest rings that fit
         stages, dq_stages = small_heads_stages(D, hn), small_heads_stages(D, hn, planes=2)
         if stages and dq_stages:
+            pair = hn == 16 and D == 512 and stages >= 3 and layout not in ("cr0", "cr128")
             return Config(block_k=64, stages=stages, bwd_block_k=64, bwd_stages=dq_stages,
-                          **promise)
+                          fwd_consumers=2 if pair else 1, bwd_dkv="blocks", **promise)
     for stages in (4, 2):
         if fwd_shared_bytes(D, 64, stages) <= SMEM_BUDGET:
             return Config(block_k=64, stages=stages, bwd_block_k=bk, bwd_stages=bs, **promise)
@@ -225,7 +228,8 @@ def _check_small_heads(q_shape, hn, config, dq=False):
     if block_k != 64:
         raise ValueError(f"{pre}block_k={block_k}: the few-heads {what} (H={H} <= 32) takes "
                          f"64-row tiles (the wgmma M dimension)")
-    need = small_heads_shared_bytes(D, hn, stages, planes=2 if dq else 1)
+    need = small_heads_shared_bytes(D, hn, stages, planes=2 if dq else 1,
+                                    consumers=1 if dq else config.fwd_consumers)
     if need > SMALL_HEADS_BUDGET:
         raise ValueError(f"{pre}stages={stages}: the few-heads {what} at D={D}, {hn} heads "
                          f"needs {need} B of shared memory, over {SMALL_HEADS_BUDGET}")

@@ -28,13 +28,15 @@ def small_heads_block(H):
     return 16 if H <= 16 else 32 if H <= 32 else None
 
 
-def small_heads_shared_bytes(D, HN, stages, block_k=64, itemsize=2, planes=1):
+def small_heads_shared_bytes(D, HN, stages, block_k=64, itemsize=2, planes=1, consumers=1):
     """Shared memory of the few-heads kernels' buffers: q [HN, D] (planes = 1, the forward,
     small_heads.py) or [q; dO] [2 HN, D] (planes = 2, the dq kernel, small_heads_dq.py), the
-    ring, P^T or dS^T [block_k, HN]; the compiler adds under 1 KiB (the forward's cross-warp
-    max, measured 348 - 604 B; the dq kernel's barriers, 252 B: SMALL_HEADS_BUDGET)."""
+    ring, P^T or dS^T [block_k, HN] (one per consumer warpgroup: the forward's
+    fwd_consumers); the compiler adds under 1 KiB (the forward's cross-warp max, measured
+    348 - 604 B; the dq kernel's barriers, 252 B: SMALL_HEADS_BUDGET)."""
     Dp = padded_dims(HB, D, block_k, block_k)[1]
-    return (planes * HN + stages * block_k) * Dp * itemsize + block_k * HN * itemsize
+    return ((planes * HN + stages * block_k) * Dp * itemsize
+            + consumers * block_k * HN * itemsize)
 
 
 def small_heads_stages(D, HN, planes=1):
