@@ -126,9 +126,9 @@ def gluon_nv_kernels(configs):
     """(name, is_default, targets, compile step) of the NVIDIA Gluon kernels, for sm_90a (the
     one target they are built for): the forward (fwd.py) and the dq kernel (bwd.py) at each of
     `configs` (nv_configs; a variant's row only where it changes that kernel's tiles), the dkv
-    reduce (dkv.py, reduce_rows' defaults), the few-heads forward (small_heads.py) and dq
-    kernel (small_heads_dq.py) at 16 and 32 heads, and the cr0 window kernel (window.py) at
-    Pro and Flash."""
+    reduce (dkv.py, reduce_rows' defaults), the few-heads forward (small_heads.py), dq
+    kernel (small_heads_dq.py) and row-block dkv (dkv_blocks.py) at 16 and 32 heads, and the
+    cr0 window kernel (window.py) at Pro and Flash."""
     from csa_jax.kernels.gluon import bwd, dkv, fwd, ring, window
     sm90 = ("sm_90a",)
     base = configs[0][1]
@@ -158,7 +158,7 @@ def gluon_nv_kernels(configs):
                _gluon(small_heads.csa_fwd_small_heads_kernel, ring.arg_types(),
                       lambda hn=hn, cfg=cfg: small_heads.constexprs(
                           T=PRO["T"], N=PRO["N"], HN=hn, D=PRO["D"], K=PRO["K"], BK=cfg.block_k,
-                          stages=cfg.stages, scale=PRO["scale"]),
+                          stages=cfg.stages, scale=PRO["scale"], consumers=cfg.fwd_consumers),
                       small_heads.NUM_WARPS))
     # the few-heads dq kernel (small_heads_dq.py) at its default rings for 16 and 32 heads
     from csa_jax.kernels.gluon import small_heads_dq
@@ -170,6 +170,14 @@ def gluon_nv_kernels(configs):
                           T=PRO["T"], N=PRO["N"], HN=hn, D=PRO["D"], K=PRO["K"],
                           stages=cfg.bwd_stages, scale=PRO["scale"]),
                       small_heads_dq.NUM_WARPS))
+    # the few-heads backward's dkv by kv row blocks (dkv_blocks.py) at 16 and 32 heads
+    from csa_jax.kernels.gluon import dkv_blocks
+    for hn in (16, 32):
+        yield (f"csa_dkv_blocks[h{hn}]", True, sm90,
+               _gluon(dkv_blocks.csa_dkv_blocks_kernel, dkv_blocks.arg_types(),
+                      lambda hn=hn: dkv_blocks.constexprs(
+                          T=PRO["T"], NBT=-(-PRO["N"] // dkv_blocks.BN), H=hn, DP=PRO["D"]),
+                      dkv_blocks.NUM_WARPS))
     # the cr0 window kernel (window 128; N = T: cr0 has no pool rows) at Pro (two head blocks)
     # and Flash (one: G, the programs per head block, doubles, and the code changes)
     for tag, nhb in (("cr0", 2), ("cr0,flash", 1)):

@@ -111,7 +111,8 @@ def test_resource_report_nvidia_gluon_passes(capsys):
     assert [r["kernel"] for r in rows] == [
         "csa_fwd[default]", "csa_dq[default]", "csa_fwd[bk32]", "csa_dkv_reduce[default]",
         "csa_fwd_small_heads[h16]", "csa_fwd_small_heads[h32]", "csa_dq_small_heads[h16]",
-        "csa_dq_small_heads[h32]", "csa_window[cr0]", "csa_window[cr0,flash]"], rows
+        "csa_dq_small_heads[h32]", "csa_dkv_blocks[h16]", "csa_dkv_blocks[h32]",
+        "csa_window[cr0]", "csa_window[cr0,flash]"], rows
     assert all(r["target"] == "sm_90a" and "error" not in r for r in rows), rows
     by = {r["kernel"]: r for r in rows}
     assert by["csa_fwd[default]"]["name"] == "csa_fwd_kernel"
@@ -120,10 +121,14 @@ def test_resource_report_nvidia_gluon_passes(capsys):
     assert by["csa_window[cr0]"]["name"] == "csa_window_kernel"
     assert by["csa_fwd_small_heads[h16]"]["name"] == "csa_fwd_small_heads_kernel"
     assert by["csa_dq_small_heads[h16]"]["name"] == "csa_dq_small_heads_kernel"
+    assert by["csa_dkv_blocks[h16]"]["name"] == "csa_dkv_blocks_kernel"
+    assert by["csa_fwd_small_heads[h16]"]["num_warps"] == 12      # two consumers: the default
+    assert by["csa_fwd_small_heads[h32]"]["num_warps"] == 8
     assert by["csa_fwd[bk32]"]["shared"] < by["csa_fwd[default]"]["shared"]
     for k in ("csa_fwd[default]", "csa_dq[default]", "csa_dkv_reduce[default]",
               "csa_fwd_small_heads[h16]", "csa_fwd_small_heads[h32]", "csa_dq_small_heads[h16]",
-              "csa_dq_small_heads[h32]", "csa_window[cr0]"):
+              "csa_dq_small_heads[h32]", "csa_dkv_blocks[h16]", "csa_dkv_blocks[h32]",
+              "csa_window[cr0]"):
         assert by[k]["spill_stores"] == 0, by[k]
 
 

@@ -10,7 +10,8 @@ run wgmma; ring.py holds what they share):
   promise with window 128, window.py (a block of 16 tokens copies its window once);
 - backward: bwd.py's dq kernel (it also writes scale*dS, P and [q; dO]; at H <= 32
   small_heads_dq.py, the kv rows as M), then dkv by a per-slot GEMM in XLA and dkv.py's
-  deterministic inverse-map gather-reduce; Config.bwd="pallas_triton"
+  deterministic inverse-map gather-reduce (at H <= 32 by default dkv_blocks.py: kv row
+  blocks x tokens on wgmma, no per-slot intermediate); Config.bwd="pallas_triton"
   runs that impl's whole backward instead;
 - AMD (gfx942 / gfx950 / gfx1250): amd_fwd.py and amd_bwd.py, COMPILED FOR THOSE TARGETS ON A
   CPU, NEVER RUN (no AMD GPU was available: neither their numerics nor the ROCm launch path

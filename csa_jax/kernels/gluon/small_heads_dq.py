@@ -11,8 +11,9 @@ or 32 in shared memory only) are N, per tile of BK = 64 rows:
     dq^T [D, HN] += tile^T [D, BK] dS^T [BK, HN]                  (A = the tile, MN-major)
 
 No softmax statistic is formed (lse is known), so the consumer has no cross-warp reduction.
-scale * dS and P go to dsp [B*T, Kp, 2, H] (slot-major, the H real heads) for the per-slot
-GEMM interm[t] = dsp[t] [q; dO][t] and the deterministic inverse-map reduce of dkv.py, as the
+scale * dS and P go to dsp [B*T, Kp, 2, H] (slot-major, the H real heads) for dkv: by kv row
+blocks (dkv_blocks.py, Config.bwd_dkv="blocks", the default) or by the per-slot GEMM
+interm[t] = dsp[t] [q; dO][t] and the deterministic inverse-map reduce of dkv.py, as the
 64-head kernel's do; tiles past a token's last non-empty one are written as zeros.
 
 Partitions (8 warps): the producer = the default partition, 4 warps, ring._produce_row with
