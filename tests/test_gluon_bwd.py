@@ -353,6 +353,15 @@ def test_dkv_blocks_against_per_slot_sum(rng, monkeypatch, H, D, N, K):
     jax.clear_caches()
 
 
+def test_dkv_blocks_fits_bounds_bytes_and_int32():
+    """The per-slot path takes over where posg would pass 2 GiB or its dsp row ids int32."""
+    from csa_jax.kernels.gluon import dkv_blocks
+    assert dkv_blocks.fits(1, 16384, 20480, 1152)                  # Pro cr4: 1.34 GB
+    assert not dkv_blocks.fits(1, 32768, 40960, 1152)              # 5.4 GB of posg
+    assert not dkv_blocks.fits(1, 2 ** 22, 128, 1152)              # posg 2 GiB, ids past int32
+    assert dkv_blocks.fits(1, 2 ** 20, 128, 1152)
+
+
 def test_dkv_blocks_maps_report_repeats():
     """block_maps' dup: a token that lists a row twice (csa_spec.md allows it) is reported,
     so the caller takes the per-slot path; none without repeats."""

@@ -46,7 +46,7 @@ class Config:
     bwd_dkv: the few-heads backward's dkv (NVIDIA, H <= 32): "slots" (the per-slot GEMM
         [T, K, D] and the inverse-map reduce, dkv.py) or "blocks" (kv row blocks x tokens on
         wgmma, no intermediate: dkv_blocks.py; a call whose lists repeat a row within a token,
-        or whose block maps would pass 2 GiB, takes "slots"). Both deterministic.
+        or whose block maps would pass 2 GiB or int32, takes "slots"). Both deterministic.
     """
 
     block_k: int = 64

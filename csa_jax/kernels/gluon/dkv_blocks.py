@@ -229,9 +229,10 @@ def grid_size(NBT, DP, splits=SPLITS):
     return NBT * (DP // min(DS_MAX, DP)) * splits
 
 
-def fits(B, T, N):
-    """Whether posg [B*NB, T, BN] i32 stays under POS_LIMIT bytes (else the per-slot path)."""
-    return B * -(-N // BN) * T * BN * 4 <= POS_LIMIT
+def fits(B, T, N, Kp):
+    """Whether posg [B*NB, T, BN] i32 stays under POS_LIMIT bytes and its entries, dsp rows
+    (b T + t) Kp + k, fit in int32 (else the caller takes the per-slot path)."""
+    return B * -(-N // BN) * T * BN * 4 <= POS_LIMIT and B * T * Kp < 2 ** 31
 
 
 def block_maps(idx_p, N):
