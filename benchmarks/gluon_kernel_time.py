@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import csa_jax
 from benchmarks.common import apply_overrides, make_problem, parse_overrides, time_fn
 from csa_jax import registry
+from csa_jax.problems import INDEX_MODES
 
 
 def _pipelined(fn, args, calls):
@@ -126,7 +127,7 @@ def main(argv=None):
     ap.add_argument("--heads", type=csv(int), default=[None],
                     help="H per device (tensor parallelism), e.g. 16,32; default: the family's")
     ap.add_argument("--impl", default="gluon")
-    ap.add_argument("--indices", default="random",
+    ap.add_argument("--indices", default="random", choices=INDEX_MODES,
                     help="cr4 index mode (csa_jax.problems.INDEX_MODES): random (default), "
                          "unique (random without repeats in a token), causal")
     ap.add_argument("--config", default="", help="Config overrides: key=val,...")

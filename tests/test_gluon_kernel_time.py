@@ -42,3 +42,18 @@ def test_kernel_time_gluon_rows_launch_faked(monkeypatch):
     assert set(launched) == {"csa_window_kernel"}, launched
     assert ["layout='cr0'" in r["config"] for r in rows] == [False, True]
     assert all(r["kernel_pipelined_ms"] > 0 and r["o_finite"] for r in rows), rows
+
+
+def test_breakdown_rows_on_cpu(capsys):
+    """--breakdown: a profiled step's kernels (on a CPU the XLA thunks) with their own time per
+    step, largest first, beside the step's pipelined time; --indices reaches the problem."""
+    from benchmarks import gluon_kernel_time
+    rows = gluon_kernel_time.main(["--impl", "xla", "--families", "pro", "--ratios", "4",
+                                   "--seqs", "256", "--heads", "8", "--indices", "unique",
+                                   "--calls", "1", "--breakdown", "--top", "3"])
+    (r,) = rows
+    assert (r["H"], r["T"], r["impl"]) == (8, 256, "xla") and r["step_pipelined_ms"] > 0
+    ms = [k[1] for k in r["kernels"]]
+    assert ms and ms == sorted(ms, reverse=True) and abs(sum(ms) - r["kernels_sum_ms"]) < 1e-6
+    table = capsys.readouterr().out.split("| kernel | ms / step")[1]
+    assert table.count("\n|") == 1 + 3                 # the separator, then --top rows
