@@ -13,7 +13,10 @@ Inputs are random bf16 at the V4 shapes (H = 64 Flash / 128 Pro, D = 512, window
                  the tail for early tokens); until commit 6317ea8 this script used top-k of
                  uniform random scores over the visible pool rows instead;
          random: window + k uniform random pool ids, every slot valid (the convention of
-                 the published AMD numbers).
+                 the published AMD numbers; drawn with replacement, so a token may list a
+                 pool row twice);
+         unique: the same draw without replacement (no repeats within a token, as a top-k;
+                 gluon's few-heads dkv by row blocks needs that, else it falls back).
   (the generator is csa_jax.problems, shared with python -m csa_jax)
 --heads H1,H2,... replaces the family's H (the heads one device holds under tensor parallelism:
 Pro's 128 over TP = 2, 4, 8, 16 is 64, 32, 16, 8); every row then carries its H in the config
