@@ -59,7 +59,7 @@ def default_config(q_shape, kv_shape, idx_shape, dtype, *, layout="generic", win
     (small_heads_dq.py), each with the deepest ring of 64-row tiles that fits (3 at H <= 16,
     2 at H <= 32 for D = 512), and dkv by row blocks (bwd_dkv="blocks", dkv_blocks.py: steps
     1.22-1.93x faster than the per-slot path on lists without repeats, H100); at H <= 16 and
-    D = 512 two forward consumer warpgroups (fwd_consumers=2: 8-14% faster on cr4 lists) unless
+    D = 512 two forward consumer warpgroups (fwd_consumers=2: 7-13% faster on cr4 lists) unless
     the promise is cr0 / cr128 (8-11% slower there) (docs/perf/heads_h100.md).
     NVIDIA, H > 32: block_k 64 and the deepest even ring that fits (4 for D <= 256, 2 at D = 512;
     block_k 32 if even 2 stages of 64 rows would not fit); the dq kernel's tiles from
