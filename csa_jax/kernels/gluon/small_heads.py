@@ -36,6 +36,13 @@ TB/s. Tried and slower: issuing S^T of the next tile behind O^T (holds two stage
 two consumer warpgroups of 16 heads each at HN = 32 (each reads every tile; 7-10%, commit
 3f36e99).
 
+CONSUMERS = 2 (Config.fwd_consumers, HN = 16, 12 warps): two consumer warpgroups split each
+token's tiles instead (_consumer_pair: tiles i = w mod 2, each its own (m, l, O^T); warpgroup
+1's partial reaches warpgroup 0 through the ring stage of its last tile). H100, same calls
+(docs/perf/heads_h100.md): cr4 lists 7-13% faster (Pro H = 16 3.20 -> 2.86 ms), cr0 / cr128
+8-11% slower (2-4 tiles a token); default_config picks it at D = 512 off the cr0 / cr128
+promises.
+
 The backward's few-heads dq kernel (small_heads_dq.py) shares this file's producer (with dO
 copied beside q), ring buffers and tile wait (_producer, _ring_buffers, _next_tile).
 """
