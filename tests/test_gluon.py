@@ -345,13 +345,15 @@ def test_small_heads_default_config(H, D, stages, dq_stages):
     (32, dict(fwd_consumers=2), "fwd_consumers=2.*H <= 16 only \\(H=32\\)"),
     (64, dict(fwd_consumers=2), "fwd_consumers=2.*H <= 16 only \\(H=64\\)"),
     (16, dict(fwd_consumers=2, stages=2), "two consumer warpgroups need a ring of >= 3"),
+    (16, dict(fwd_consumers=2, stages=4, D=64), "need HN = 16 and D >= 128.*D=64"),
 ])
 def test_small_heads_refusals(monkeypatch, H, kw, match):
     monkeypatch.setattr(impl, "_cannot_run", lambda *a: None)
     monkeypatch.setattr(impl, "_amd", lambda: None)
-    q = jnp.zeros((1, 4, H, 512), jnp.bfloat16)
+    D = kw.pop("D", 512)
+    q = jnp.zeros((1, 4, H, D), jnp.bfloat16)
     with pytest.raises(ValueError, match=match):
-        impl.forward(q, jnp.zeros((1, 4, 512), jnp.bfloat16), jnp.zeros((1, 4, 64), jnp.int32),
+        impl.forward(q, jnp.zeros((1, 4, D), jnp.bfloat16), jnp.zeros((1, 4, 64), jnp.int32),
                      jnp.zeros((H,)), scale=1.0, interpret=False, config=impl.Config(**kw))
 
 

@@ -317,12 +317,17 @@ def csa_fwd_small_heads_kernel(q_ptr, kv_ptr, idx_ptr, ntiles_ptr, sink_ptr, o_p
 def constexprs(*, T, N, HN, D, K, BK, stages, scale, B=1, H=None, consumers=1):
     """The kernel's compile-time parameters (also used by the CPU compile checks); H = the
     heads q / o / lse / sink hold (default HN), 1 <= H <= HN; consumers: 1 or 2 consumer
-    warpgroups (2 needs a ring of >= 3 stages: each warpgroup holds one while it computes)."""
+    warpgroups (2 needs a ring of >= 3 stages: each warpgroup holds one while it computes;
+    and HN = 16, D >= 2 BK: warpgroup 1's partial, f32 O^T [D, HN] then m and l [BK, HN]
+    each, must fit the [BK, D] bf16 stage it is written to)."""
     if consumers not in (1, 2):
         raise ValueError(f"the few-heads forward takes 1 or 2 consumer warpgroups, got "
                          f"consumers={consumers}")
     if consumers == 2 and stages < 3:
         raise ValueError(f"two consumer warpgroups need a ring of >= 3 stages, got {stages=}")
+    if consumers == 2 and (HN != 16 or D < 2 * BK):
+        raise ValueError(f"two consumer warpgroups need HN = 16 and D >= {2 * BK} (their "
+                         f"merge fills a ring stage), got HN={HN}, D={D}")
     if HN not in (16, 32):
         raise ValueError(f"the few-heads forward takes 16 or 32 padded heads, got HN={HN}")
     H = HN if H is None else H
