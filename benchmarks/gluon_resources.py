@@ -176,7 +176,7 @@ def gluon_nv_kernels(configs):
         yield (f"csa_dkv_blocks[h{hn}]", True, sm90,
                _gluon(dkv_blocks.csa_dkv_blocks_kernel, dkv_blocks.arg_types(),
                       lambda hn=hn: dkv_blocks.constexprs(
-                          T=PRO["T"], NBT=-(-PRO["N"] // dkv_blocks.BN), H=hn, DP=PRO["D"]),
+                          T=PRO["T"], NBT=dkv_blocks.num_blocks(PRO["N"]), H=hn, DP=PRO["D"]),
                       dkv_blocks.NUM_WARPS))
     # the cr0 window kernel (window 128; N = T: cr0 has no pool rows) at Pro (two head blocks)
     # and Flash (one: G, the programs per head block, doubles, and the code changes)

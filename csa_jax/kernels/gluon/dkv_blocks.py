@@ -54,9 +54,8 @@ __all__ = ["csa_dkv_blocks_kernel", "arg_types", "constexprs", "block_maps", "dk
 NUM_WARPS = 4                 # the default partition (the producer); 12 warps in all
 WG_WARPS = gl.constexpr(4)
 CONSUMER_REGS = 184           # each consumer warpgroup (acc [64, 256] f32 = 128 a thread)
-BN = 128                      # kv rows per block: two consumer warpgroups of 64 (wgmma M);
-                              # the kernel's BNC (and its stage contraction KAC = 64: TB pairs
-                              # x JP) are fixed in it
+BN = 128                      # kv rows per block: two consumer warpgroups of 64 (wgmma M)
+KA = 64                       # contraction per ring stage: TB = KA // JP pairs of JP columns
 DS_MAX = 256                  # D columns per program (wgmma N <= 256)
 STAGES = 4                    # 4 x (16 + 32) KiB at DS = 256
 SPLITS = 4                    # programs per (block, D slice)
@@ -176,15 +175,15 @@ def _consumer(order_ptr, cnt_ptr, part_ptr, a_ring, b_ring, full, consumed,
 def csa_dkv_blocks_kernel(posg_ptr, list_ptr, order_ptr, cnt_ptr, dsp_ptr, qdo_ptr, part_ptr,
                           T: gl.constexpr, NBT: gl.constexpr, J: gl.constexpr,
                           JP: gl.constexpr, DP: gl.constexpr, DS: gl.constexpr,
-                          S: gl.constexpr, STAGES: gl.constexpr,
-                          CONSUMER_REGS: gl.constexpr):
+                          S: gl.constexpr, STAGES: gl.constexpr, BNC: gl.constexpr,
+                          KAC: gl.constexpr, CONSUMER_REGS: gl.constexpr):
     """posg [NBT, T, BN] i32 (global dsp row or -1), list [NBT, T] i32 (global token of each
     pair), order [NBT] i32 (blocks, longest list first), cnt [NBT] i32, dsp [B*T*Kp, J],
     qdo [B*T*J, DP] | part [S, NBT*BN, DP] f32. One program per (block in order, D slice,
-    split): grid NBT * (DP // DS) * S."""
+    split): grid NBT * (DP // DS) * S. BNC = BN and KAC = KA (constexprs) are what the
+    layouts are built for: two consumer warpgroups of 64 rows, a producer copy layout of 64
+    columns."""
     dtype: gl.constexpr = dsp_ptr.dtype.element_ty
-    BNC: gl.constexpr = 128
-    KAC: gl.constexpr = 64
     TB: gl.constexpr = KAC // JP
     NSL: gl.constexpr = DP // DS
     a_ring = gl.allocate_shared_memory(dtype, [STAGES, BNC, KAC],
@@ -217,7 +216,7 @@ def arg_types(dt="bf16"):
 
 
 def head_pad(H):
-    """JP: 2 H padded to 16, 32 or 64 (a stage's 64 columns hold 64 // JP tokens)."""
+    """JP: 2 H padded to 16, 32 or 64 (a stage's KA = 64 columns hold KA // JP tokens)."""
     if not 1 <= H <= 32:
         raise ValueError(f"the block dkv kernel takes 1 <= H <= 32 heads, got H={H}")
     return max(16, 1 << (2 * H - 1).bit_length())
@@ -229,7 +228,12 @@ def constexprs(*, T, NBT, H, DP, splits=SPLITS, stages=STAGES):
         raise ValueError(f"the block dkv kernel needs D padded to a power of two >= 64, got "
                          f"{DP}")
     return dict(T=T, NBT=NBT, J=2 * H, JP=head_pad(H), DP=DP, DS=min(DS_MAX, DP), S=splits,
-                STAGES=stages, CONSUMER_REGS=CONSUMER_REGS)
+                STAGES=stages, BNC=BN, KAC=KA, CONSUMER_REGS=CONSUMER_REGS)
+
+
+def num_blocks(N):
+    """Blocks of BN kv rows covering N rows (the last one partial)."""
+    return -(-N // BN)
 
 
 def grid_size(NBT, DP, splits=SPLITS):
@@ -239,7 +243,7 @@ def grid_size(NBT, DP, splits=SPLITS):
 def fits(B, T, N, Kp):
     """Whether posg [B*NB, T, BN] i32 stays under POS_LIMIT bytes and its entries, dsp rows
     (b T + t) Kp + k, fit in int32 (else the caller takes the per-slot path)."""
-    return B * -(-N // BN) * T * BN * 4 <= POS_LIMIT and B * T * Kp < 2 ** 31
+    return B * num_blocks(N) * T * BN * 4 <= POS_LIMIT and B * T * Kp < 2 ** 31
 
 
 def block_maps(idx_p, N):
@@ -248,7 +252,7 @@ def block_maps(idx_p, N):
     dup: a token lists some row twice (then posg holds only one of its slots)."""
     import jax.numpy as jnp
     B, T, Kp = idx_p.shape
-    NB = -(-N // BN)
+    NB = num_blocks(N)
     NBT = B * NB
     i32 = jnp.int32
     valid = idx_p >= 0
