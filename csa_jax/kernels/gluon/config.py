@@ -38,7 +38,7 @@ class Config:
         "pallas_triton" (that impl's whole backward on this forward's (o, lse): the escape
         hatch).
     fwd_consumers: consumer warpgroups of the few-heads forward (small_heads.py, H <= 16,
-        a ring of >= 3 stages): 1, or 2 splitting each token's tiles (one's softmax overlaps
+        D >= 128, a ring of >= 3 stages): 1, or 2 splitting each token's tiles (one's softmax overlaps
         the other's products; merged at the token's end). Other forwards take 1 only.
     bwd_block_k, bwd_stages: the dq kernel's ring tile rows (16, 32, 64) and depth (1..4):
         32 x 2 at D = 512; the few-heads dq kernel takes 64-row tiles (3 stages at H <= 16,
