@@ -1,6 +1,6 @@
 """GPU check of impl="gluon" (run on an NVIDIA Hopper GPU; Gluon has no CPU interpreter).
 
-    python -m benchmarks.gluon_check [--parts random,golden,grad,time,window]
+    python -m benchmarks.gluon_check [--parts random,golden,grad,maps,time,window]
         [--golden-dir DIR] [--out check.json] [--seed S] [--config key=val,...]
         [--cases name,...]
 
@@ -22,6 +22,8 @@ Parts:
           Config.bwd: the Gluon dq kernel, at H <= 32 the few-heads one) vs impl="xla", both
           cotangents (dO and dlse), H in {64, 32, 24, 16, 8}, f16 at D = 128; the gradients
           bit-identical across two runs;
+  maps    the block dkv's maps kernels (dkv_blocks.py) against their XLA twins: flag, dup,
+          counts and lists exactly, posg at every pair of a token without repeats;
   time    forward ms of xla, pallas_triton, gluon at a few V4 shapes (checked vs xla);
   window  the cr0 window kernel (window.py, window 128, H > 32), as the NNX layer runs it:
           sparse_attention(..., layout="cr0") vs impl="xla" on fresh random q / kv with
@@ -247,6 +249,52 @@ def part_grad(seed):
                ok=det and all(e <= 2e-2 for e in errs.values()))
 
 
+def part_maps(seed):
+    """The block dkv's maps kernels (dkv_blocks.block_maps) against their XLA twins
+    (maps_token_reference / maps_block_reference): flag, dup per token, counts and lists
+    exactly; posg exactly at every (block, token) pair of a token without repeats (the kernel
+    writes nothing elsewhere; at a repeated row either slot may win). Cases: random lists
+    with repeats, -1 slots and empty tokens (B = 2, T not a multiple of the scan step, the
+    last block partial), the same without repeats, and Pro cr4 causal lists at T = 16384."""
+    import csa_jax
+    from csa_jax import problems
+    from csa_jax.common import sanitize_indices
+    from csa_jax.kernels.gluon import dkv_blocks as d
+    key = jax.random.PRNGKey(seed + 5)
+    cases = []
+    for name, repeats in (("random", True), ("norep", False)):
+        key, k = jax.random.split(key)
+        _, kv, idx, _ = random_case(k, 2, 1000, 1, 64, 3000, 300, jnp.bfloat16, False)
+        idx = sanitize_indices(idx, kv.shape[1])
+        cases.append((name, idx if repeats else drop_repeats(idx), 3000))
+    cfg = csa_jax.preset("pro", 4)
+    key, k = jax.random.split(key)
+    N = cfg.num_kv(16384)
+    idx = problems.make_indices(cfg, 16384, 1, "causal", k)
+    cases.append(("pro-cr4-causal-T16384", sanitize_indices(idx, N), N))
+    for name, idx, N in cases:
+        row = dict(part="maps", case=name, shape=list(idx.shape))
+        try:
+            B, T, Kp = idx.shape
+            NB = d.num_blocks(N)
+            (posg, lists, cnt, _), dup = jax.jit(d.block_maps, static_argnums=1)(idx, N)
+            rflag, rposg, rdup = d.maps_token_reference(idx.reshape(B * T, Kp), T, NB)
+            rlists, rcnt = d.maps_block_reference(rflag, T)
+            pair = rflag.reshape(B, T, NB).transpose(0, 2, 1).reshape(B * NB, T) > 0
+            clean = jnp.repeat((rdup.reshape(B, T) == 0)[:, None], NB, axis=1).reshape(B * NB, T)
+            live = jnp.arange(T)[None, :] < rcnt[:, None]
+            checks = dict(
+                dup=bool(dup) == bool(jnp.any(rdup > 0)),
+                cnt=bool(jnp.array_equal(cnt, rcnt)),
+                lists=bool(jnp.all(jnp.where(live, lists == rlists, True))),
+                posg=bool(jnp.all(jnp.where((pair & clean)[..., None], posg == rposg, True))))
+        except Exception as e:  # noqa: BLE001
+            report_failure(e, **row)
+            continue
+        report(**row, dup=bool(jnp.any(rdup > 0)), pairs=int(jnp.sum(rcnt)), checks=checks,
+               ok=all(checks.values()))
+
+
 # ----------------------------------------------------------------------------- timing
 
 
@@ -372,7 +420,7 @@ def _window_poison(name, q, kv, idx, sink, promise):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--parts", default="random,golden,grad,time,window")
+    ap.add_argument("--parts", default="random,golden,grad,maps,time,window")
     ap.add_argument("--golden-dir", default=os.path.join(os.path.dirname(__file__), "..", "tests",
                                                          "golden"))
     ap.add_argument("--shapes", default="pro:4:4096,flash:4:4096,pro:0:4096")
@@ -409,6 +457,7 @@ def main(argv=None):
         "random": lambda: part_random(args.seed),
         "golden": golden,
         "grad": lambda: part_grad(args.seed),
+        "maps": lambda: part_maps(args.seed),
         "time": lambda: part_time(args.seed, parse_shapes(args.shapes)),
         "window": lambda: part_window(args.seed, args.cases),
     }, seed=args.seed, out=args.out)

@@ -170,14 +170,26 @@ def gluon_nv_kernels(configs):
                           T=PRO["T"], N=PRO["N"], HN=hn, D=PRO["D"], K=PRO["K"],
                           stages=cfg.bwd_stages, scale=PRO["scale"]),
                       small_heads_dq.NUM_WARPS))
-    # the few-heads backward's dkv by kv row blocks (dkv_blocks.py) at 16 and 32 heads
+    # the few-heads backward's dkv by kv row blocks (dkv_blocks.py) at 16 and 32 heads, and
+    # its two maps kernels
     from csa_jax.kernels.gluon import dkv_blocks
     for hn in (16, 32):
         yield (f"csa_dkv_blocks[h{hn}]", True, sm90,
                _gluon(dkv_blocks.csa_dkv_blocks_kernel, dkv_blocks.arg_types(),
                       lambda hn=hn: dkv_blocks.constexprs(
-                          T=PRO["T"], NBT=dkv_blocks.num_blocks(PRO["N"]), H=hn, DP=PRO["D"]),
+                          T=PRO["T"], NB=dkv_blocks.num_blocks(PRO["N"]), B=1, H=hn,
+                          Kp=PRO["K"], DP=PRO["D"]),
                       dkv_blocks.NUM_WARPS))
+    yield ("csa_dkv_maps_token", True, sm90,
+           _gluon(dkv_blocks.csa_dkv_maps_token_kernel, list(dkv_blocks.MAPS_TOKEN_ARG_TYPES),
+                  lambda: dkv_blocks.maps_token_constexprs(
+                      T=PRO["T"], Kp=PRO["K"], NB=dkv_blocks.num_blocks(PRO["N"])),
+                  dkv_blocks.MAPS_WARPS.value))
+    yield ("csa_dkv_maps_block", True, sm90,
+           _gluon(dkv_blocks.csa_dkv_maps_block_kernel, list(dkv_blocks.MAPS_BLOCK_ARG_TYPES),
+                  lambda: dkv_blocks.maps_block_constexprs(
+                      T=PRO["T"], NB=dkv_blocks.num_blocks(PRO["N"])),
+                  dkv_blocks.MAPS_WARPS.value))
     # the cr0 window kernel (window 128; N = T: cr0 has no pool rows) at Pro (two head blocks)
     # and Flash (one: G, the programs per head block, doubles, and the code changes)
     for tag, nhb in (("cr0", 2), ("cr0,flash", 1)):

@@ -219,11 +219,12 @@ def test_gluon_check_plumbing_with_faked_kernels(monkeypatch, capsys):
     # every grad case (H = 64: the 64-head kernels; H <= 32: the few-heads forward and dq
     # kernel) ran to the comparison: the fake's zeros are errors of 1, not crashes
     assert all("error" not in r and r["errs"]["dq"] == 1.0 for r in rows[1:]), rows
-    # (csa_dkv_blocks_kernel: the few-heads dkv, traced under lax.cond beside the per-slot
-    # path, whose reduce is csa_dkv_reduce_kernel)
+    # (csa_dkv_blocks_kernel and its maps kernels: the few-heads dkv, traced under lax.cond
+    # beside the per-slot path, whose reduce is csa_dkv_reduce_kernel)
     assert set(launched) == {"csa_fwd_small_heads_kernel", "csa_fwd_kernel", "csa_dq_kernel",
                              "csa_dq_small_heads_kernel", "csa_dkv_reduce_kernel",
-                             "csa_dkv_blocks_kernel"}
+                             "csa_dkv_blocks_kernel", "csa_dkv_maps_token_kernel",
+                             "csa_dkv_maps_block_kernel"}
     launched.clear()
     start = len(gc.RESULTS)
     # (an override, even the default's value, skips the promise-check timing: a CPU test)

@@ -226,36 +226,68 @@ def _emulated_dq_small_heads(q, do, kv, idx, ntiles, lse, dc, *, kernel, out_sha
     return dq.reshape(BT * H, D).astype(dt), dsp.astype(out_shape[1].dtype)
 
 
-def _emulated_dkv_blocks(posg, lists, order, cnt, dsp, qdo, *, kernel, out_shape, grid,
-                         num_warps, name, T, NBT, J, JP, DP, DS, S, **_):
+def _emulated_dkv_blocks(posg, lists, order, cnt, dsp, q, do, *, kernel, out_shape, grid,
+                         num_warps, name, T, NB, NBT, J, JP, KP, DP, DS, S, **_):
     """What csa_dkv_blocks_kernel computes (dkv_blocks.py), in jnp: part [S, NBT*BN, DP] f32,
     split s of block blk = the sum over its pairs [cnt s // S, cnt (s + 1) // S) of A [BN, J]
-    (dsp rows named by posg, 0 for -1) times qdo [J, DP] of the pair's token."""
+    (the dsp rows of the pair's token t at the slots posg[blk, t] names, 0 for -1) times
+    [q; dO] [J, DP] of t; list entries past cnt and posg rows of other tokens never read."""
     from csa_jax.kernels.gluon.dkv_blocks import BN, NUM_WARPS, grid_size
     assert num_warps == NUM_WARPS and grid == (grid_size(NBT, DP, S),) and DS == min(256, DP)
     assert posg.shape == (NBT, T, BN) and lists.shape == (NBT, T) and J <= JP and 64 % JP == 0
     if not isinstance(order, jax.core.Tracer):                          # (eager callers)
         assert sorted(np.asarray(order).tolist()) == list(range(NBT))
         assert (np.diff(np.asarray(cnt)[np.asarray(order)]) <= 0).all()  # longest list first
+    H = J // 2
     pi = jnp.arange(T)[None, :]
-    a = jnp.where((posg >= 0)[..., None], dsp[jnp.maximum(posg, 0)], 0).astype(jnp.float32)
-    b = qdo.reshape(-1, J, DP)[lists].astype(jnp.float32)               # [NBT, T, J, DP]
-    contrib = jnp.einsum("bprj,bpjd->bprd", a, b)                        # [NBT, T, BN, DP]
+    live = pi < cnt[:, None]
+    tok = jnp.where(live, lists, 0)                                     # [NBT, T]
+    row = (jnp.arange(NBT)[:, None] // NB) * T + tok                    # b T + t
+    k = jnp.where(live[..., None], posg[jnp.arange(NBT)[:, None], tok], -1)   # [NBT, T, BN]
+    a = jnp.where((k >= 0)[..., None], dsp[row[..., None] * KP + jnp.maximum(k, 0)], 0)
+    qdo = jnp.concatenate([q.reshape(-1, H, DP), do.reshape(-1, H, DP)], axis=1)
+    contrib = jnp.einsum("bprj,bpjd->bprd", a.astype(jnp.float32),
+                         qdo[row].astype(jnp.float32))                 # [NBT, T, BN, DP]
     parts = []
     for sp in range(S):
-        live = (pi >= cnt[:, None] * sp // S) & (pi < cnt[:, None] * (sp + 1) // S)
-        parts.append(jnp.sum(jnp.where(live[..., None, None], contrib, 0.0), axis=1))
+        sl = (pi >= cnt[:, None] * sp // S) & (pi < cnt[:, None] * (sp + 1) // S)
+        parts.append(jnp.sum(jnp.where(sl[..., None, None], contrib, 0.0), axis=1))
     out = jnp.stack(parts).reshape(S, NBT * BN, DP)
     assert out.shape == out_shape.shape
     return out
 
 
+JUNK = 3        # what the maps stand-ins leave where the kernels write nothing (a valid id)
+
+
+def _emulated_maps_token(idx2, *, kernel, out_shape, grid, num_warps, name, T, NB, **_):
+    """csa_dkv_maps_token_kernel: its XLA twin, with JUNK in the posg rows it never writes."""
+    from csa_jax.kernels.gluon import dkv_blocks
+    flag, posg, dup = dkv_blocks.maps_token_reference(idx2, T, NB)
+    pair = flag.reshape(-1, T, NB).transpose(0, 2, 1).reshape(-1, T)    # [blk, t]
+    posg = jnp.where(pair[..., None] > 0, posg, JUNK)
+    assert [o.shape for o in out_shape] == [flag.shape, posg.shape, dup.shape]
+    assert grid == (idx2.shape[0],)
+    return flag, posg, dup
+
+
+def _emulated_maps_block(flag, *, kernel, out_shape, grid, num_warps, name, T, NB, **_):
+    """csa_dkv_maps_block_kernel: its XLA twin, with JUNK in the list entries past cnt."""
+    from csa_jax.kernels.gluon import dkv_blocks
+    lists, cnt = dkv_blocks.maps_block_reference(flag, T)
+    lists = jnp.where(jnp.arange(T)[None, :] < cnt[:, None], lists, JUNK)
+    assert [o.shape for o in out_shape] == [lists.shape, cnt.shape] and grid == (cnt.shape[0],)
+    return lists, cnt
+
+
 def _emulated_call(*args, kernel, **kw):
     from csa_jax.kernels.gluon import dkv, dkv_blocks, small_heads_dq
-    f = (_emulated_reduce_kernel if kernel is dkv.csa_dkv_reduce_kernel
-         else _emulated_dq_small_heads if kernel is small_heads_dq.csa_dq_small_heads_kernel
-         else _emulated_dkv_blocks if kernel is dkv_blocks.csa_dkv_blocks_kernel
-         else _emulated_dq_kernel)
+    f = {dkv.csa_dkv_reduce_kernel: _emulated_reduce_kernel,
+         small_heads_dq.csa_dq_small_heads_kernel: _emulated_dq_small_heads,
+         dkv_blocks.csa_dkv_blocks_kernel: _emulated_dkv_blocks,
+         dkv_blocks.csa_dkv_maps_token_kernel: _emulated_maps_token,
+         dkv_blocks.csa_dkv_maps_block_kernel: _emulated_maps_block}.get(kernel,
+                                                                          _emulated_dq_kernel)
     return f(*args, kernel=kernel, **kw)
 
 
@@ -338,38 +370,41 @@ def test_dkv_blocks_against_per_slot_sum(rng, monkeypatch, H, D, N, K):
     Kp = -(-K // 64) * 64
     idx_p = np.pad(idx, ((0, 0), (0, 0), (0, Kp - K)), constant_values=-1)
     dsp = rng.standard_normal((B, T, Kp, 2, H)).astype(np.float32)
-    qdo = rng.standard_normal((B, T, 2, H, D)).astype(np.float32)
-    *maps, dup = dkv_blocks.block_maps(jnp.asarray(idx_p), N)
+    q, do = rng.standard_normal((2, B, T, H, D)).astype(np.float32)
+    maps, dup = dkv_blocks.block_maps(jnp.asarray(idx_p), N)
     assert not bool(dup)
-    got = dkv_blocks.dkv_blocks(jnp.asarray(dsp), jnp.asarray(qdo), maps, N)
+    got = dkv_blocks.dkv_blocks(jnp.asarray(dsp), jnp.asarray(q), jnp.asarray(do), maps, N)
     want = np.zeros((B, N, D))
     for b, t, k in zip(*np.nonzero(idx_p >= 0)):
-        want[b, idx_p[b, t, k]] += dsp[b, t, k].reshape(-1) @ qdo[b, t].reshape(2 * H, D)
+        want[b, idx_p[b, t, k]] += dsp[b, t, k].reshape(-1) @ np.concatenate([q[b, t], do[b, t]])
     assert got.shape == want.shape
     assert_close(got, want, jnp.float32, factor=10, what="dkv")
     jax.clear_caches()
 
 
-def test_dkv_blocks_fits_bounds_bytes_and_int32():
-    """The per-slot path takes over where posg would pass 2 GiB or its dsp row ids int32."""
+def test_dkv_blocks_fits_bounds_bytes():
+    """The per-slot path takes over where posg would pass 2 GiB."""
     from csa_jax.kernels.gluon import dkv_blocks
     assert dkv_blocks.fits(1, 16384, 20480, 1152)                  # Pro cr4: 1.34 GB
     assert not dkv_blocks.fits(1, 32768, 40960, 1152)              # 5.4 GB of posg
-    assert not dkv_blocks.fits(1, 2 ** 22, 128, 1152)              # posg 2 GiB, ids past int32
+    assert dkv_blocks.fits(1, 2 ** 22, 128, 1152)                  # 2 GiB of posg
+    assert not dkv_blocks.fits(1, 2 ** 22 + 1, 128, 1152)
     assert dkv_blocks.fits(1, 2 ** 20, 128, 1152)
 
 
-def test_dkv_blocks_maps_report_repeats():
-    """block_maps' dup: a token that lists a row twice (csa_spec.md allows it) is reported,
-    so the caller takes the per-slot path; none without repeats."""
+def test_dkv_blocks_maps_reference():
+    """The maps kernels' XLA twins (the GPU check compares the kernels against them): flag,
+    posg by token and slot, dup on a repeated row, lists in token order and counts."""
     from csa_jax.kernels.gluon import dkv_blocks
-    idx = jnp.asarray([[[3, 200, -1, 5], [7, 7, 1, -1]]], jnp.int32)
-    assert bool(dkv_blocks.block_maps(idx, 300)[4])
-    assert not bool(dkv_blocks.block_maps(idx.at[0, 1, 1].set(8), 300)[4])
-    posg, lists, cnt, order, _ = dkv_blocks.block_maps(idx.at[0, 1, 1].set(8), 300)
-    assert cnt.tolist() == [2, 1, 0] and order.tolist() == [0, 1, 2]
-    assert lists[0, :2].tolist() == [0, 1] and lists[1, 0] == 0
-    assert posg[1, 0, 200 - 128] == 1 and posg[0, 1, 8] == 4 + 1     # (b T + t) Kp + k
+    idx = jnp.asarray([[3, 200, -1, 5], [7, 7, 1, -1]], jnp.int32)     # B = 1, T = 2
+    flag, posg, dup = dkv_blocks.maps_token_reference(idx, 2, 3)
+    assert dup.tolist() == [0, 1] and flag.tolist() == [[1, 1, 0], [1, 0, 0]]
+    flag, posg, dup = dkv_blocks.maps_token_reference(idx.at[1, 1].set(8), 2, 3)
+    assert dup.tolist() == [0, 0]
+    assert posg[1, 0, 200 - 128] == 1 and posg[0, 1, 8] == 1 and posg[0, 0, 5] == 3
+    assert posg[0, 0, 4] == -1 and (posg[1, 1] == -1).all()
+    lists, cnt = dkv_blocks.maps_block_reference(flag, 2)
+    assert cnt.tolist() == [2, 1, 0] and lists[0].tolist() == [0, 1] and lists[1, 0] == 0
 
 
 @pytest.mark.parametrize("H,D", [(16, 512), (8, 512), (32, 512), (24, 512), (16, 128),
@@ -381,7 +416,7 @@ def test_dkv_blocks_kernel_compiles_sm90(H, D):
     from csa_jax.kernels.gluon import dkv_blocks
     c = adapter.compile_kernel(
         dkv_blocks.csa_dkv_blocks_kernel, dkv_blocks.arg_types(),
-        dkv_blocks.constexprs(T=64, NBT=20, H=H, DP=D), target="sm_90a",
+        dkv_blocks.constexprs(T=64, NB=10, B=2, H=H, Kp=1152, DP=D), target="sm_90a",
         num_warps=dkv_blocks.NUM_WARPS)
     r = adapter.resources(c, "sm_90a")
     assert r["launch_problem"] is None and r["num_warps"] == 12, r
@@ -390,6 +425,26 @@ def test_dkv_blocks_kernel_compiles_sm90(H, D):
     assert shapes == {str(min(256, D))}, shapes
     loads = len(re.findall(r"ld\.global", c.asm["ptx"]))
     assert (loads <= 40) == (H % 4 == 0), loads
+
+
+def test_dkv_maps_kernels_compile_sm90():
+    """The two maps kernels at Pro cr4's shapes: no spills; the token kernel's phases ordered
+    by barriers and its slots placed by atomic exchange; the block kernel's scan."""
+    from csa_jax.kernels.gluon import dkv_blocks as d
+    for kernel, types, consts in (
+            (d.csa_dkv_maps_token_kernel, d.MAPS_TOKEN_ARG_TYPES,
+             d.maps_token_constexprs(T=16384, Kp=1152, NB=160)),
+            (d.csa_dkv_maps_block_kernel, d.MAPS_BLOCK_ARG_TYPES,
+             d.maps_block_constexprs(T=16384, NB=160))):
+        c = adapter.compile_kernel(kernel, list(types), consts, target="sm_90a",
+                                   num_warps=d.MAPS_WARPS.value)
+        r = adapter.resources(c, "sm_90a")
+        assert r["launch_problem"] is None and r.get("spill_stores", 0) == 0, r
+        ptx = c.asm["ptx"]
+        if kernel is d.csa_dkv_maps_token_kernel:
+            assert "atom.global" in ptx and "exch" in ptx and ptx.count("bar.sync") >= 3
+        else:
+            assert "shfl.sync" in ptx                                  # the scan
 
 
 @pytest.mark.parametrize("HN,H,D", [(16, 16, 512), (32, 32, 512), (16, 8, 512), (32, 24, 512),

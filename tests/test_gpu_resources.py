@@ -112,7 +112,8 @@ def test_resource_report_nvidia_gluon_passes(capsys):
         "csa_fwd[default]", "csa_dq[default]", "csa_fwd[bk32]", "csa_dkv_reduce[default]",
         "csa_fwd_small_heads[h16]", "csa_fwd_small_heads[h32]", "csa_dq_small_heads[h16]",
         "csa_dq_small_heads[h32]", "csa_dkv_blocks[h16]", "csa_dkv_blocks[h32]",
-        "csa_window[cr0]", "csa_window[cr0,flash]"], rows
+        "csa_dkv_maps_token", "csa_dkv_maps_block", "csa_window[cr0]",
+        "csa_window[cr0,flash]"], rows
     assert all(r["target"] == "sm_90a" and "error" not in r for r in rows), rows
     by = {r["kernel"]: r for r in rows}
     assert by["csa_fwd[default]"]["name"] == "csa_fwd_kernel"
@@ -128,7 +129,7 @@ def test_resource_report_nvidia_gluon_passes(capsys):
     for k in ("csa_fwd[default]", "csa_dq[default]", "csa_dkv_reduce[default]",
               "csa_fwd_small_heads[h16]", "csa_fwd_small_heads[h32]", "csa_dq_small_heads[h16]",
               "csa_dq_small_heads[h32]", "csa_dkv_blocks[h16]", "csa_dkv_blocks[h32]",
-              "csa_window[cr0]"):
+              "csa_dkv_maps_token", "csa_dkv_maps_block", "csa_window[cr0]"):
         assert by[k]["spill_stores"] == 0, by[k]
 
 

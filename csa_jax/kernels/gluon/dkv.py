@@ -131,24 +131,27 @@ def dkv_dsink_slot_major(dsp, q, do, idx_p, N, Dp, kv_dtype, sink, lse, dc, *, b
     """(dkv [B, N, D], dsink) from the few-heads dq kernel's dsp [B, T, Kp, 2, H]
     (small_heads_dq.py: slot-major, scale * dS then P, the H real heads): the per-slot GEMM
     interm[t] = dsp[t] [q; dO][t] (contracting plane and head, 2 H; XLA stacks [q; dO]), then
-    the Gluon reduce; or, blocks, dkv_blocks.py (no intermediate; the per-slot path where a
-    token lists a row twice, chosen on the device by lax.cond, or where its maps do not fit;
-    blocks_launch: the CPU test's stand-in for its kernel); dsink in XLA."""
+    the Gluon reduce; or, blocks, dkv_blocks.py (its maps and kernel, no intermediate and no
+    stacked copy; the per-slot path where a token lists a row twice, chosen on the device by
+    lax.cond, or where its maps do not fit; blocks_launch: the CPU tests' stand-in for
+    gluon_call); dsink in XLA."""
     import jax.numpy as jnp
     from csa_jax.kernels.gluon import dkv_blocks as _blocks
     from csa_jax.kernels.gluon.ring import _pad
     B, T, _, D = q.shape
-    qdo = _pad(jnp.stack([q, do.astype(q.dtype)], axis=2), 4, Dp)          # [B, T, 2, H, Dp]
+    q_p = _pad(q, 3, Dp)
+    do_p = _pad(do.astype(q.dtype), 3, Dp)
 
     def per_slot_path():
+        qdo = jnp.stack([q_p, do_p], axis=2)                            # [B, T, 2, H, Dp]
         per_slot = jax.lax.dot_general(dsp, qdo, (((3, 4), (2, 3)), ((0, 1), (0, 1))),
                                        preferred_element_type=dsp.dtype)   # [B, T, Kp, Dp]
         return _reduce_per_slot(per_slot, idx_p, N, kv_dtype)
 
     if blocks and _blocks.fits(B, T, N, idx_p.shape[2]):
-        *maps, dup = _blocks.block_maps(idx_p, N)
+        maps, dup = _blocks.block_maps(idx_p, N, launch=blocks_launch)
         dkv = jax.lax.cond(dup, per_slot_path, lambda: _blocks.dkv_blocks(
-            dsp, qdo, maps, N, launch=blocks_launch).astype(kv_dtype))
+            dsp, q_p, do_p, maps, N, launch=blocks_launch).astype(kv_dtype))
     else:
         dkv = per_slot_path()
     return dkv[:, :, :D], blockmath.sink_grad(sink, lse, dc)

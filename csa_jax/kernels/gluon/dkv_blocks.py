@@ -15,14 +15,22 @@ the block), qdo_t copied whole. What it costs instead: the products over A's zer
 Pro cr4's 1024 pool slots over 4096 pool rows a token lists a quarter of a pool block's rows),
 and qdo_t read once per (block, token) pair (from L2: a block's tokens are walked in order).
 
-Layout of the work (host side, block_maps): the (block, token) pairs are listed per block, in
-token order (lists [B*NB, T], counts [B*NB]); posg [B*NB, T, BN] holds, for the i-th pair of a
-block and row r, the global dsp row (b T + t) Kp + k, or -1. One program = one block, one
-D slice of DS columns and one of S splits of the block's pair list; blocks run longest list
-first (order). The S partial sums go to part [S, B*NB*BN, Dp] f32, summed in XLA in a fixed
-order: deterministic, no atomics. A token that lists a row twice (csa_spec.md allows it) would
-need two dsp rows in one A row: block_maps reports it (dup) and the caller takes the per-slot
-path for that call.
+Layout of the work (its maps, built on the device by the two kernels of block_maps): the
+(block, token) pairs are listed per block, in token order (lists [B*NB, T] of tokens t of the
+block's batch row, counts [B*NB]); posg [B*NB, T, BN] holds, for block blk and token t, the
+slot k of t that lists row r of the block, or -1 (written only where t lists a row of blk: the
+kernel reads no other). One program = one block, one D slice of DS columns and one of S splits
+of the block's pair list; blocks run longest list first (order). The S partial sums go to part
+[S, B*NB*BN, Dp] f32, summed in XLA in a fixed order: deterministic, no atomics. A token that
+lists a row twice (csa_spec.md allows it) would need two dsp rows in one A row: the maps
+report it (dup) and the caller takes the per-slot path for that call. B's rows come from q and
+dO themselves (no stacked copy).
+
+The maps: csa_dkv_maps_token_kernel, one program per token, writes its flag row [NB] (which
+blocks it lists), -1 over its posg rows of those blocks, then each slot k into its row by
+atomic exchange (a row already taken is a repeat: dup); csa_dkv_maps_block_kernel, one program
+per block, scans its flag column into its list and count. posg is never filled whole: only
+the pairs' rows are written (at Pro cr4 about a fifth of its [B*NB, T, BN]).
 
 Partitions (12 warps): the producer = the default partition, 4 warps: per stage TB = 64 / JP
 pairs (JP = 2H padded to 16, 32 or 64), A [BN, 64] and B [64, DS] by cp.async into a
@@ -37,8 +45,6 @@ A's zero rows: the kernel's time grows with H.
 """
 from __future__ import annotations
 
-import functools
-
 import jax
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -48,10 +54,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from csa_jax.kernels.gluon.ring import PRODUCER_WARPS, _release
 
-__all__ = ["csa_dkv_blocks_kernel", "arg_types", "constexprs", "block_maps", "dkv_blocks",
-           "fits"]
+__all__ = ["csa_dkv_blocks_kernel", "csa_dkv_maps_token_kernel", "csa_dkv_maps_block_kernel",
+           "arg_types", "constexprs", "block_maps", "dkv_blocks", "fits"]
 
 NUM_WARPS = 4                 # the default partition (the producer); 12 warps in all
+MAPS_WARPS = gl.constexpr(4)  # each maps kernel
 WG_WARPS = gl.constexpr(4)
 CONSUMER_REGS = 184           # each consumer warpgroup (acc [64, 256] f32 = 128 a thread)
 BN = 128                      # kv rows per block: two consumer warpgroups of 64 (wgmma M)
@@ -77,13 +84,13 @@ def _program(order_ptr, cnt_ptr, NSL: gl.constexpr, S: gl.constexpr, TB: gl.cons
 
 
 @gluon.jit
-def _a_half(a_smem, dsp_ptr, pos_b, p0, hi, h, J: gl.constexpr, JP: gl.constexpr,
-            BNC: gl.constexpr, KAC: gl.constexpr):
+def _a_half(a_smem, dsp_ptr, pos_b, list_b, row0, p0, hi, h, J: gl.constexpr,
+            JP: gl.constexpr, KP: gl.constexpr, BNC: gl.constexpr, KAC: gl.constexpr):
     """cp.async of rows 64 h .. 64 h + 63 of a stage's A [BNC, KAC] (pairs p0 .., JP columns
-    each): the dsp row posg names (zero-filled for -1, for pairs past hi and columns past J).
-    With J a multiple of 8 one posg load per 16-byte vector (a [64, KAC // 8] load, widened
-    to the copy layout: every 8 columns of a row come from one dsp row), else one per
-    element."""
+    each): dsp row (row0 + t) KP + k for the pair's token t and the slot k posg names
+    (zero-filled for -1, for pairs past hi and columns past J). With J a multiple of 8 one
+    posg load per 16-byte vector (a [64, KAC // 8] load, widened to the copy layout: every 8
+    columns of a row come from one dsp row), else one per element."""
     la: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [PRODUCER_WARPS.value, 1], [1, 0])
     if J % 8 == 0:
         l3: gl.constexpr = gl.BlockedLayout([1, 1, 8], [4, 8, 1], [PRODUCER_WARPS.value, 1, 1],
@@ -95,12 +102,14 @@ def _a_half(a_smem, dsp_ptr, pos_b, p0, hi, h, J: gl.constexpr, JP: gl.constexpr
         pa = p0 + vcol // JP
         j = vcol % JP
         live = (pa < hi) & (j < J)
-        gr = gl.load(pos_b + pa.to(gl.int64)[None, :] * BNC + rows[:, None],
-                     mask=live[None, :], other=-1)                       # [64, KAC // 8]
-        off3 = gl.expand_dims(gr.to(gl.int64) * J + j[None, :], 2) + e[None, None, :]
+        tok = gl.load(list_b + pa, mask=live, other=0).to(gl.int64)
+        k = gl.load(pos_b + (tok * BNC)[None, :] + rows[:, None], mask=live[None, :],
+                    other=-1)                                            # [64, KAC // 8]
+        gr = ((row0 + tok) * KP)[None, :] + k
+        off3 = gl.expand_dims(gr * J + j[None, :], 2) + e[None, None, :]
         off = gl.convert_layout(off3.reshape([64, KAC]), la)
         off = gl.max_contiguous(gl.multiple_of(off, [1, 8]), [1, 8])
-        ok3 = gl.expand_dims(gr >= 0, 2) & (e >= 0)[None, None, :]
+        ok3 = gl.expand_dims(k >= 0, 2) & (e >= 0)[None, None, :]
         ok = gl.max_constancy(gl.convert_layout(ok3.reshape([64, KAC]), la), [1, 8])
         async_copy.async_copy_global_to_shared(a_smem, dsp_ptr + off, mask=ok)
     else:
@@ -109,25 +118,31 @@ def _a_half(a_smem, dsp_ptr, pos_b, p0, hi, h, J: gl.constexpr, JP: gl.constexpr
         pa = p0 + c // JP
         j = c % JP
         live = (pa < hi) & (j < J)
-        gr = gl.load(pos_b + pa.to(gl.int64)[None, :] * BNC + rows[:, None],
-                     mask=live[None, :], other=-1)
-        async_copy.async_copy_global_to_shared(a_smem, dsp_ptr + gr.to(gl.int64) * J
-                                               + j[None, :], mask=gr >= 0)
+        tok = gl.load(list_b + pa, mask=live, other=0).to(gl.int64)
+        k = gl.load(pos_b + (tok * BNC)[None, :] + rows[:, None], mask=live[None, :],
+                    other=-1)
+        gr = ((row0 + tok) * KP)[None, :] + k
+        async_copy.async_copy_global_to_shared(a_smem, dsp_ptr + gr * J + j[None, :],
+                                               mask=k >= 0)
 
 
 @gluon.jit
-def _producer(posg_ptr, list_ptr, order_ptr, cnt_ptr, dsp_ptr, qdo_ptr, a_ring, b_ring, full,
-              consumed, T: gl.constexpr, J: gl.constexpr, JP: gl.constexpr, TB: gl.constexpr,
-              DP: gl.constexpr, DS: gl.constexpr, NSL: gl.constexpr, S: gl.constexpr,
-              BNC: gl.constexpr, KAC: gl.constexpr, STAGES: gl.constexpr):
+def _producer(posg_ptr, list_ptr, order_ptr, cnt_ptr, dsp_ptr, q_ptr, do_ptr, a_ring, b_ring,
+              full, consumed, T: gl.constexpr, NB: gl.constexpr, J: gl.constexpr,
+              JP: gl.constexpr, KP: gl.constexpr, TB: gl.constexpr, DP: gl.constexpr,
+              DS: gl.constexpr, NSL: gl.constexpr, S: gl.constexpr, BNC: gl.constexpr,
+              KAC: gl.constexpr, STAGES: gl.constexpr):
     # B [KAC, DS]: a warp covers DS columns of one row (DS // 8 threads), or several rows.
     lb: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (DS // 8), DS // 8],
                                         [PRODUCER_WARPS.value, 1], [1, 0])
+    H: gl.constexpr = J // 2
     blk, sl, _, lo, hi, nst = _program(order_ptr, cnt_ptr, NSL, S, TB)
+    row0 = (blk // NB).to(gl.int64) * T                           # the block's batch row b T
     br = gl.arange(0, KAC, layout=gl.SliceLayout(1, lb))
     bc = gl.arange(0, DS, layout=gl.SliceLayout(0, lb))
     b_tb = br // JP
     b_j = br % JP
+    b_h = b_j % H
     pos_b = posg_ptr + blk.to(gl.int64) * (T * BNC)
     list_b = list_ptr + blk.to(gl.int64) * T
     for g in range(nst):
@@ -135,15 +150,16 @@ def _producer(posg_ptr, list_ptr, order_ptr, cnt_ptr, dsp_ptr, qdo_ptr, a_ring, 
         p0 = lo + g * TB
         pb = p0 + b_tb
         b_live = (pb < hi) & (b_j < J)
-        tok = gl.load(list_b + pb, mask=b_live, other=0)          # b*T + t (global token)
+        tok = gl.load(list_b + pb, mask=b_live, other=0).to(gl.int64)
         if g >= STAGES:
             mbarrier.wait(consumed.index(s), ((g // STAGES) - 1) & 1)
         for h in gl.static_range(BNC // 64):
-            _a_half(a_ring.index(s).slice(h * 64, 64), dsp_ptr, pos_b, p0, hi, h, J, JP, BNC,
-                    KAC)
-        bptrs = (qdo_ptr + (tok.to(gl.int64) * J + b_j)[:, None] * DP + sl * DS
-                 + bc[None, :])
-        async_copy.async_copy_global_to_shared(b_ring.index(s), bptrs, mask=b_live[:, None])
+            _a_half(a_ring.index(s).slice(h * 64, 64), dsp_ptr, pos_b, list_b, row0, p0, hi,
+                    h, J, JP, KP, BNC, KAC)
+        # B row (t, j): q[t, j] for j < H, dO[t, j - H] after
+        src = gl.where(b_j < H, q_ptr, do_ptr) + ((row0 + tok) * H + b_h) * DP + sl * DS
+        async_copy.async_copy_global_to_shared(b_ring.index(s), src[:, None] + bc[None, :],
+                                               mask=b_live[:, None])
         async_copy.mbarrier_arrive(full.index(s), increment_count=False)
 
 
@@ -172,17 +188,18 @@ def _consumer(order_ptr, cnt_ptr, part_ptr, a_ring, b_ring, full, consumed,
 
 
 @gluon.jit
-def csa_dkv_blocks_kernel(posg_ptr, list_ptr, order_ptr, cnt_ptr, dsp_ptr, qdo_ptr, part_ptr,
-                          T: gl.constexpr, NBT: gl.constexpr, J: gl.constexpr,
-                          JP: gl.constexpr, DP: gl.constexpr, DS: gl.constexpr,
-                          S: gl.constexpr, STAGES: gl.constexpr, BNC: gl.constexpr,
-                          KAC: gl.constexpr, CONSUMER_REGS: gl.constexpr):
-    """posg [NBT, T, BN] i32 (global dsp row or -1), list [NBT, T] i32 (global token of each
-    pair), order [NBT] i32 (blocks, longest list first), cnt [NBT] i32, dsp [B*T*Kp, J],
-    qdo [B*T*J, DP] | part [S, NBT*BN, DP] f32. One program per (block in order, D slice,
-    split): grid NBT * (DP // DS) * S. BNC = BN and KAC = KA (constexprs) are what the
-    layouts are built for: two consumer warpgroups of 64 rows, a producer copy layout of 64
-    columns."""
+def csa_dkv_blocks_kernel(posg_ptr, list_ptr, order_ptr, cnt_ptr, dsp_ptr, q_ptr, do_ptr,
+                          part_ptr, T: gl.constexpr, NB: gl.constexpr, NBT: gl.constexpr,
+                          J: gl.constexpr, JP: gl.constexpr, KP: gl.constexpr,
+                          DP: gl.constexpr, DS: gl.constexpr, S: gl.constexpr,
+                          STAGES: gl.constexpr, BNC: gl.constexpr, KAC: gl.constexpr,
+                          CONSUMER_REGS: gl.constexpr):
+    """posg [NBT, T, BN] i32 (slot or -1), list [NBT, T] i32 (tokens of each block's pairs),
+    order [NBT] i32 (blocks, longest list first), cnt [NBT] i32, dsp [B*T*KP, J], q and dO
+    [B*T*H, DP] (J = 2 H) | part [S, NBT*BN, DP] f32. NBT = B * NB blocks. One program per
+    (block in order, D slice, split): grid NBT * (DP // DS) * S. BNC = BN and KAC = KA
+    (constexprs) are what the layouts are built for: two consumer warpgroups of 64 rows, a
+    producer copy layout of 64 columns."""
     dtype: gl.constexpr = dsp_ptr.dtype.element_ty
     TB: gl.constexpr = KAC // JP
     NSL: gl.constexpr = DP // DS
@@ -196,8 +213,9 @@ def csa_dkv_blocks_kernel(posg_ptr, list_ptr, order_ptr, cnt_ptr, dsp_ptr, qdo_p
         mbarrier.init(full.index(s), count=PRODUCER_WARPS * 32)
         mbarrier.init(consumed.index(s), count=2)   # one arrival per consumer warpgroup
     gl.warp_specialize([
-        (_producer, (posg_ptr, list_ptr, order_ptr, cnt_ptr, dsp_ptr, qdo_ptr, a_ring, b_ring,
-                     full, consumed, T, J, JP, TB, DP, DS, NSL, S, BNC, KAC, STAGES)),
+        (_producer, (posg_ptr, list_ptr, order_ptr, cnt_ptr, dsp_ptr, q_ptr, do_ptr, a_ring,
+                     b_ring, full, consumed, T, NB, J, JP, KP, TB, DP, DS, NSL, S, BNC, KAC,
+                     STAGES)),
         (_consumer, (order_ptr, cnt_ptr, part_ptr, a_ring, b_ring, full, consumed, NBT, TB, DP,
                      DS, NSL, S, BNC, STAGES, 0)),
         (_consumer, (order_ptr, cnt_ptr, part_ptr, a_ring, b_ring, full, consumed, NBT, TB, DP,
@@ -205,10 +223,90 @@ def csa_dkv_blocks_kernel(posg_ptr, list_ptr, order_ptr, cnt_ptr, dsp_ptr, qdo_p
     ], [WG_WARPS, WG_WARPS], [CONSUMER_REGS, CONSUMER_REGS])
 
 
+# ------------------------------------------------------------------------------- the maps
+
+@gluon.jit
+def csa_dkv_maps_token_kernel(idx_ptr, flag_ptr, posg_ptr, dup_ptr, T: gl.constexpr,
+                              KP: gl.constexpr, NB: gl.constexpr, BNC: gl.constexpr,
+                              KC: gl.constexpr, NBC: gl.constexpr):
+    """idx [B*T, KP] i32 (-1 or a row < NB BN) | flag [B*T, NB] i32, posg [B*NB, T, BN] i32,
+    dup [B*T] i32. One program per token (b, t): flag[bt, nb] = 1 where the token lists a row
+    of block nb, else 0; posg[b NB + nb, t, :] = -1 over those blocks, then posg[b NB + n //
+    BN, t, n % BN] = k for each slot k listing row n, by atomic exchange: dup[bt] = 1 where an
+    exchange found the row taken (the token lists it twice), else 0. The phases are ordered by
+    barriers of the program's threads (every row it writes is the token's own)."""
+    l1: gl.constexpr = gl.BlockedLayout([1], [32], [MAPS_WARPS], [0])
+    l2: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [MAPS_WARPS, 1], [1, 0])
+    bt = gl.program_id(0)
+    b = bt // T
+    t = bt % T
+    flag_t = flag_ptr + bt.to(gl.int64) * NB
+    idx_t = idx_ptr + bt.to(gl.int64) * KP
+    posg_t = posg_ptr + (b * NB).to(gl.int64) * (T * BNC) + t.to(gl.int64) * BNC
+    for c in range(0, NB, KC):
+        nb = c + gl.arange(0, KC, layout=l1)
+        gl.store(flag_t + nb, gl.zeros([KC], gl.int32, l1), mask=nb < NB)
+    gl.thread_barrier()
+    for c in range(0, KP, KC):
+        k = c + gl.arange(0, KC, layout=l1)
+        n = gl.load(idx_t + k, mask=k < KP, other=-1)
+        gl.store(flag_t + gl.maximum(n, 0) // BNC, gl.full([KC], 1, gl.int32, l1), mask=n >= 0)
+    gl.thread_barrier()
+    r = gl.arange(0, BNC, layout=gl.SliceLayout(0, l2))
+    for c in range(0, NB, NBC):
+        nb = c + gl.arange(0, NBC, layout=gl.SliceLayout(1, l2))
+        f = gl.load(flag_t + nb, mask=nb < NB, other=0)
+        rowp = posg_t + nb.to(gl.int64) * (T * BNC)
+        gl.store(rowp[:, None] + r[None, :], gl.full([NBC, BNC], -1, gl.int32, l2),
+                 mask=(f > 0)[:, None])
+    gl.thread_barrier()
+    d = gl.zeros([KC], gl.int32, l1)
+    for c in range(0, KP, KC):
+        k = c + gl.arange(0, KC, layout=l1)
+        n = gl.load(idx_t + k, mask=k < KP, other=-1)
+        ok = n >= 0
+        m = gl.maximum(n, 0)
+        old = gl.atomic_xchg(posg_t + (m // BNC).to(gl.int64) * (T * BNC) + m % BNC, k,
+                             mask=ok, sem="relaxed")
+        d = gl.maximum(d, (ok & (old != -1)).to(gl.int32))
+    gl.store(dup_ptr + bt, gl.max(d, 0))
+
+
+@gluon.jit
+def _add(a, b):
+    return a + b
+
+
+@gluon.jit
+def csa_dkv_maps_block_kernel(flag_ptr, list_ptr, cnt_ptr, T: gl.constexpr, NB: gl.constexpr,
+                              TC: gl.constexpr):
+    """flag [B*T, NB] i32 | list [B*NB, T] i32, cnt [B*NB] i32. One program per block
+    blk = b NB + nb: its tokens t (flag[b T + t, nb] = 1), in order, into list[blk, :cnt] by a
+    running scan of the flag column (entries past cnt are not written)."""
+    l1: gl.constexpr = gl.BlockedLayout([1], [32], [MAPS_WARPS], [0])
+    blk = gl.program_id(0)
+    b = blk // NB
+    nb = blk % NB
+    list_b = list_ptr + blk.to(gl.int64) * T
+    run = gl.to_tensor(0)
+    for c in range(0, T, TC):
+        t = c + gl.arange(0, TC, layout=l1)
+        f = gl.load(flag_ptr + (b * T + t).to(gl.int64) * NB + nb, mask=t < T, other=0)
+        incl = gl.associative_scan(f, 0, _add)
+        gl.store(list_b + run + incl - 1, t, mask=f > 0)
+        run += gl.sum(f, 0)
+    gl.store(cnt_ptr + blk, run)
+
+
 # ----------------------------------------------------------------------------- host side
 
-# posg, list, order, cnt, dsp, qdo | part
-ARG_TYPES = ("*i32", "*i32", "*i32", "*i32", "*{dt}", "*{dt}", "*fp32")
+# posg, list, order, cnt, dsp, q, dO | part
+ARG_TYPES = ("*i32", "*i32", "*i32", "*i32", "*{dt}", "*{dt}", "*{dt}", "*fp32")
+MAPS_TOKEN_ARG_TYPES = ("*i32", "*i32", "*i32", "*i32")        # idx | flag, posg, dup
+MAPS_BLOCK_ARG_TYPES = ("*i32", "*i32", "*i32")                # flag | list, cnt
+KC = 256                      # slots (and flag entries) per step of the token maps kernel
+NBC = 16                      # blocks per step of its posg fill ([16, BN] a step)
+TC = 1024                     # tokens per step of the block maps kernel's scan
 
 
 def arg_types(dt="bf16"):
@@ -222,13 +320,22 @@ def head_pad(H):
     return max(16, 1 << (2 * H - 1).bit_length())
 
 
-def constexprs(*, T, NBT, H, DP, splits=SPLITS, stages=STAGES):
+def constexprs(*, T, NB, B, H, Kp, DP, splits=SPLITS, stages=STAGES):
     """The kernel's compile-time parameters (also used by the CPU compile checks)."""
     if DP < 64 or DP & (DP - 1):
         raise ValueError(f"the block dkv kernel needs D padded to a power of two >= 64, got "
                          f"{DP}")
-    return dict(T=T, NBT=NBT, J=2 * H, JP=head_pad(H), DP=DP, DS=min(DS_MAX, DP), S=splits,
-                STAGES=stages, BNC=BN, KAC=KA, CONSUMER_REGS=CONSUMER_REGS)
+    return dict(T=T, NB=NB, NBT=B * NB, J=2 * H, JP=head_pad(H), KP=Kp, DP=DP,
+                DS=min(DS_MAX, DP), S=splits, STAGES=stages, BNC=BN, KAC=KA,
+                CONSUMER_REGS=CONSUMER_REGS)
+
+
+def maps_token_constexprs(*, T, Kp, NB):
+    return dict(T=T, KP=Kp, NB=NB, BNC=BN, KC=KC, NBC=NBC)
+
+
+def maps_block_constexprs(*, T, NB):
+    return dict(T=T, NB=NB, TC=TC)
 
 
 def num_blocks(N):
@@ -241,63 +348,93 @@ def grid_size(NBT, DP, splits=SPLITS):
 
 
 def fits(B, T, N, Kp):
-    """Whether posg [B*NB, T, BN] i32 stays under POS_LIMIT bytes and its entries, dsp rows
-    (b T + t) Kp + k, fit in int32 (else the caller takes the per-slot path)."""
-    return B * num_blocks(N) * T * BN * 4 <= POS_LIMIT and B * T * Kp < 2 ** 31
+    """Whether posg [B*NB, T, BN] i32 stays under POS_LIMIT bytes (else the caller takes the
+    per-slot path)."""
+    return B * num_blocks(N) * T * BN * 4 <= POS_LIMIT
 
 
-def block_maps(idx_p, N):
-    """(posg [B*NB, T, BN] i32, lists [B*NB, T] i32, cnt [B*NB] i32, order [B*NB] i32, dup)
-    of idx_p [B, T, Kp] (-1 for empty slots; every other id < N): see the module docstring.
-    dup: a token lists some row twice (then posg holds only one of its slots)."""
+def block_maps(idx_p, N, *, launch=None):
+    """((posg [B*NB, T, BN] i32, lists [B*NB, T] i32, cnt [B*NB] i32, order [B*NB] i32), dup)
+    of idx_p [B, T, Kp] (-1 for empty slots; every other id < N), by the two maps kernels
+    (launch: a stand-in with gluon_call's signature, for the CPU tests): see the module
+    docstring. posg is written only at the pairs' tokens, lists only up to cnt. dup: some
+    token lists a row twice (posg is then not usable)."""
     import jax.numpy as jnp
     B, T, Kp = idx_p.shape
     NB = num_blocks(N)
-    NBT = B * NB
+    if launch is None:
+        from csa_jax.kernels.gluon.adapter import gluon_call as launch
+    sds = jax.ShapeDtypeStruct
     i32 = jnp.int32
-    valid = idx_p >= 0
-    n = jnp.where(valid, idx_p, 0)
-    b = jnp.arange(B, dtype=i32)[:, None, None]
-    t = jnp.arange(T, dtype=i32)[None, :, None]
-    k = jnp.arange(Kp, dtype=i32)[None, None, :]
-    blk = jnp.where(valid, b * NB + n // BN, NBT)              # NBT: dropped below
-    r = n % BN
-    flag = jnp.zeros((NBT, T), i32).at[blk, t].set(1, mode="drop")
-    rank = jnp.cumsum(flag, axis=1, dtype=i32) - 1              # a pair's place in its list
-    cnt = rank[:, -1] + 1
-    tt = jnp.broadcast_to(jnp.arange(T, dtype=i32)[None, :], (NBT, T))
-    bb = jnp.broadcast_to(jnp.arange(NBT, dtype=i32)[:, None], (NBT, T))
-    lists = jnp.zeros((NBT, T), i32).at[bb, jnp.where(flag > 0, rank, T)].set(
-        (bb // NB) * T + tt, mode="drop")
-    er = rank[jnp.minimum(blk, NBT - 1), jnp.broadcast_to(t, blk.shape)]
-    grow = (b * T + t) * Kp + k                                 # the slot's dsp row
-    posg = jnp.full((NBT, T, BN), -1, i32).at[blk, er, r].set(grow, mode="drop")
-    back = posg[jnp.minimum(blk, NBT - 1), er, r]
-    dup = jnp.any(valid & (back != grow))
+    flag, posg, dup = launch(
+        idx_p.astype(i32).reshape(B * T, Kp), kernel=csa_dkv_maps_token_kernel,
+        out_shape=[sds((B * T, NB), i32), sds((B * NB, T, BN), i32), sds((B * T,), i32)],
+        grid=(B * T,), num_warps=MAPS_WARPS.value, name="csa_gluon_dkv_maps_token",
+        **maps_token_constexprs(T=T, Kp=Kp, NB=NB))
+    lists, cnt = launch(
+        flag, kernel=csa_dkv_maps_block_kernel,
+        out_shape=[sds((B * NB, T), i32), sds((B * NB,), i32)], grid=(B * NB,),
+        num_warps=MAPS_WARPS.value, name="csa_gluon_dkv_maps_block",
+        **maps_block_constexprs(T=T, NB=NB))
     order = jnp.argsort(-cnt, stable=True).astype(i32)
-    return posg, lists, cnt, order, dup
+    return (posg, lists, cnt, order), jnp.any(dup > 0)
 
 
-def dkv_blocks(dsp, qdo, maps, N, *, launch=None):
-    """dkv [B, N, Dp] f32 from dsp [B, T, Kp, 2, H], qdo [B, T, 2, H, Dp] and maps = the
-    first four of block_maps (whose dup must be False): the kernel above (launch: a stand-in
-    with the kernel's signature, for the CPU test) and the fixed-order sum of its splits."""
+def maps_token_reference(idx2, T, NB):
+    """What csa_dkv_maps_token_kernel writes, in XLA, from idx2 [B*T, Kp]: (flag [B*T, NB],
+    posg [B*NB, T, BN] (-1 also at the rows the kernel leaves unwritten), dup [B*T]); at a
+    repeated row posg holds one of its slots. The GPU check (benchmarks/gluon_check.py) and the
+    CPU tests' stand-in compare against it."""
+    import jax.numpy as jnp
+    i32 = jnp.int32
+    BT, Kp = idx2.shape
+    valid = idx2 >= 0
+    n = jnp.where(valid, idx2, 0)
+    bt = jnp.broadcast_to(jnp.arange(BT, dtype=i32)[:, None], n.shape)
+    k = jnp.broadcast_to(jnp.arange(Kp, dtype=i32)[None, :], n.shape)
+    nb = jnp.where(valid, n // BN, NB)                                  # NB: dropped
+    flag = jnp.zeros((BT, NB), i32).at[bt, nb].set(1, mode="drop")
+    blk = (bt // T) * NB + nb
+    posg = jnp.full((BT // T * NB, T, BN), -1, i32).at[
+        jnp.where(valid, blk, BT // T * NB), bt % T, n % BN].set(k, mode="drop")
+    seen = jnp.zeros((BT, NB * BN), i32).at[bt, jnp.where(valid, n, NB * BN)].add(
+        1, mode="drop")
+    return flag, posg, jnp.any(seen > 1, axis=1).astype(i32)
+
+
+def maps_block_reference(flag, T):
+    """What csa_dkv_maps_block_kernel writes, in XLA, from flag [B*T, NB]: (lists [B*NB, T]
+    (0 past cnt), cnt [B*NB])."""
+    import jax.numpy as jnp
+    i32 = jnp.int32
+    BT, NB = flag.shape
+    f = flag.reshape(BT // T, T, NB).transpose(0, 2, 1).reshape(-1, T)   # [blk, t]
+    rank = jnp.cumsum(f, axis=1, dtype=i32) - 1
+    rows = jnp.broadcast_to(jnp.arange(f.shape[0], dtype=i32)[:, None], f.shape)
+    t = jnp.broadcast_to(jnp.arange(T, dtype=i32)[None, :], f.shape)
+    lists = jnp.zeros(f.shape, i32).at[rows, jnp.where(f > 0, rank, T)].set(t, mode="drop")
+    return lists, jnp.sum(f, axis=1, dtype=i32)
+
+
+def dkv_blocks(dsp, q, do, maps, N, *, launch=None):
+    """dkv [B, N, Dp] f32 from dsp [B, T, Kp, 2, H], q and dO [B, T, H, Dp] (q's dtype) and
+    maps = the first output of block_maps (whose dup must be False): the kernel above
+    (launch: a stand-in with gluon_call's signature, for the CPU tests) and the fixed-order
+    sum of its splits."""
     import jax.numpy as jnp
     B, T, Kp, _, H = dsp.shape
-    Dp = qdo.shape[-1]
+    Dp = q.shape[-1]
     posg, lists, cnt, order = maps
-    NBT = posg.shape[0]
-    consts = constexprs(T=T, NBT=NBT, H=H, DP=Dp)
+    NB = posg.shape[0] // B
+    consts = constexprs(T=T, NB=NB, B=B, H=H, Kp=Kp, DP=Dp)
     operands = (posg, lists, order, cnt, dsp.reshape(B * T * Kp, 2 * H),
-                qdo.reshape(B * T * 2 * H, Dp))
+                q.reshape(B * T * H, Dp), do.reshape(B * T * H, Dp))
     if launch is None:
-        from csa_jax.kernels.gluon.adapter import gluon_call
-        launch = functools.partial(
-            gluon_call, kernel=csa_dkv_blocks_kernel,
-            out_shape=jax.ShapeDtypeStruct((consts["S"], NBT * BN, Dp), jnp.float32),
-            grid=(grid_size(NBT, Dp, consts["S"]),), num_warps=NUM_WARPS,
-            name="csa_gluon_dkv_blocks")
-    part = launch(*operands, **consts)
+        from csa_jax.kernels.gluon.adapter import gluon_call as launch
+    part = launch(*operands, kernel=csa_dkv_blocks_kernel,
+                  out_shape=jax.ShapeDtypeStruct((consts["S"], B * NB * BN, Dp), jnp.float32),
+                  grid=(grid_size(B * NB, Dp, consts["S"]),), num_warps=NUM_WARPS,
+                  name="csa_gluon_dkv_blocks", **consts)
     dkv = part[0]
     for s in range(1, part.shape[0]):                           # fixed order
         dkv = dkv + part[s]
