@@ -179,8 +179,11 @@ def _consumer(order_ptr, cnt_ptr, part_ptr, a_ring, b_ring, full, consumed,
         fence_async_shared()                      # cp.async (generic proxy) -> wgmma
         acc = warpgroup_mma(a_ring.index(s).slice(64 * W, 64), b_ring.index(s), acc,
                             is_async=True)
-        acc = warpgroup_mma_wait(0, deps=[acc])
-        _release(consumed.index(s))
+        # one product in flight: the one before this is done, its stage goes back
+        acc = warpgroup_mma_wait(1, deps=[acc])
+        if g > 0:
+            _release(consumed.index((g + STAGES - 1) % STAGES))
+    acc = warpgroup_mma_wait(0, deps=[acc])
     rows = gl.arange(0, 64, layout=gl.SliceLayout(1, acc_layout))
     cols = gl.arange(0, DS, layout=gl.SliceLayout(0, acc_layout))
     out_row = (sp * NBT + blk) * BNC + 64 * W + rows
