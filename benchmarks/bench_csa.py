@@ -174,7 +174,17 @@ def run_impl(impl, variant, cfg_overrides, problem, args, row):
         ms, n, first, _ = time_fn(step, (q, kv, idx, sink, do), args.reps, args.time_cap,
                                   args.timing)
         row.update(step_ms=ms, step_reps=n, step_first_s=first)
+        row["step_temp_bytes"] = _temp_bytes(step, (q, kv, idx, sink, do))
     return outs
+
+
+def _temp_bytes(fn, args):
+    """XLA's temporary buffer bytes of jitted fn at args (its buffer assignment, both branches
+    of a lax.cond counted as assigned), or None where the backend does not say."""
+    try:
+        return int(fn.lower(*args).compile().memory_analysis().temp_size_in_bytes)
+    except Exception:  # noqa: BLE001  (memory_analysis is optional per backend)
+        return None
 
 
 _CHECKED = {}
