@@ -84,28 +84,46 @@ def _program(order_ptr, cnt_ptr, NSL: gl.constexpr, S: gl.constexpr, TB: gl.cons
 
 
 @gluon.jit
-def _a_half(a_smem, dsp_ptr, pos_b, list_b, row0, p0, hi, h, J: gl.constexpr,
-            JP: gl.constexpr, KP: gl.constexpr, BNC: gl.constexpr, KAC: gl.constexpr):
-    """cp.async of rows 64 h .. 64 h + 63 of a stage's A [BNC, KAC] (pairs p0 .., JP columns
-    each): dsp row (row0 + t) KP + k for the pair's token t and the slot k posg names
-    (zero-filled for -1, for pairs past hi and columns past J). With J a multiple of 8 one
-    posg load per 16-byte vector (a [64, KAC // 8] load, widened to the copy layout: every 8
-    columns of a row come from one dsp row), else one per element."""
-    la: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [PRODUCER_WARPS.value, 1], [1, 0])
+def _a_ids(pos_b, list_b, p0, hi, J: gl.constexpr, JP: gl.constexpr, BNC: gl.constexpr,
+           KAC: gl.constexpr):
+    """(tok, k0, k1) of a stage's A [BNC, KAC] (pairs p0 .., JP columns each): the pair's
+    token per column (per 16-byte vector where J is a multiple of 8) and the slots posg names
+    for rows 0-63 (k0) and 64-127 (k1), -1 where none (and for pairs past hi, columns past
+    J). The producer loads them a stage ahead of their copies."""
+    gl.static_assert(BNC == 128, "two halves of 64 rows, one per consumer warpgroup")
     if J % 8 == 0:
         l3: gl.constexpr = gl.BlockedLayout([1, 1, 8], [4, 8, 1], [PRODUCER_WARPS.value, 1, 1],
                                             [2, 1, 0])
         lv: gl.constexpr = gl.SliceLayout(2, l3)
-        rows = h * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, lv))
-        vcol = gl.arange(0, KAC // 8, layout=gl.SliceLayout(0, lv)) * 8
+        cols = gl.arange(0, KAC // 8, layout=gl.SliceLayout(0, lv)) * 8
+        rows = gl.arange(0, 64, layout=gl.SliceLayout(1, lv))
+    else:
+        la: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [PRODUCER_WARPS.value, 1], [1, 0])
+        cols = gl.arange(0, KAC, layout=gl.SliceLayout(0, la))
+        rows = gl.arange(0, 64, layout=gl.SliceLayout(1, la))
+    pa = p0 + cols // JP
+    live = (pa < hi) & (cols % JP < J)
+    tok = gl.load(list_b + pa, mask=live, other=0).to(gl.int64)
+    at = pos_b + (tok * BNC)[None, :] + rows[:, None]
+    k0 = gl.load(at, mask=live[None, :], other=-1)
+    k1 = gl.load(at + 64, mask=live[None, :], other=-1)
+    return tok, k0, k1
+
+
+@gluon.jit
+def _a_issue(a_smem, dsp_ptr, tok, k, row0, J: gl.constexpr, JP: gl.constexpr,
+             KP: gl.constexpr, KAC: gl.constexpr):
+    """cp.async of 64 rows of a stage's A from dsp rows (row0 + tok) KP + k, zero-filled where
+    k = -1 (tok, k from _a_ids). With J a multiple of 8 one id per 16-byte vector, widened
+    to the copy layout (every 8 columns of a row come from one dsp row)."""
+    la: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [PRODUCER_WARPS.value, 1], [1, 0])
+    gr = ((row0 + tok) * KP)[None, :] + k
+    if J % 8 == 0:
+        l3: gl.constexpr = gl.BlockedLayout([1, 1, 8], [4, 8, 1], [PRODUCER_WARPS.value, 1, 1],
+                                            [2, 1, 0])
+        lv: gl.constexpr = gl.SliceLayout(2, l3)
+        j = (gl.arange(0, KAC // 8, layout=gl.SliceLayout(0, lv)) * 8) % JP
         e = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, l3)))
-        pa = p0 + vcol // JP
-        j = vcol % JP
-        live = (pa < hi) & (j < J)
-        tok = gl.load(list_b + pa, mask=live, other=0).to(gl.int64)
-        k = gl.load(pos_b + (tok * BNC)[None, :] + rows[:, None], mask=live[None, :],
-                    other=-1)                                            # [64, KAC // 8]
-        gr = ((row0 + tok) * KP)[None, :] + k
         off3 = gl.expand_dims(gr * J + j[None, :], 2) + e[None, None, :]
         off = gl.convert_layout(off3.reshape([64, KAC]), la)
         off = gl.max_contiguous(gl.multiple_of(off, [1, 8]), [1, 8])
@@ -113,15 +131,7 @@ def _a_half(a_smem, dsp_ptr, pos_b, list_b, row0, p0, hi, h, J: gl.constexpr,
         ok = gl.max_constancy(gl.convert_layout(ok3.reshape([64, KAC]), la), [1, 8])
         async_copy.async_copy_global_to_shared(a_smem, dsp_ptr + off, mask=ok)
     else:
-        rows = h * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, la))
-        c = gl.arange(0, KAC, layout=gl.SliceLayout(0, la))
-        pa = p0 + c // JP
-        j = c % JP
-        live = (pa < hi) & (j < J)
-        tok = gl.load(list_b + pa, mask=live, other=0).to(gl.int64)
-        k = gl.load(pos_b + (tok * BNC)[None, :] + rows[:, None], mask=live[None, :],
-                    other=-1)
-        gr = ((row0 + tok) * KP)[None, :] + k
+        j = gl.arange(0, KAC, layout=gl.SliceLayout(0, la)) % JP
         async_copy.async_copy_global_to_shared(a_smem, dsp_ptr + gr * J + j[None, :],
                                                mask=k >= 0)
 
@@ -145,22 +155,28 @@ def _producer(posg_ptr, list_ptr, order_ptr, cnt_ptr, dsp_ptr, q_ptr, do_ptr, a_
     b_h = b_j % H
     pos_b = posg_ptr + blk.to(gl.int64) * (T * BNC)
     list_b = list_ptr + blk.to(gl.int64) * T
+    # each stage's ids (tokens, posg slots) are loaded a stage ahead: the chain list -> posg
+    # -> copy address is not waited on at the stage's turn
+    tok_a, k0, k1 = _a_ids(pos_b, list_b, lo, hi, J, JP, BNC, KAC)
+    tok_b = gl.load(list_b + lo + b_tb, mask=(lo + b_tb < hi) & (b_j < J), other=0)
     for g in range(nst):
         s = g % STAGES
         p0 = lo + g * TB
-        pb = p0 + b_tb
-        b_live = (pb < hi) & (b_j < J)
-        tok = gl.load(list_b + pb, mask=b_live, other=0).to(gl.int64)
+        b_live = (p0 + b_tb < hi) & (b_j < J)
         if g >= STAGES:
             mbarrier.wait(consumed.index(s), ((g // STAGES) - 1) & 1)
-        for h in gl.static_range(BNC // 64):
-            _a_half(a_ring.index(s).slice(h * 64, 64), dsp_ptr, pos_b, list_b, row0, p0, hi,
-                    h, J, JP, KP, BNC, KAC)
+        stage = a_ring.index(s)
+        _a_issue(stage.slice(0, 64), dsp_ptr, tok_a, k0, row0, J, JP, KP, KAC)
+        _a_issue(stage.slice(64, 64), dsp_ptr, tok_a, k1, row0, J, JP, KP, KAC)
         # B row (t, j): q[t, j] for j < H, dO[t, j - H] after
-        src = gl.where(b_j < H, q_ptr, do_ptr) + ((row0 + tok) * H + b_h) * DP + sl * DS
+        src = (gl.where(b_j < H, q_ptr, do_ptr)
+               + ((row0 + tok_b.to(gl.int64)) * H + b_h) * DP + sl * DS)
         async_copy.async_copy_global_to_shared(b_ring.index(s), src[:, None] + bc[None, :],
                                                mask=b_live[:, None])
         async_copy.mbarrier_arrive(full.index(s), increment_count=False)
+        pn = p0 + TB
+        tok_a, k0, k1 = _a_ids(pos_b, list_b, pn, hi, J, JP, BNC, KAC)
+        tok_b = gl.load(list_b + pn + b_tb, mask=(pn + b_tb < hi) & (b_j < J), other=0)
 
 
 @gluon.jit
