@@ -30,17 +30,19 @@ The maps: csa_dkv_maps_token_kernel, one program per token, writes its flag row 
 blocks it lists), -1 over its posg rows of those blocks, then each slot k into its row by
 atomic exchange (a row already taken is a repeat: dup); csa_dkv_maps_block_kernel, one program
 per block, scans its flag column into its list and count. posg is never filled whole: only
-the pairs' rows are written (at Pro cr4 about a fifth of its [B*NB, T, BN]).
+the pairs' rows are written (at Pro cr4 a fifth of its [B*NB, T, BN] or less).
 
 Partitions (12 warps): the producer = the default partition, 4 warps: per stage TB = 64 / JP
 pairs (JP = 2H padded to 16, 32 or 64), A [BN, 64] and B [64, DS] by cp.async into a
-STAGES-deep ring; two consumer warpgroups, rows 0-63 and 64-127 of the block: acc [64, DS] +=
-A [64, 64] B [64, DS] per stage (four m64nDSk16 products).
+STAGES-deep ring, each stage's ids (tokens, posg slots) loaded a stage ahead; two consumer
+warpgroups, rows 0-63 and 64-127 of the block: acc [64, DS] += A [64, 64] B [64, DS] per
+stage (four m64nDSk16 products, one stage's in flight).
 
-Measured on an H100 (docs/perf/heads_h100.md, 2026-12-07): Pro cr4, T = 16384, H = 16, lists
-without repeats: 4.14 ms (the per-slot GEMM + reduce it replaces: 7.91 + 6.33 ms, plus the
-0.60 ms inverse-map sort; its maps cost 1.90 ms); the step 22.73 -> 13.78 ms, H = 8 / 32
-21.05 -> 10.88, 27.76 -> 22.71. By count 556 TFLOP/s of products, three quarters of them over
+Measured on an H100 (docs/perf/heads_h100.md), Pro cr4, T = 16384, H = 16, lists without
+repeats: 4.96 ms, maps 0.39 ms (2026-12-08; the per-slot GEMM + reduce it replaces: 7.91 +
+6.33 ms plus a 0.60 ms inverse-map sort; with the maps in XLA (rank-indexed posg, 2026-12-07)
+the kernel took 4.14 ms and the maps 1.90); the step 22.73 ms (per-slot) -> 12.41, H = 8 21.05
+-> 9.30, H = 32 27.76 -> 21.32. By count 2.3 TFLOP of products at H = 16, three quarters over
 A's zero rows: the kernel's time grows with H.
 """
 from __future__ import annotations
