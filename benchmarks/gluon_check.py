@@ -280,7 +280,7 @@ def part_maps(seed):
             (posg, lists, cnt, _), dup = jax.jit(d.block_maps, static_argnums=1)(idx, N)
             rflag, rposg, rdup = d.maps_token_reference(idx.reshape(B * T, Kp), T, NB)
             rlists, rcnt = d.maps_block_reference(rflag, T)
-            pair = rflag.reshape(B, T, NB).transpose(0, 2, 1).reshape(B * NB, T) > 0
+            pair = d.flag_by_block(rflag, T) > 0
             clean = jnp.repeat((rdup.reshape(B, T) == 0)[:, None], NB, axis=1).reshape(B * NB, T)
             live = jnp.arange(T)[None, :] < rcnt[:, None]
             checks = dict(

@@ -264,7 +264,7 @@ def _emulated_maps_token(idx2, *, kernel, out_shape, grid, num_warps, name, T, N
     """csa_dkv_maps_token_kernel: its XLA twin, with JUNK in the posg rows it never writes."""
     from csa_jax.kernels.gluon import dkv_blocks
     flag, posg, dup = dkv_blocks.maps_token_reference(idx2, T, NB)
-    pair = flag.reshape(-1, T, NB).transpose(0, 2, 1).reshape(-1, T)    # [blk, t]
+    pair = dkv_blocks.flag_by_block(flag, T)                            # [blk, t]
     posg = jnp.where(pair[..., None] > 0, posg, JUNK)
     assert [o.shape for o in out_shape] == [flag.shape, posg.shape, dup.shape]
     assert grid == (idx2.shape[0],)
@@ -385,11 +385,11 @@ def test_dkv_blocks_against_per_slot_sum(rng, monkeypatch, H, D, N, K):
 def test_dkv_blocks_fits_bounds_bytes():
     """The per-slot path takes over where posg would pass 2 GiB."""
     from csa_jax.kernels.gluon import dkv_blocks
-    assert dkv_blocks.fits(1, 16384, 20480, 1152)                  # Pro cr4: 1.34 GB
-    assert not dkv_blocks.fits(1, 32768, 40960, 1152)              # 5.4 GB of posg
-    assert dkv_blocks.fits(1, 2 ** 22, 128, 1152)                  # 2 GiB of posg
-    assert not dkv_blocks.fits(1, 2 ** 22 + 1, 128, 1152)
-    assert dkv_blocks.fits(1, 2 ** 20, 128, 1152)
+    assert dkv_blocks.fits(1, 16384, 20480)                  # Pro cr4: 1.34 GB
+    assert not dkv_blocks.fits(1, 32768, 40960)              # 5.4 GB of posg
+    assert dkv_blocks.fits(1, 2 ** 22, 128)                  # 2 GiB of posg
+    assert not dkv_blocks.fits(1, 2 ** 22 + 1, 128)
+    assert dkv_blocks.fits(1, 2 ** 20, 128)
 
 
 def test_dkv_blocks_maps_reference():

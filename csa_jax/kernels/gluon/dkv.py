@@ -148,7 +148,7 @@ def dkv_dsink_slot_major(dsp, q, do, idx_p, N, Dp, kv_dtype, sink, lse, dc, *, b
                                        preferred_element_type=dsp.dtype)   # [B, T, Kp, Dp]
         return _reduce_per_slot(per_slot, idx_p, N, kv_dtype)
 
-    if blocks and _blocks.fits(B, T, N, idx_p.shape[2]):
+    if blocks and _blocks.fits(B, T, N):
         maps, dup = _blocks.block_maps(idx_p, N, launch=blocks_launch)
         dkv = jax.lax.cond(dup, per_slot_path, lambda: _blocks.dkv_blocks(
             dsp, q_p, do_p, maps, N, launch=blocks_launch).astype(kv_dtype))

@@ -368,7 +368,7 @@ def grid_size(NBT, DP, splits=SPLITS):
     return NBT * (DP // min(DS_MAX, DP)) * splits
 
 
-def fits(B, T, N, Kp):
+def fits(B, T, N):
     """Whether posg [B*NB, T, BN] i32 stays under POS_LIMIT bytes (else the caller takes the
     per-slot path)."""
     return B * num_blocks(N) * T * BN * 4 <= POS_LIMIT
@@ -423,13 +423,19 @@ def maps_token_reference(idx2, T, NB):
     return flag, posg, jnp.any(seen > 1, axis=1).astype(i32)
 
 
+def flag_by_block(flag, T):
+    """flag [B*T, NB] (the token maps kernel's) as [B*NB, T]: which tokens each block's pairs
+    hold."""
+    BT, NB = flag.shape
+    return flag.reshape(BT // T, T, NB).transpose(0, 2, 1).reshape(-1, T)
+
+
 def maps_block_reference(flag, T):
     """What csa_dkv_maps_block_kernel writes, in XLA, from flag [B*T, NB]: (lists [B*NB, T]
     (0 past cnt), cnt [B*NB])."""
     import jax.numpy as jnp
     i32 = jnp.int32
-    BT, NB = flag.shape
-    f = flag.reshape(BT // T, T, NB).transpose(0, 2, 1).reshape(-1, T)   # [blk, t]
+    f = flag_by_block(flag, T)                                          # [blk, t]
     rank = jnp.cumsum(f, axis=1, dtype=i32) - 1
     rows = jnp.broadcast_to(jnp.arange(f.shape[0], dtype=i32)[:, None], f.shape)
     t = jnp.broadcast_to(jnp.arange(T, dtype=i32)[None, :], f.shape)
